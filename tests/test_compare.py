@@ -1,0 +1,36 @@
+"""compare_runs' arithmetic on synthetic curves (no processes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from titan_recover.compare import difference, load_curve, plot
+
+
+def _write(path, values, extra=None):
+    path.mkdir()
+    lines = [json.dumps({"step": s, "loss_metrics/global_avg_loss": v}) for s, v in values]
+    (path / "metrics.jsonl").write_text("\n".join(lines + (extra or [])) + "\n")
+
+
+def test_largest_difference_and_resumed_steps(tmp_path):
+    _write(tmp_path / "ref", [(1, 4.0), (2, 3.0), (3, 2.0)])
+    # step 2 logged twice (a resumed run): the last record counts
+    _write(tmp_path / "run", [(1, 4.0), (2, 9.0), (3, 2.5)],
+           [json.dumps({"step": 2, "loss_metrics/global_avg_loss": 3.25})])
+    ref, run = load_curve(tmp_path / "ref"), load_curve(tmp_path / "run")
+    assert run[2] == 3.25
+    d = difference(ref, run, "run")
+    assert d.max_abs == pytest.approx(0.5) and d.worst_step == 3 and d.common_steps == 3
+    assert d.max_rel == pytest.approx(0.25)
+    plot({"ref": ref, "run": run}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_common_step_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="shares no step"):
+        difference({1: 1.0}, {2: 1.0}, "x")
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        load_curve(tmp_path)

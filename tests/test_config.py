@@ -1,0 +1,163 @@
+"""The TOML + CLI configuration layer: precedence, strictness, messages (no processes)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import tomli
+
+from titan_recover.config.apply import ConfigError
+from titan_recover.config.loader import build_config
+from titan_recover.config.render import render_toml
+from titan_recover.config.validate import check_batch, resolve_layout
+
+from conftest import ROOT
+
+
+def write(tmp_path: pathlib.Path, text: str, name: str = "run.toml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_toml_overrides_model_config_and_cli_overrides_toml(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        [model]
+        name = "llama3"
+        flavor = "tiny"
+        [training]
+        steps = 7
+        seq_len = 64
+        [optimizer]
+        implementation = "foreach"
+        """,
+    )
+    config = build_config(path, ["--training.steps", "9", "--metrics.enable_wandb", "--training.max_norm=0.5"])
+    assert config.model_spec.flavor == "tiny" and config.model_spec.model.dim == 64
+    assert config.training.steps == 9  # CLI beats TOML
+    assert config.training.seq_len == 64  # TOML beats the model's registered config (2048)
+    assert config.optimizer.implementation == "foreach"
+    assert config.metrics.enable_wandb is True  # bare boolean flag
+    assert config.training.max_norm == 0.5
+    assert config.training.local_batch_size == 8  # untouched: llama3_debugmodel's value
+    assert config.dump_folder.endswith("run")  # named after the TOML file
+    assert type(config.recover).__name__ == "RecoverConfig"
+
+
+def test_cpu_platform_defaults_and_model_adaptation():
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    config = build_config(None, ["--model.flavor", "tiny"])
+    assert config.training.mixed_precision_param == "float32"
+    inner = [layer.attention.inner_attention for layer in config.model_spec.model.layers]
+    assert all(isinstance(a, ScaledDotProductAttention.Config) for a in inner)
+    assert hasattr(config.model_spec.parallelize_fn, "__wrapped__")  # sum-only FSDP reductions for gloo
+
+    kept = build_config(None, ["--model.flavor", "tiny", "--platform.attention", "model",
+                               "--platform.sum_only_reductions", "off", "--training.mixed_precision_param", "bfloat16"])
+    assert all(isinstance(l.attention.inner_attention, FlexAttention.Config) for l in kept.model_spec.model.layers)
+    assert not hasattr(kept.model_spec.parallelize_fn, "__wrapped__")
+    assert kept.training.mixed_precision_param == "bfloat16"  # user's value beats the platform default
+
+
+def test_unknown_section_names_closest(tmp_path):
+    path = write(tmp_path, "[trainig]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown section 'trainig'.*Did you mean 'training'\?"):
+        build_config(path)
+
+
+def test_unknown_key_names_closest_and_section(tmp_path):
+    path = write(tmp_path, "[training]\nsetps = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'setps' in \[training\]\. Did you mean 'steps'\?"):
+        build_config(path)
+    with pytest.raises(ConfigError, match=r"unknown key 'seq_lenn' in \[training\]\. Did you mean 'seq_len'\?"):
+        build_config(None, ["--training.seq_lenn", "3"])
+    with pytest.raises(ConfigError, match=r"unknown key 'replica' in \[recover\]"):
+        build_config(write(tmp_path, "[recover]\nreplica = 2\n", "r.toml"))
+
+
+def test_wrong_type_names_path_and_expected_type(tmp_path):
+    path = write(tmp_path, '[training]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match=r"training\.steps: expected int, got 'ten' \(str\)"):
+        build_config(path)
+    path = write(tmp_path, '[training]\nmixed_precision_param = "fp8"\n', "b.toml")
+    with pytest.raises(ConfigError, match=r"training\.mixed_precision_param: expected one of 'bfloat16', 'float32'"):
+        build_config(path)
+    with pytest.raises(ConfigError, match=r"training\.steps: expected int"):
+        build_config(None, ["--training.steps", "2.5"])
+    with pytest.raises(ConfigError, match=r"only boolean settings can be given as bare flags"):
+        build_config(None, ["--training.steps"])
+
+
+def test_unknown_model_flavor_suggests(tmp_path):
+    path = write(tmp_path, '[model]\nname = "llama3"\nflavor = "tinny"\n')
+    with pytest.raises(ConfigError, match=r"flavor = 'tinny'.*did you mean 'tiny'\?"):
+        build_config(path)
+    with pytest.raises(ConfigError, match=r"did you mean 'llama3'\?"):
+        build_config(None, ["--model.name", "llama"])
+
+
+def test_parallel_degrees_must_match_world_size():
+    config = build_config(None, ["--parallelism.tensor_parallel_degree", "2",
+                                 "--parallelism.data_parallel_shard_degree", "2"])
+    assert resolve_layout(config.parallelism, 4).dp_shard == 2
+    with pytest.raises(ConfigError) as err:
+        resolve_layout(config.parallelism, 6)
+    message = str(err.value)
+    assert "dp_replicate (1) x dp_shard (2) x cp (1) x tp (2) x pp (1) = 4" in message
+    assert "6 processes" in message
+
+    inferred = build_config(None, ["--parallelism.tensor_parallel_degree", "2"])
+    assert resolve_layout(inferred.parallelism, 8).dp_shard == 4
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by dp_replicate x cp x tp x pp = 2"):
+        resolve_layout(inferred.parallelism, 3)
+
+
+def test_batch_divisibility_spelled_out():
+    config = build_config(None, ["--training.local_batch_size", "2", "--training.global_batch_size", "6",
+                                 "--parallelism.data_parallel_shard_degree", "2"])
+    layout = resolve_layout(config.parallelism, 2)
+    with pytest.raises(ConfigError, match=r"global_batch_size \(6\).*local_batch_size \(2\) x data-parallel degree.*= 4; 6 % 4 = 2"):
+        check_batch(config.training, config.parallelism, layout)
+    config.training.global_batch_size = 8
+    assert check_batch(config.training, config.parallelism, layout) == 2  # gradient accumulation steps
+
+    with pytest.raises(ConfigError, match=r"local_batch_size \(3\) must be evenly divisible by.*microbatch_size \(2\)"):
+        build_config(None, ["--training.local_batch_size", "3", "--parallelism.pipeline_parallel_degree", "2",
+                            "--parallelism.pipeline_parallel_microbatch_size", "2"])
+
+
+def test_print_config_is_valid_toml_that_rebuilds_the_same_config(tmp_path):
+    config = build_config(None, ["--model.flavor", "tiny", "--training.steps", "11"])
+    text = render_toml(config)
+    parsed = tomli.loads(text)
+    assert parsed["model"] == {"name": "llama3", "flavor": "tiny"}
+    assert parsed["training"]["steps"] == 11
+    again = build_config(write(tmp_path, text, "printed.toml"))
+    assert render_toml(again) == text  # every value survived the round trip
+
+
+def test_bad_config_fails_in_the_launcher_before_any_process(tmp_path):
+    path = write(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 3\ntensor_parallel_degree = 2\n")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_recover.launch", path, "--nproc-per-node", "4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "config error" in proc.stderr and "= 6, but the job has 4 processes" in proc.stderr
+    assert "torch.distributed.run" not in proc.stderr  # nothing was launched
+    assert time.monotonic() - start < 60
+
+
+def test_all_shipped_configs_resolve():
+    for toml in sorted((ROOT / "train_configs").glob("*.toml")):
+        config = build_config(str(toml))
+        assert config.model_spec.name == "llama3", toml

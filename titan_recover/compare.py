@@ -1,0 +1,78 @@
+"""Lay runs' loss curves over each other and measure how far they drift from a reference.
+
+Used by ``scripts/compare_runs.py``; every run is a run folder (its ``metrics.jsonl``) or a JSONL file.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+
+LOSS = "loss_metrics/global_avg_loss"
+
+
+def load_curve(run: str | pathlib.Path, metric: str = LOSS) -> dict[int, float]:
+    """``{step: value}`` from a run folder or JSONL file; for a step logged twice (a resumed run) the last wins."""
+    path = pathlib.Path(run)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run}: no metrics.jsonl (is it a run folder, i.e. a dump_folder?)")
+    curve: dict[int, float] = {}
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if metric in record:
+            curve[int(record["step"])] = float(record[metric])
+    if not curve:
+        raise ValueError(f"{path}: no {metric!r} values")
+    return curve
+
+
+@dataclass(frozen=True)
+class Difference:
+    run: str
+    common_steps: int
+    max_abs: float
+    max_rel: float
+    worst_step: int
+
+
+def difference(reference: dict[int, float], other: dict[int, float], name: str = "") -> Difference:
+    steps = sorted(set(reference) & set(other))
+    if not steps:
+        raise ValueError(f"{name or 'run'} shares no step with the reference")
+    diffs = [(abs(other[s] - reference[s]), s) for s in steps]
+    max_abs, worst = max(diffs)
+    max_rel = max(abs(other[s] - reference[s]) / max(abs(reference[s]), 1e-30) for s in steps)
+    return Difference(name, len(steps), max_abs, max_rel, worst)
+
+
+def plot(curves: dict[str, dict[int, float]], out: str | pathlib.Path, metric: str = LOSS) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(curves)
+    reference = curves[names[0]]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for i, name in enumerate(names):
+        steps = sorted(curves[name])
+        style = {"linewidth": 2.5, "alpha": 0.5} if i == 0 else {"linewidth": 1.2, "linestyle": "--"}
+        top.plot(steps, [curves[name][s] for s in steps], label=name, **style)
+        if i:
+            common = sorted(set(reference) & set(curves[name]))
+            bottom.plot(common, [curves[name][s] - reference[s] for s in common], label=name)
+    top.set_ylabel(metric)
+    top.legend()
+    top.grid(alpha=0.3)
+    bottom.axhline(0, color="black", linewidth=0.8)
+    bottom.set_ylabel(f"minus {names[0]}")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,98 @@
+"""Checks across fields that TorchTitan only discovers after processes have started.
+
+Run by the launcher before any process starts; each error spells out the arithmetic and how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_recover.config.apply import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved parallel degrees of one run."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+
+    @property
+    def batch_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def resolve_layout(parallelism, world_size: int) -> Layout:
+    """Resolve ``data_parallel_shard_degree = -1`` and check the degrees multiply to the world size."""
+    p = parallelism
+    fixed = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+    }
+    for name, degree in fixed.items():
+        if degree < 1:
+            raise ConfigError(f"parallelism.{name} must be >= 1, got {degree}")
+    others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+    others *= p.pipeline_parallel_degree
+    formula = (
+        f"dp_replicate ({p.data_parallel_replicate_degree}) x dp_shard ({{shard}}) x cp ({p.context_parallel_degree})"
+        f" x tp ({p.tensor_parallel_degree}) x pp ({p.pipeline_parallel_degree})"
+    )
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by dp_replicate x cp x tp x pp = {others}, so "
+                "parallelism.data_parallel_shard_degree = -1 cannot be inferred; change the degrees or the "
+                "number of processes (--nproc-per-node / nnodes)"
+            )
+        shard = world_size // others
+    elif shard < 1:
+        raise ConfigError(f"parallelism.data_parallel_shard_degree must be -1 (infer) or >= 1, got {shard}")
+    if others * shard != world_size:
+        raise ConfigError(
+            f"parallel degrees do not match the world size: {formula.format(shard=shard)} = {others * shard}, "
+            f"but the job has {world_size} processes. Make the product equal the process count, e.g. set "
+            "parallelism.data_parallel_shard_degree = -1 to infer it"
+        )
+    return Layout(world_size, p.data_parallel_replicate_degree, shard, p.context_parallel_degree,
+                  p.tensor_parallel_degree, p.pipeline_parallel_degree)
+
+
+def check_batch(training, parallelism, layout: Layout) -> int:
+    """Check batch divisibility; return the gradient-accumulation steps."""
+    lbs = training.local_batch_size
+    if lbs < 1:
+        raise ConfigError(f"training.local_batch_size must be >= 1, got {lbs}")
+    per_step = lbs * layout.batch_degree
+    gbs = training.global_batch_size
+    if gbs == -1:
+        gbs = per_step
+    if gbs < 1 or gbs % per_step:
+        raise ConfigError(
+            f"training.global_batch_size ({gbs}) must be a positive multiple of local_batch_size ({lbs}) x "
+            f"data-parallel degree (dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard} = "
+            f"{layout.batch_degree}) = {per_step}; {gbs} % {per_step} = {gbs % per_step if gbs > 0 else gbs}"
+        )
+    mbs = parallelism.pipeline_parallel_microbatch_size
+    if layout.pp > 1 and lbs % mbs:
+        raise ConfigError(
+            f"training.local_batch_size ({lbs}) must be divisible by "
+            f"parallelism.pipeline_parallel_microbatch_size ({mbs}) with pipeline parallelism; "
+            f"{lbs} % {mbs} = {lbs % mbs}"
+        )
+    return gbs // per_step
+
+
+def check_model_data(model_vocab_size: int, data_vocab_size: int, dataset_path: str) -> None:
+    if data_vocab_size > model_vocab_size:
+        raise ConfigError(
+            f"the data in {dataset_path} uses a vocabulary of {data_vocab_size} tokens but the model's embedding "
+            f"has {model_vocab_size}; prepare the data with --vocab-size {model_vocab_size} or pick a larger model"
+        )

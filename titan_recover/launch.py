@@ -1,0 +1,164 @@
+"""Launcher behind ``./run_train.sh``: check the config, prepare data, then hand over to torchrun.
+
+    python -m titan_recover.launch [CONFIG.toml] [launcher options] [--section.key value ...]
+
+Launcher options (everything else is a config override):
+
+    --print-config        print the fully resolved config as TOML and exit
+    --list-models         list registered models and flavors and exit
+    --nproc-per-node N    processes on this node (default: the product of the config's parallel degrees)
+    --nnodes N            nodes in the job (default 1; then also pass --rdzv-endpoint HOST:PORT)
+    --rdzv-endpoint H:P   rendezvous address for multi-node jobs (torchrun's c10d rendezvous)
+    --node-rank R         this node's rank, for static multi-node launches
+    --dry-run             do every check, print the torchrun command, start nothing
+
+Every check that can fail does so here, before any process starts: unknown keys, wrong types, parallel degrees
+that do not multiply to the process count, batch sizes that do not divide, data that does not fit the model.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from titan_recover.config.apply import ConfigError
+
+_FLAGS = {"--print-config", "--list-models", "--dry-run"}
+_OPTIONS = {"--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--node-rank"}
+
+
+def split_args(argv: list[str]) -> tuple[str | None, dict[str, str | bool], list[str]]:
+    """Split into (toml path, launcher options, config overrides)."""
+    toml_path = None
+    if argv and not argv[0].startswith("--"):
+        toml_path, argv = argv[0], argv[1:]
+    options: dict[str, str | bool] = {}
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, sep, value = token.partition("=")
+        if name in _FLAGS:
+            options[name] = True
+        elif name in _OPTIONS:
+            if not sep:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value")
+                i += 1
+                value = argv[i]
+            options[name] = value
+        else:
+            overrides.append(token)
+        i += 1
+    return toml_path, options, overrides
+
+
+def _int_option(options: dict, name: str, default: int) -> int:
+    raw = options.get(name, default)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _default_nproc(config, device: str) -> int:
+    p = config.parallelism
+    product = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+    product *= p.pipeline_parallel_degree
+    if p.data_parallel_shard_degree != -1:
+        return product * p.data_parallel_shard_degree
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    raise ConfigError(
+        "parallelism.data_parallel_shard_degree = -1 (infer from the process count) but no process count was "
+        "given: set the degree in the TOML or pass --nproc-per-node N"
+    )
+
+
+def prepare_data(config) -> None:
+    from titan_recover.config.validate import check_model_data
+    from titan_recover.data.addressable import TokenFileMeta
+    from titan_recover.data.prepare import DEFAULT_DATA_DIR, prepare
+
+    path = config.dataloader.dataset_path
+    if not path:
+        return
+    if not os.path.exists(os.path.join(path, "meta.json")):
+        if os.path.normpath(path) != os.path.normpath(DEFAULT_DATA_DIR):
+            raise ConfigError(
+                f"dataloader.dataset_path {path!r} holds no prepared data; run "
+                f"python -m titan_recover.data.prepare --input YOUR_FILES --out {path}"
+            )
+        print(f"[titan_recover] preparing the default dataset in {path} (once)", file=sys.stderr)
+        prepare(path)
+    check_model_data(config.model_spec.model.vocab_size, TokenFileMeta.read(path).vocab_size, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        toml_path, options, overrides = split_args(argv)
+        if options.get("--list-models"):
+            from titan_recover import platform
+
+            platform.activate()
+            from titan_recover.models import registered_models
+
+            for m in registered_models():
+                print(f"{m.name:8s} {m.flavor:12s} {m.hardware}")
+            return 0
+
+        from titan_recover.config.loader import build_config
+        from titan_recover.config.validate import check_batch, resolve_layout
+        from titan_recover.platform import active_device
+
+        config = build_config(toml_path, overrides)
+        if options.get("--print-config"):
+            from titan_recover.config.render import render_toml
+
+            print(render_toml(config), end="")
+            return 0
+
+        device = active_device()
+        nnodes = _int_option(options, "--nnodes", 1)
+        nproc = _int_option(options, "--nproc-per-node", 0) if "--nproc-per-node" in options else None
+        if nproc is None:
+            total = _default_nproc(config, device)
+            if total % nnodes:
+                raise ConfigError(f"{total} processes cannot be spread evenly over --nnodes {nnodes}")
+            nproc = total // nnodes
+        layout = resolve_layout(config.parallelism, nproc * nnodes)
+        check_batch(config.training, config.parallelism, layout)
+        if nnodes > 1 and "--rdzv-endpoint" not in options:
+            raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
+        prepare_data(config)
+    except ConfigError as e:
+        print(f"titan_recover: config error: {e}", file=sys.stderr)
+        return 2
+
+    metrics_rank = 0 if layout.pp == 1 else (layout.world_size // layout.pp) * (layout.pp - 1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1:
+        cmd += ["--standalone", f"--local-ranks-filter={metrics_rank}"]
+    else:
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={options['--rdzv-endpoint']}"]
+        if "--node-rank" in options:
+            cmd += [f"--node-rank={options['--node-rank']}"]
+    cmd += ["-m", "titan_recover.train"] + ([toml_path] if toml_path else []) + overrides
+    env = dict(os.environ, LOG_RANK=str(metrics_rank))
+    if options.get("--dry-run"):
+        print(shlex.join(cmd))
+        return 0
+    print(f"[titan_recover] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    os.execve(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Metrics: TorchTitan's ``MetricsProcessor`` plus a per-step JSONL file and wandb settings from the TOML.
+
+``[metrics]`` keeps TorchTitan's keys (``log_freq``, ``enable_wandb``, ``enable_tensorboard``, ...) and adds
+``wandb_project`` / ``wandb_run_name`` / ``wandb_group`` / ``wandb_mode`` (``offline`` unless the user asks) and
+``jsonl_file``: every logged step becomes one JSON line ``{"step": ..., "loss_metrics/global_avg_loss": ...}`` in
+the run folder, written by the rank that holds the loss (rank 0, or the first rank of the last pipeline stage).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torchtitan.components.metrics import _get_metrics_rank, BaseLogger, LoggerContainer, MetricsProcessor
+
+
+class JsonlLogger(BaseLogger):
+    """Appends ``{"step": step, **metrics}`` per call; flushed per line so a crash loses nothing logged."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+class RunMetrics(MetricsProcessor):
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        log_freq: int = 1
+        """Log every N steps (1: every step, which the JSONL loss curves need)."""
+
+        jsonl_file: str | None = "metrics.jsonl"
+        """Per-step metrics file, relative to the run folder (``dump_folder``); empty or None to disable."""
+
+        wandb_project: str = "titan_recover"
+        """wandb project (``WANDB_PROJECT`` in the environment wins)."""
+
+        wandb_run_name: str | None = None
+        """wandb run name; default: wandb's own."""
+
+        wandb_group: str | None = None
+        """wandb group, e.g. to lay a failure run over its failure-free reference."""
+
+        wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+        """``offline`` writes runs under the run folder for ``wandb sync`` later; ``WANDB_MODE`` wins."""
+
+    def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, pp_schedule: str, **kwargs):
+        if config.enable_wandb:
+            os.environ.setdefault("WANDB_MODE", config.wandb_mode)
+            os.environ.setdefault("WANDB_PROJECT", config.wandb_project)
+            for key, value in (("WANDB_RUN_NAME", config.wandb_run_name), ("WANDB_RUN_GROUP", config.wandb_group)):
+                if value:
+                    os.environ.setdefault(key, value)
+        base = super()._build_metric_logger(
+            config=config, parallel_dims=parallel_dims, dump_folder=dump_folder, pp_schedule=pp_schedule, **kwargs
+        )
+        if not config.jsonl_file:
+            return base
+        if torch.distributed.get_rank() != _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=pp_schedule):
+            return base
+        container = base if isinstance(base, LoggerContainer) else LoggerContainer()
+        container.add_logger(JsonlLogger(os.path.join(dump_folder, config.jsonl_file)))
+        return container
