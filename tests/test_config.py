@@ -59,12 +59,14 @@ def test_cpu_platform_defaults_and_model_adaptation():
     inner = [layer.attention.inner_attention for layer in config.model_spec.model.layers]
     assert all(isinstance(a, ScaledDotProductAttention.Config) for a in inner)
     assert hasattr(config.model_spec.parallelize_fn, "__wrapped__")  # sum-only FSDP reductions for gloo
+    assert config.dataloader.document_positions is False  # SDPA takes no document masks
 
     kept = build_config(None, ["--model.flavor", "tiny", "--platform.attention", "model",
                                "--platform.sum_only_reductions", "off", "--training.mixed_precision_param", "bfloat16"])
     assert all(isinstance(l.attention.inner_attention, FlexAttention.Config) for l in kept.model_spec.model.layers)
     assert not hasattr(kept.model_spec.parallelize_fn, "__wrapped__")
     assert kept.training.mixed_precision_param == "bfloat16"  # user's value beats the platform default
+    assert kept.dataloader.document_positions is True  # FlexAttention builds block-causal masks from them
 
 
 def test_unknown_section_names_closest(tmp_path):

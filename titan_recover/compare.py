@@ -5,8 +5,10 @@ Used by ``scripts/compare_runs.py``; every run is a run folder (its ``metrics.js
 
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
+import re
 from dataclasses import dataclass
 
 LOSS = "loss_metrics/global_avg_loss"
@@ -76,3 +78,29 @@ def plot(curves: dict[str, dict[int, float]], out: str | pathlib.Path, metric: s
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+_STEP_LINE = re.compile(
+    r"^\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?step:\s*(\d+)\s.*?loss:\s*([-\d.naif]+)"
+)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass(frozen=True)
+class ConsoleStep:
+    """One ``step: N loss: X ...`` line of TorchTitan's console log."""
+
+    time: float  # seconds since the epoch, millisecond resolution
+    step: int
+    loss: float
+
+
+def parse_console_steps(text: str) -> list[ConsoleStep]:
+    """Steps logged by TorchTitan's metrics processor in a console log (works for stock TorchTitan too)."""
+    out = []
+    for line in _ANSI.sub("", text).splitlines():
+        m = _STEP_LINE.match(line)
+        if m:
+            stamp = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append(ConsoleStep(stamp, int(m.group(2)), float(m.group(3))))
+    return out

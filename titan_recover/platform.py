@@ -161,6 +161,13 @@ def _sum_only(parallelize_fn: Callable) -> Callable:
     return parallelize_with_sum_only_reductions
 
 
+def takes_document_masks(spec) -> bool:
+    """Whether the model's attention consumes per-document positions as masks (FlexAttention, varlen)."""
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+    return any(True for _ in spec.model.traverse((FlexAttention.Config, VarlenAttention.Config)))
+
+
 def adapt_model_spec(spec, platform: PlatformConfig, device: str):
     """Return the model spec with the platform's attention backend and reduction mode applied."""
     use_sdpa = platform.attention == "sdpa" or (platform.attention == "auto" and device == "cpu")

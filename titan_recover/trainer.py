@@ -3,12 +3,10 @@
 Importing this module activates the platform (see :mod:`titan_recover.platform`) before TorchTitan's trainer is
 imported, so on a CPU-only machine TorchTitan runs on CPU + gloo without edits to its files.
 
-Hooks overridden (each calls TorchTitan's own implementation for everything it does not change):
+Hook overridden (TorchTitan's own implementation still serves any other loader):
 
 * ``batch_generator``: microbatches come from the addressable loader by id, derived from the step counter, so
   the data position is a pure function of ``step`` (checkpoint-exact, and later: computable by any replica);
-* ``post_dataloading_process``: drops per-document ``positions`` when the model's attention is causal SDPA
-  (the CPU fallback), which takes no document masks.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from titan_recover import platform
 from titan_recover.platform import PlatformConfig
@@ -24,7 +21,6 @@ from titan_recover.platform import PlatformConfig
 platform.activate()
 
 import torch  # noqa: E402
-from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
@@ -57,13 +53,16 @@ class RecoverTrainer(Trainer):
         self, data_iterable: Iterable[tuple[dict[str, torch.Tensor], torch.Tensor]]
     ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         if not isinstance(self.dataloader, AddressableDataLoader):
-            yield from super().batch_generator(data_iterable)
-            return
+            return super().batch_generator(data_iterable)
+        # Read the step now: TorchTitan creates this iterator before the loop and advances ``self.step``
+        # before the first ``next()``, when a generator body would only start running.
+        return self._addressable_batches(first_step=self.step + 1)
+
+    def _addressable_batches(self, first_step: int) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         local_batch = self.config.training.local_batch_size
         chunks = self.num_pipeline_parallel_microbatches
-        step = self.step  # steps already done (after a checkpoint load: the restored step)
+        step = first_step
         while True:
-            step += 1
             for n in self.microbatch_order(step):
                 start = time.perf_counter()
                 input_dict, labels = self.dataloader.local_batch(n, local_batch)
@@ -74,14 +73,4 @@ class RecoverTrainer(Trainer):
                     self.metrics_processor.ntokens_since_last_log += chunk_labels.numel()
                     self.metrics_processor.data_loading_times.append(elapsed / chunks)
                     yield {k: v[part] for k, v in input_dict.items()}, chunk_labels
-
-    def post_dataloading_process(
-        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        if "positions" in input_dict and self._uses_sdpa():
-            input_dict = {k: v for k, v in input_dict.items() if k != "positions"}
-        return super().post_dataloading_process(input_dict, labels)
-
-    def _uses_sdpa(self) -> bool:
-        first = getattr(self.model_config, "first_attention", None)
-        return isinstance(getattr(first, "inner_attention", None), ScaledDotProductAttention.Config)
+            step += 1

@@ -207,6 +207,8 @@ def build_config(toml_path: str | None, cli_args: list[str] | None = None, *, de
     if not hf_assets_given and config.dataloader.dataset_path:
         config.hf_assets_path = config.dataloader.dataset_path  # the prepared folder holds the tokenizer
     config.model_spec = platform.adapt_model_spec(config.model_spec, config.platform, resolved_device)
+    if getattr(config.dataloader, "document_positions", False) is None:
+        config.dataloader.document_positions = platform.takes_document_masks(config.model_spec)
     try:
         config.__post_init__()  # TorchTitan's own cross-field checks, on the final values
     except ValueError as e:

@@ -48,8 +48,9 @@ class AddressableDataLoader(ParallelAwareDataloader):
         seed: int = 0
         """Seed of the window order."""
 
-        document_positions: bool = True
-        """Emit per-document ``positions`` (block-causal attention); the trainer drops them for SDPA."""
+        document_positions: bool | None = None
+        """Emit per-document ``positions`` (RoPE positions and block-causal masks). Unset: on when the model's
+        attention takes document masks (FlexAttention, varlen), off for causal SDPA (the CPU fallback)."""
 
     def __init__(
         self,
@@ -67,9 +68,9 @@ class AddressableDataLoader(ParallelAwareDataloader):
             raise ValueError("dataloader.dataset_path must name a prepared data folder")
         self.tokens = AddressableTokens(config.dataset_path, seq_len, shuffle=config.shuffle, seed=config.seed)
         self.local_batch_size = local_batch_size
-        self.document_positions = config.document_positions
+        self.document_positions = config.document_positions is not False
         super().__init__(
-            _RankLocalBatches(self.tokens, dp_rank, dp_world_size, local_batch_size, config.document_positions),
+            _RankLocalBatches(self.tokens, dp_rank, dp_world_size, local_batch_size, self.document_positions),
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
             batch_size=None,
