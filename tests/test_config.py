@@ -159,6 +159,21 @@ def test_bad_config_fails_in_the_launcher_before_any_process(tmp_path):
     assert time.monotonic() - start < 60
 
 
+def test_launcher_prints_config_and_help_without_training():
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_recover.launch", "train_configs/tp.toml", "--print-config",
+         "--training.steps", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = tomli.loads(proc.stdout)
+    assert printed["training"]["steps"] == 5 and printed["parallelism"]["tensor_parallel_degree"] == 2
+    assert "torch.distributed.run" not in proc.stderr
+    usage = subprocess.run([sys.executable, "-m", "titan_recover.launch", "--help"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and "--print-config" in usage.stdout
+
+
 def test_all_shipped_configs_resolve():
     for toml in sorted((ROOT / "train_configs").glob("*.toml")):
         config = build_config(str(toml))

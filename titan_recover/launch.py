@@ -4,6 +4,7 @@
 
 Launcher options (everything else is a config override):
 
+    --help                print this help and exit
     --print-config        print the fully resolved config as TOML and exit
     --list-models         list registered models and flavors and exit
     --nproc-per-node N    processes on this node (default: the product of the config's parallel degrees)
@@ -24,14 +25,14 @@ import sys
 
 from titan_recover.config.apply import ConfigError
 
-_FLAGS = {"--print-config", "--list-models", "--dry-run"}
+_FLAGS = {"--help", "-h", "--print-config", "--list-models", "--dry-run"}
 _OPTIONS = {"--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--node-rank"}
 
 
 def split_args(argv: list[str]) -> tuple[str | None, dict[str, str | bool], list[str]]:
     """Split into (toml path, launcher options, config overrides)."""
     toml_path = None
-    if argv and not argv[0].startswith("--"):
+    if argv and not argv[0].startswith("-"):
         toml_path, argv = argv[0], argv[1:]
     options: dict[str, str | bool] = {}
     overrides: list[str] = []
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         toml_path, options, overrides = split_args(argv)
+        if options.get("--help") or options.get("-h"):
+            print(__doc__.strip())
+            return 0
         if options.get("--list-models"):
             from titan_recover import platform
 

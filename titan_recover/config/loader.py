@@ -170,6 +170,20 @@ def _convert_cli_value(raw: str, annotation, path: str):
     raise first_error
 
 
+def _recheck_project_sections(obj) -> None:
+    """Re-run ``__post_init__`` checks of the project's sections: TOML values are set after construction."""
+    for name in settable_fields(obj):
+        value = getattr(obj, name)
+        if not dataclasses.is_dataclass(value) or isinstance(value, type):
+            continue
+        if type(value).__module__.startswith("titan_recover") and hasattr(value, "__post_init__"):
+            try:
+                value.__post_init__()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        _recheck_project_sections(value)
+
+
 def build_config(toml_path: str | None, cli_args: list[str] | None = None, *, device: str | None = None):
     """Build the fully resolved ``RecoverTrainer.Config`` (raises :class:`ConfigError` on any mistake)."""
     raw = read_toml(toml_path) if toml_path else {}
@@ -209,6 +223,7 @@ def build_config(toml_path: str | None, cli_args: list[str] | None = None, *, de
     config.model_spec = platform.adapt_model_spec(config.model_spec, config.platform, resolved_device)
     if getattr(config.dataloader, "document_positions", False) is None:
         config.dataloader.document_positions = platform.takes_document_masks(config.model_spec)
+    _recheck_project_sections(config)
     try:
         config.__post_init__()  # TorchTitan's own cross-field checks, on the final values
     except ValueError as e:
