@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -31,6 +32,27 @@ def read_metrics(folder: pathlib.Path) -> list[dict]:
 
 
 def launch(config: str, *overrides: str, timeout: float = 240, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
-    """Run the launcher (config checks, then torchrun) as a user would, with a hard timeout."""
+    """Run the launcher (config checks, then torchrun) as a user would, with a hard timeout.
+
+    On timeout the launcher gets SIGTERM (it ends its children), then SIGKILL; processes of the run that are
+    still alive after that are killed too, so a failing test leaves nothing behind.
+    """
     cmd = [sys.executable, "-m", "titan_recover.launch", config, *overrides]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        if "--dump_folder" in overrides:
+            from titan_recover.recover.launcher import processes_of_run
+
+            run_dir = os.path.abspath(overrides[list(overrides).index("--dump_folder") + 1])
+            for pid in processes_of_run(run_dir):
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"launch timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -82,6 +82,20 @@ def _default_nproc(config, device: str) -> int:
     )
 
 
+def check_replica_layout(config, layout, nnodes: int) -> None:
+    if layout.dp_replicate != 1:
+        raise ConfigError(
+            f"[recover] replicas = {config.recover.replicas} replaces data parallel replication: set "
+            f"parallelism.data_parallel_replicate_degree = 1 (got {layout.dp_replicate}); each replica group is "
+            "sharded by the remaining degrees"
+        )
+    if nnodes != 1:
+        raise ConfigError(
+            "./run_train.sh starts replica groups on this node only; for multi-node replica groups start the "
+            "coordinator and each replica's torchrun yourself (scripts/slurm_replicas.sh, docs/replica_groups.md)"
+        )
+
+
 def prepare_data(config) -> None:
     from titan_recover.config.validate import check_model_data
     from titan_recover.data.addressable import TokenFileMeta
@@ -139,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             nproc = total // nnodes
         layout = resolve_layout(config.parallelism, nproc * nnodes)
         check_batch(config.training, config.parallelism, layout)
+        if config.recover.enabled:
+            check_replica_layout(config, layout, nnodes)
         if nnodes > 1 and "--rdzv-endpoint" not in options:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
         prepare_data(config)
@@ -147,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     metrics_rank = 0 if layout.pp == 1 else (layout.world_size // layout.pp) * (layout.pp - 1)
+    if config.recover.enabled:
+        if options.get("--dry-run"):
+            print(f"coordinator + {config.recover.replicas} replica groups x {nproc} processes")
+            return 0
+        from titan_recover.recover.launcher import launch_replicas
+
+        return launch_replicas(config, toml_path, overrides, nproc, metrics_rank)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1:
         cmd += ["--standalone", f"--local-ranks-filter={metrics_rank}"]

@@ -20,18 +20,19 @@ from torchtitan.components.metrics import _get_metrics_rank, BaseLogger, LoggerC
 class JsonlLogger(BaseLogger):
     """Appends ``{"step": step, **metrics}`` per call; flushed per line so a crash loses nothing logged."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, tags: dict[str, Any] | None = None):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
+        self.tags = tags or {}
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
+        record = {"step": step, **self.tags, **{k: _plain(v) for k, v in metrics.items()}}
+        # one write per line on an O_APPEND descriptor: several replicas may share the file
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
 
 
 def _plain(value: Any) -> Any:
@@ -76,5 +77,15 @@ class RunMetrics(MetricsProcessor):
         if torch.distributed.get_rank() != _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=pp_schedule):
             return base
         container = base if isinstance(base, LoggerContainer) else LoggerContainer()
-        container.add_logger(JsonlLogger(os.path.join(dump_folder, config.jsonl_file)))
+        replica = os.environ.get("TITAN_RECOVER_REPLICA")
+        tags = {"replica": int(replica)} if replica is not None else {}
+        container.add_logger(JsonlLogger(os.path.join(dump_folder, config.jsonl_file), tags))
         return container
+
+    step_metrics_fn = None
+    """Set by the trainer: a callable returning extra metrics for the step being logged."""
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if self.step_metrics_fn is not None:
+            extra_metrics = {**(extra_metrics or {}), **self.step_metrics_fn()}
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)

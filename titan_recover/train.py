@@ -11,6 +11,22 @@ import os
 import sys
 
 
+def place_replica_outputs(config) -> None:
+    """A replica group's own outputs go under ``<run>/replica_<i>/``; the per-step metrics of all replicas go to
+    ``<run>/metrics.jsonl`` (tagged with the replica) and the events to ``<run>/events.jsonl``."""
+    from titan_recover.recover.member import REPLICA_ENV
+    from titan_recover.recover.replica_step import RUN_DIR_ENV
+
+    replica = int(os.environ[REPLICA_ENV])
+    run_dir = os.path.abspath(os.environ.setdefault(RUN_DIR_ENV, os.path.abspath(config.dump_folder)))
+    config.dump_folder = os.path.join(run_dir, f"replica_{replica}")
+    if config.metrics.jsonl_file:
+        config.metrics.jsonl_file = os.path.join(run_dir, config.metrics.jsonl_file)
+    run_name = config.metrics.wandb_run_name or os.path.basename(run_dir)
+    config.metrics.wandb_run_name = f"{run_name}-replica{replica}"
+    config.metrics.wandb_group = config.metrics.wandb_group or run_name
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     toml_path = argv.pop(0) if argv and not argv[0].startswith("--") else None
@@ -21,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     config = build_config(toml_path, argv)
     layout = resolve_layout(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
     check_batch(config.training, config.parallelism, layout)
+    if config.recover.enabled:
+        place_replica_outputs(config)
 
     import torch
     from torchtitan.tools.logging import init_logger, logger

@@ -3,14 +3,21 @@
 Importing this module activates the platform (see :mod:`titan_recover.platform`) before TorchTitan's trainer is
 imported, so on a CPU-only machine TorchTitan runs on CPU + gloo without edits to its files.
 
-Hook overridden (TorchTitan's own implementation still serves any other loader):
+Hooks overridden (each calls TorchTitan's own implementation for everything it does not change):
 
 * ``batch_generator``: microbatches come from the addressable loader by id, derived from the step counter, so
-  the data position is a pure function of ``step`` (checkpoint-exact, and later: computable by any replica);
+  the data position is a pure function of ``step`` (checkpoint-exact, and computable by any replica);
+* with ``[recover] replicas > 1`` (docs/replica_groups.md): ``__init__`` joins the replica groups and makes the
+  parameters equal to the lowest member replica's; ``forward_backward_step`` reduces the gradients across
+  replicas over the fault-tolerant group after the step's last microbatch (the only cross-replica exchange),
+  and makes the loss TorchTitan logs the mean over the replicas; ``train`` turns "too few replicas left" into a
+  durable checkpoint and a clear error.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +32,9 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
 from titan_recover.recover import RecoverConfig  # noqa: E402
+from titan_recover.recover.chaos import ChaosConfig  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 
 class RecoverTrainer(Trainer):
@@ -32,13 +42,60 @@ class RecoverTrainer(Trainer):
     class Config(Trainer.Config):
         platform: PlatformConfig = field(default_factory=PlatformConfig)
         recover: RecoverConfig = field(default_factory=RecoverConfig)
+        chaos: ChaosConfig = field(default_factory=ChaosConfig)
+
+    replica_sync = None  # ReplicaSync when [recover] replicas > 1
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        if config.recover.enabled:
+            from titan_recover.recover.replica_step import attach_replica_sync
+
+            attach_replica_sync(self)
+
+    def train_step(self, data_iterator):
+        if self.replica_sync is not None:
+            self._step_microbatches = 0
+            self._step_local_loss = torch.zeros((), dtype=torch.float64)
+        return super().train_step(data_iterator)
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        if self.replica_sync is None:
+            return super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        from titan_recover.recover.replica_step import forward_backward_then_reduce
+
+        return forward_backward_then_reduce(
+            self,
+            lambda: super(RecoverTrainer, self).forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            ),
+        )
+
+    def train(self):
+        if self.replica_sync is None:
+            return super().train()
+        from titan_recover.recover.replica_step import train_until_done_or_stopped
+
+        return train_until_done_or_stopped(self, super().train)
+
+    def close(self) -> None:
+        if self.replica_sync is not None:
+            self.replica_sync.member.close()
+        super().close()
 
     def batch_layout(self) -> tuple[int, int]:
-        """``(batch_degree, batch_rank)``: data-parallel size and this rank's index (replicate-major)."""
+        """``(batch_degree, batch_rank)``: data-parallel size and this rank's index (replicate-major), over all
+        replica groups when there are several (replica ``i`` of ``R`` holds batch ranks ``[i * S, (i + 1) * S)``)."""
+        size, rank = 1, 0
         if self.parallel_dims.dp_enabled:
             mesh = self.parallel_dims.get_mesh("batch")
-            return mesh.size(), mesh.get_local_rank()
-        return 1, 0
+            size, rank = mesh.size(), mesh.get_local_rank()
+        if self.config.recover.enabled:
+            replica = self.replica_sync.member.replica
+            return self.config.recover.replicas * size, replica * size + rank
+        return size, rank
 
     def microbatch_order(self, step: int) -> Iterator[int]:
         """Local-batch indices ``n`` this rank consumes in ``step`` (1-based), one per gradient-accumulation

@@ -143,7 +143,10 @@ def build_dataclass(cls: type, values: dict[str, Any], path: str) -> Any:
     ]
     if missing:
         raise ConfigError(f"{path}: missing required key(s) {', '.join(missing)}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def describe(annotation: Any) -> str:

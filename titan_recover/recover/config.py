@@ -1,15 +1,83 @@
-"""``[recover]``: configuration of the resilience layer.
+"""``[recover]``: replica groups, the fault-tolerant group across them, and their timeouts.
 
-A real section of the trainer's config (strictly parsed, printed by ``--print-config``, saved with the run) that
-holds no settings yet: with no ``[recover]`` settings a run is plain TorchTitan training. The coordinator,
-fault-tolerant groups, quota policies and recovery settings arrive here as they are built.
+With ``replicas = 1`` (the default) a run is plain TorchTitan training. With ``replicas = R >= 2`` the launcher
+starts a coordinator and R replica groups (see docs/replica_groups.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# (smaller, larger) pairs that must hold strictly; see docs/replica_groups.md "Timeouts".
+TIMEOUT_ORDER = (
+    ("heartbeat_interval_s", "join_window_s"),
+    ("join_window_s", "heartbeat_timeout_s"),
+    ("heartbeat_timeout_s", "collective_timeout_s"),
+    ("collective_timeout_s", "agree_timeout_s"),
+    ("heartbeat_timeout_s", "progress_timeout_s"),
+)
+
 
 @dataclass(kw_only=True, slots=True)
 class RecoverConfig:
-    """``[recover]``: resilience settings (none yet; an unknown key here is an error like anywhere else)."""
+    """``[recover]``: resilience across replica groups."""
+
+    replicas: int = 1
+    """Replica groups, each a full model copy sharded inside by TorchTitan (its own torchrun). 1: plain run."""
+
+    min_replicas: int = 1
+    """Below this many live replicas the job stops with a durable checkpoint and a clear message."""
+
+    coordinator_port: int = 0
+    """TCP port of the coordinator's store; 0 picks a free one (single node). Fix it for multi-node jobs."""
+
+    heartbeat_interval_s: float = 0.1
+    """How often every rank writes its heartbeat and looks for a fault flag."""
+
+    heartbeat_timeout_s: float = 2.0
+    """A rank whose heartbeat is older than this is dead (killed or stopped): its replica is dropped."""
+
+    join_window_s: float = 0.5
+    """After a fault, how long the coordinator waits for live ranks to join the next epoch."""
+
+    collective_timeout_s: float = 30.0
+    """Upper bound of one collective across replicas."""
+
+    agree_timeout_s: float = 60.0
+    """How long a rank waits for the coordinator to publish the next epoch's members."""
+
+    progress_timeout_s: float = 120.0
+    """A rank whose main thread made no progress for this long is hung: its replica is dropped."""
+
+    startup_timeout_s: float = 300.0
+    """How long the coordinator waits for all replicas to register before forming epoch 0 without the missing."""
+
+    max_epochs_per_step: int = 8
+    """Bound on membership changes within one step, so an endless failure loop becomes a clear error."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"recover.replicas must be >= 1, got {self.replicas}")
+        if not 1 <= self.min_replicas <= self.replicas:
+            raise ValueError(
+                f"recover.min_replicas must be between 1 and recover.replicas ({self.replicas}), "
+                f"got {self.min_replicas}"
+            )
+        if self.max_epochs_per_step < 1:
+            raise ValueError(f"recover.max_epochs_per_step must be >= 1, got {self.max_epochs_per_step}")
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "join_window_s", "collective_timeout_s",
+                     "agree_timeout_s", "progress_timeout_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"recover.{name} must be > 0, got {getattr(self, name)}")
+        for smaller, larger in TIMEOUT_ORDER:
+            if not getattr(self, smaller) < getattr(self, larger):
+                raise ValueError(
+                    f"recover.{smaller} ({getattr(self, smaller)}) must be smaller than recover.{larger} "
+                    f"({getattr(self, larger)}): required order is heartbeat_interval_s < join_window_s < "
+                    "heartbeat_timeout_s < collective_timeout_s < agree_timeout_s, and heartbeat_timeout_s < "
+                    "progress_timeout_s (docs/replica_groups.md)"
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.replicas > 1

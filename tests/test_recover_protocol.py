@@ -1,0 +1,74 @@
+"""Pure parts of the replica-group protocol: liveness, membership, commit decisions, timeouts, chaos schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from titan_recover.config.apply import ConfigError
+from titan_recover.config.loader import build_config
+from titan_recover.recover.chaos import ChaosConfig, FaultSpec
+from titan_recover.recover.config import RecoverConfig
+from titan_recover.recover.protocol import (
+    all_joined,
+    decide_commit,
+    decide_members,
+    decode_members,
+    encode_members,
+    Heartbeat,
+    judge_liveness,
+)
+
+
+def test_liveness_dead_vs_hung():
+    now = 100.0
+    beats = {
+        0: Heartbeat(99.9, 99.9, 3, "forward"),  # healthy
+        1: Heartbeat(97.0, 97.0, 3, "reduction"),  # no beat for 3 s: dead or stopped
+        2: Heartbeat(99.95, 80.0, 3, "forward"),  # beating, main thread stuck 20 s: hung
+        3: None,  # never beat
+    }
+    verdict = judge_liveness(7, beats, now, heartbeat_timeout_s=2.0, progress_timeout_s=10.0)
+    assert verdict.dead_ranks == (1, 3) and verdict.hung_ranks == (2,) and not verdict.alive
+    assert "replica 7 rank(s) [1, 3]: no heartbeat" in verdict.reason() and "hung" in verdict.reason()
+    healthy = judge_liveness(7, {0: beats[0]}, now, 2.0, 10.0)
+    assert healthy.alive and healthy.reason() == ""
+    assert Heartbeat.decode(beats[2].encode()) == beats[2]
+
+
+def test_membership_requires_every_rank_of_a_replica():
+    joined = {0: {0, 1}, 1: {0}, 2: {0, 1}, 3: {0, 1}}
+    decision = decide_members([0, 1, 2, 3], joined, ranks_per_replica=2, excluded=[3])
+    assert decision.members == (0, 2) and decision.removed == (1, 3)
+    assert "replica 1 rank(s) [1] did not join" in decision.reason and "replica 3 declared failed" in decision.reason
+    assert all_joined([0, 2], joined, 2) and not all_joined([0, 1], joined, 2)
+    assert decode_members(encode_members(decision.members, decision.reason)) == (decision.members, decision.reason)
+
+
+def test_commit_decision():
+    assert decide_commit(6, 6, fault_seen=True) == "commit"  # everyone finished: a late flag changes nothing
+    assert decide_commit(5, 6, fault_seen=True) == "abort"
+    assert decide_commit(5, 6, fault_seen=False) is None
+
+
+def test_timeout_ordering_is_validated_with_both_values():
+    with pytest.raises(ValueError, match=r"join_window_s \(3.0\) must be smaller than recover.heartbeat_timeout_s \(2.0\)"):
+        RecoverConfig(join_window_s=3.0)
+    with pytest.raises(ConfigError, match=r"heartbeat_timeout_s \(1.5\) must be smaller than recover.collective_timeout_s \(1.0\)"):
+        build_config(None, ["--recover.replicas", "2", "--recover.heartbeat_timeout_s", "1.5",
+                            "--recover.collective_timeout_s", "1.0"])
+    with pytest.raises(ConfigError, match=r"min_replicas must be between 1 and recover.replicas \(2\)"):
+        build_config(None, ["--recover.replicas", "2", "--recover.min_replicas", "3"])
+
+
+def test_chaos_schedule_is_seeded_and_checked():
+    config = ChaosConfig(faults=[FaultSpec(kind="kill", replica=1, step=2, phase="reduction")],
+                         random_faults=3, seed=5, random_kinds=["kill", "hang"], random_steps=[2, 6])
+    first, second = config.schedule(4, 2), config.schedule(4, 2)
+    assert first == second and len(first) == 4 and first[0].replica == 1
+    assert all(2 <= f.step <= 6 and f.kind in ("kill", "hang") for f in first[1:])
+    with pytest.raises(ValueError, match=r"kind 'explode' is not registered; registered: hang, kill, raise, stall"):
+        FaultSpec(kind="explode")
+    with pytest.raises(ConfigError, match=r"phase 'loading' must be one of forward, backward, reduction"):
+        build_config(None, ["--chaos.faults", '[{kind="kill", phase="loading"}]'])
+    config = build_config(None, ["--chaos.faults", '[{kind="hang", replica=2, step=3, phase="optimizer"}]'])
+    assert config.chaos.faults == [FaultSpec(kind="hang", replica=2, rank=0, step=3, phase="optimizer")]

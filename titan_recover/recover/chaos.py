@@ -1,0 +1,152 @@
+"""Deterministic fault injection (``[chaos]``): kill, hang or raise at an exact (replica, rank, step, phase).
+
+Faults are components registered by name (:func:`register_fault`); a TOML value picks one and a new kind of fault
+is a new function, not an edit here. Every injection is logged as a ``fault_injected`` event *before* it acts,
+so a test can assert that it fired. A seeded random schedule (``random_faults``) expands to the same list of
+faults on every rank.
+
+    [[chaos.faults]]
+    kind = "kill"          # kill | hang | stall | raise
+    replica = 1
+    rank = 0
+    step = 3
+    phase = "reduction"    # forward | backward | reduction | commit | optimizer
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+PHASES = ("forward", "backward", "reduction", "commit", "optimizer")
+
+_FAULTS: dict[str, Callable[[], None]] = {}
+
+
+def register_fault(name: str):
+    def register(fn: Callable[[], None]):
+        if name in _FAULTS:
+            raise ValueError(f"fault kind {name!r} registered twice")
+        _FAULTS[name] = fn
+        return fn
+
+    return register
+
+
+def fault_kinds() -> list[str]:
+    return sorted(_FAULTS)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the ``raise`` fault: an ordinary crash of the training code."""
+
+
+@register_fault("kill")
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@register_fault("hang")
+def _hang() -> None:
+    """The whole process stops (SIGSTOP): no heartbeat, sockets stay open."""
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@register_fault("stall")
+def _stall() -> None:
+    """The main thread is stuck forever while the process (and its heartbeat thread) lives on."""
+    while True:
+        time.sleep(1.0)
+
+
+@register_fault("raise")
+def _raise() -> None:
+    raise InjectedFault("injected exception")
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultSpec:
+    """One scheduled fault."""
+
+    kind: str
+    """Registered fault kind: kill, hang (SIGSTOP), stall (stuck main thread), raise."""
+    replica: int = 0
+    """Replica group to hit."""
+    rank: int = 0
+    """Rank inside the replica."""
+    step: int = 1
+    """Training step (1-based)."""
+    phase: str = "forward"
+    """forward | backward | reduction | commit | optimizer."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _FAULTS:
+            raise ValueError(f"chaos fault kind {self.kind!r} is not registered; registered: {', '.join(fault_kinds())}")
+        if self.phase not in PHASES:
+            raise ValueError(f"chaos fault phase {self.phase!r} must be one of {', '.join(PHASES)}")
+        if self.step < 1 or self.replica < 0 or self.rank < 0:
+            raise ValueError(f"chaos fault needs step >= 1, replica >= 0, rank >= 0: {self}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ChaosConfig:
+    """``[chaos]``: faults to inject (for tests and benchmarks)."""
+
+    faults: list[FaultSpec] = field(default_factory=list)
+    """Explicit schedule (``[[chaos.faults]]`` tables)."""
+
+    random_faults: int = 0
+    """Additional faults drawn from ``seed``: kind from ``random_kinds``, uniform replica / rank / step / phase."""
+
+    seed: int = 0
+    """Seed of the random schedule."""
+
+    random_kinds: list[str] = field(default_factory=lambda: ["kill"])
+    """Fault kinds the random schedule draws from."""
+
+    random_steps: list[int] = field(default_factory=lambda: [1, 10])
+    """Inclusive step range the random schedule draws from."""
+
+    def __post_init__(self) -> None:
+        for spec in self.faults:
+            spec.__post_init__()
+        if self.random_faults < 0:
+            raise ValueError("chaos.random_faults must be >= 0")
+        unknown = [k for k in self.random_kinds if k not in _FAULTS]
+        if unknown:
+            raise ValueError(f"chaos.random_kinds {unknown} not registered; registered: {', '.join(fault_kinds())}")
+        if len(self.random_steps) != 2 or not 1 <= self.random_steps[0] <= self.random_steps[1]:
+            raise ValueError(f"chaos.random_steps must be [first, last] with 1 <= first <= last, got {self.random_steps}")
+
+    def schedule(self, replicas: int, ranks_per_replica: int) -> list[FaultSpec]:
+        """The full schedule: explicit faults, then the seeded random ones (identical on every rank)."""
+        rng = random.Random(self.seed)
+        drawn = [
+            FaultSpec(
+                kind=rng.choice(self.random_kinds),
+                replica=rng.randrange(replicas),
+                rank=rng.randrange(ranks_per_replica),
+                step=rng.randint(*self.random_steps),
+                phase=rng.choice(PHASES),
+            )
+            for _ in range(self.random_faults)
+        ]
+        return [*self.faults, *drawn]
+
+
+class ChaosMonkey:
+    """The faults of one rank; :meth:`maybe_inject` is called at every phase of every step."""
+
+    def __init__(self, schedule: list[FaultSpec], replica: int, rank: int, events):
+        self.mine = [f for f in schedule if f.replica == replica and f.rank == rank]
+        self.events = events
+
+    def maybe_inject(self, step: int, phase: str) -> None:
+        for fault in self.mine:
+            if fault.step == step and fault.phase == phase:
+                self.events.emit("fault_injected", kind=fault.kind, step=step, phase=phase, pid=os.getpid())
+                _FAULTS[fault.kind]()

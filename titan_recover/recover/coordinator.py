@@ -1,0 +1,180 @@
+"""The coordinator: hosts the run's TCPStore, judges liveness from heartbeats, forms membership epochs.
+
+    python -m titan_recover.recover.coordinator --replicas R --ranks-per-replica W --run-dir DIR [--port P]
+
+One small process per job (started by the launcher, or by hand on the head node of a multi-node job). It decides
+nothing about training itself: it raises fault flags for members that stopped beating or progressing, and after
+every fault publishes the next epoch's members (see docs/replica_groups.md). It exits when every replica has
+finished, when it is told to stop (SIGTERM / SIGINT), or after writing ``stop``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+from titan_recover.recover.config import RecoverConfig
+from titan_recover.recover.events import EventLog
+from titan_recover.recover.ftpg import fault_time_and_reason, raise_fault_flag
+from titan_recover.recover.protocol import (
+    all_joined,
+    decide_members,
+    encode_members,
+    Heartbeat,
+    judge_liveness,
+    Keys,
+)
+
+logger = logging.getLogger("titan_recover.coordinator")
+
+TICK_S = 0.02
+
+
+class Coordinator:
+    def __init__(self, config: RecoverConfig, *, replicas: int, ranks_per_replica: int, run_dir: str,
+                 host: str = "0.0.0.0", port: int = 0):
+        self.config = config
+        self.replicas, self.ranks = replicas, ranks_per_replica
+        self.run_dir = run_dir
+        self.store = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=config.agree_timeout_s))
+        self.port = self.store.port
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "coordinator")
+        self.epoch = -1
+        self.members: tuple[int, ...] = ()
+        self.excluded: set[int] = set()
+        self._terminate = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def request_stop(self, *_args) -> None:
+        self._terminate = True
+
+    def run(self) -> int:
+        if not self._form_first_epoch():
+            return 1
+        while not self._terminate:
+            if self._finished():
+                stopped = self.store.check([Keys.STOP])
+                self.events.emit("job_finished", epoch=self.epoch, members=list(self.members), stopped=stopped)
+                return 1 if stopped else 0
+            if not self.store.check([Keys.STOP]):  # after a stop, only keep serving the store to the survivors
+                self._watch_liveness()
+                if self.store.check([Keys.fault(self.epoch)]):
+                    self._form_next_epoch()
+            time.sleep(TICK_S)
+        return 0
+
+    def _done(self, replica: int, rank: int) -> bool:
+        return self.store.check([Keys.done(replica, rank)])
+
+    def _finished(self) -> bool:
+        return all(self._done(m, r) for m in self.members for r in range(self.ranks))
+
+    # ---- epochs ------------------------------------------------------------------------------------------
+    def _registered(self, replica: int) -> bool:
+        return all(self.store.check([Keys.register(replica, r)]) for r in range(self.ranks))
+
+    def _form_first_epoch(self) -> bool:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not self._terminate:
+            complete = [i for i in range(self.replicas) if self._registered(i)]
+            if len(complete) == self.replicas or time.monotonic() > deadline:
+                missing = sorted(set(range(self.replicas)) - set(complete))
+                reason = "all replicas registered" if not missing else f"replicas {missing} did not register in time"
+                return self._publish(0, tuple(complete), tuple(missing), reason, timing={})
+            time.sleep(TICK_S)
+        return False
+
+    def _watch_liveness(self) -> None:
+        now = time.time()
+        watched = [m for m in self.members if m not in self.excluded]
+        keys = [Keys.heartbeat(m, r) for m in watched for r in range(self.ranks)]
+        if not keys:
+            return
+        raw = self.store.multi_get(keys)
+        for i, replica in enumerate(watched):
+            # a rank that finished training stops beating: it is done, not dead
+            beats = {r: Heartbeat.decode(raw[i * self.ranks + r]) for r in range(self.ranks) if not self._done(replica, r)}
+            verdict = judge_liveness(replica, beats, now, self.config.heartbeat_timeout_s,
+                                     self.config.progress_timeout_s)
+            if not verdict.alive:
+                self.excluded.add(replica)
+                flag = raise_fault_flag(self.store, self.epoch, verdict.reason())
+                self.events.emit("failure_detected", epoch=self.epoch, replica=replica, by="coordinator",
+                                 reason=verdict.reason(), dead_ranks=list(verdict.dead_ranks),
+                                 hung_ranks=list(verdict.hung_ranks), flag=flag)
+
+    def _form_next_epoch(self) -> None:
+        fault_time, reason = fault_time_and_reason(self.store.get(Keys.fault(self.epoch)))
+        noticed = time.time()
+        self.events.emit("fault_flag", epoch=self.epoch, reason=reason, raised_at=fault_time)
+        target = self.epoch + 1
+        deadline = time.monotonic() + self.config.join_window_s
+        candidates = [m for m in self.members if m not in self.excluded]
+        while True:
+            joined = {
+                m: {r for r in range(self.ranks) if self.store.check([Keys.join(target, m, r)]) or self._done(m, r)}
+                for m in self.members
+            }
+            if all_joined(candidates, joined, self.ranks) or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        decision = decide_members(self.members, joined, self.ranks, excluded=self.excluded)
+        self.excluded -= set(decision.removed)
+        self._publish(target, decision.members, decision.removed, f"{reason} -> {decision.reason}",
+                      timing={"fault_raised_at": fault_time, "coordinator_noticed_at": noticed})
+
+    def _publish(self, epoch: int, members: tuple[int, ...], removed: tuple[int, ...], reason: str,
+                 timing: dict) -> bool:
+        self.store.set(Keys.members(epoch), encode_members(members, reason))
+        self.epoch, self.members = epoch, members
+        too_few = len(members) < self.config.min_replicas
+        if too_few:
+            message = (f"only {len(members)} replica(s) left {list(members)} after losing {list(removed)}, "
+                       f"fewer than recover.min_replicas = {self.config.min_replicas}: stopping")
+            self.store.set(Keys.STOP, message)
+        self.store.set(Keys.EPOCH, str(epoch))
+        self.events.emit("epoch_formed", epoch=epoch, members=list(members), removed=list(removed), reason=reason,
+                         **timing)
+        if too_few:
+            self.events.emit("job_stopped", epoch=epoch, reason=message)
+            logger.error(message)
+        return not too_few
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, required=True)
+    parser.add_argument("--ranks-per-replica", type=int, required=True)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--recover-json", default="{}", help="the [recover] section as JSON")
+    parser.add_argument("--address-file", help="write HOST:PORT here once the store listens")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[coordinator] %(asctime)s %(message)s")
+    config = RecoverConfig(**json.loads(args.recover_json))
+    coordinator = Coordinator(config, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
+                              run_dir=args.run_dir, host=args.host, port=args.port)
+    signal.signal(signal.SIGTERM, coordinator.request_stop)
+    signal.signal(signal.SIGINT, coordinator.request_stop)
+    coordinator.events.emit("coordinator_started", port=coordinator.port, config=asdict(config))
+    if args.address_file:
+        tmp = args.address_file + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.write(f"{coordinator.port}\n")
+        os.replace(tmp, args.address_file)
+    return coordinator.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Structured resilience events: one JSON object per line in ``<run>/events.jsonl``.
+
+Every process of a run (coordinator, every rank) appends to the same file; each event is written with a single
+``write`` on a file opened with ``O_APPEND``, so lines from different processes never interleave. Fields common to
+all events: ``time`` (wall clock), ``event`` (kind), ``source`` (``coordinator`` or ``replica/rank``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class EventLog:
+    def __init__(self, path: str | None, source: str, **context: Any):
+        self.path = path
+        self.source = source
+        self.context = context
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "event": event, "source": self.source, **self.context, **fields}
+        logger.info("[%s] %s %s", self.source, event, {k: v for k, v in fields.items()})
+        if self.path:
+            line = (json.dumps(record, default=str) + "\n").encode()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        return record
+
+
+def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]

@@ -1,0 +1,122 @@
+"""The fault-tolerant process group: one gloo group per (membership epoch, shard position), errors not hangs.
+
+gloo gives no error to ring peers of a dead rank that are not its neighbours, and ``abort()`` does not release
+a pending operation. So every collective here is issued asynchronously and polled: it completes, or it fails
+(gloo error, deadline), or the epoch's fault flag in the coordinator's store appears. Whichever comes first is
+reported as :class:`FaultDetected`, and a failure seen here raises the flag so that every other member stops
+waiting too. A group is never reused after a fault: the next epoch builds a new one from a new store prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+from torch.distributed import PrefixStore, Store
+from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ProcessGroupGloo, ReduceOp
+
+from titan_recover.recover.protocol import Keys
+
+
+class FaultDetected(RuntimeError):
+    """A collective across replicas failed, timed out, or another member raised the epoch's fault flag."""
+
+    def __init__(self, reason: str, *, raised_here: bool):
+        super().__init__(reason)
+        self.reason = reason
+        self.raised_here = raised_here
+
+
+def raise_fault_flag(store: Store, epoch: int, reason: str) -> str:
+    """Set ``fault/e{epoch}`` unless set already; returns the flag's (first writer's) value."""
+    value = f"{time.time():.6f}|{reason}"
+    stored = store.compare_set(Keys.fault(epoch), "", value)
+    return stored.decode() if isinstance(stored, bytes) else stored
+
+
+def fault_time_and_reason(raw: bytes | str) -> tuple[float, str]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    t, _, reason = text.partition("|")
+    return float(t), reason
+
+
+class FaultTolerantGroup:
+    """The gloo group of one shard position over one epoch's member replicas."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        epoch: int,
+        members: tuple[int, ...],
+        replica: int,
+        position: int,
+        timeout_s: float,
+        poll_s: float = 0.01,
+    ):
+        if replica not in members:
+            raise ValueError(f"replica {replica} is not a member of epoch {epoch} ({members})")
+        self.store, self.epoch, self.members = store, epoch, members
+        self.replica, self.position = replica, position
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.group_rank = members.index(replica)
+        self.pending = []  # collectives abandoned on a fault: their gloo work must finish before the group goes
+        self.pg = ProcessGroupGloo(
+            PrefixStore(Keys.group_prefix(epoch, position), store),
+            self.group_rank,
+            len(members),
+            timedelta(seconds=timeout_s),
+        )
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def idle(self) -> bool:
+        """No abandoned collective is still running (destroying the group now will not block)."""
+        self.pending = [w for w in self.pending if not w.is_completed()]
+        return not self.pending
+
+    def allreduce_sum_(self, tensor: torch.Tensor) -> None:
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        self._run("allreduce", lambda: self.pg.allreduce([tensor], opts))
+
+    def broadcast_(self, tensor: torch.Tensor, root_replica: int) -> None:
+        opts = BroadcastOptions()
+        opts.rootRank = self.members.index(root_replica)
+        opts.rootTensor = 0
+        self._run("broadcast", lambda: self.pg.broadcast([tensor], opts))
+
+    def _run(self, name: str, issue) -> None:
+        fault_key = Keys.fault(self.epoch)
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        work = None
+        try:
+            work = issue()
+            next_check = 0.0
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + self.poll_s
+                    if self.store.check([fault_key]):
+                        _, reason = fault_time_and_reason(self.store.get(fault_key))
+                        self.pending.append(work)
+                        raise FaultDetected(f"{name} in epoch {self.epoch} abandoned: {reason}", raised_here=False)
+                    if now > deadline:
+                        raise TimeoutError(f"{name} did not complete within {self.timeout_s} s")
+                time.sleep(0.0005)
+            work.wait()
+        except FaultDetected:
+            raise
+        except Exception as error:  # gloo's own error (peer reset, timeout) or our deadline
+            if work is not None and not work.is_completed():
+                self.pending.append(work)
+            reason = (
+                f"replica {self.replica} position {self.position}: {name} in epoch {self.epoch} failed: "
+                f"{type(error).__name__}: {str(error)[:200]}"
+            )
+            raise_fault_flag(self.store, self.epoch, reason)
+            raise FaultDetected(reason, raised_here=True) from error

@@ -1,0 +1,134 @@
+"""A rank's side of the replica-group protocol: registration, heartbeats, joining epochs, reading decisions.
+
+The heartbeat thread keeps working while the main thread computes or blocks: it publishes
+``time,progress,step,phase``, answers a fault flag by joining the next epoch (proving the process alive), and
+ends the process when its replica has been left out of an epoch, so that torchrun ends the rest of the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+from titan_recover.recover.config import RecoverConfig
+from titan_recover.recover.protocol import decode_members, Heartbeat, Keys
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"
+REPLICA_ENV = "TITAN_RECOVER_REPLICA"
+EXIT_EXCLUDED = 75
+"""Exit code of a rank whose replica was left out of an epoch."""
+
+
+class TooFewReplicas(RuntimeError):
+    """Fewer than ``min_replicas`` replicas remain: the job stops."""
+
+
+class Excluded(RuntimeError):
+    """This replica was left out of the current epoch."""
+
+
+def connect(address: str, timeout_s: float) -> TCPStore:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
+    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+class ReplicaMember:
+    def __init__(self, config: RecoverConfig, *, replica: int, rank: int, ranks_per_replica: int, address: str):
+        self.config = config
+        self.replica, self.rank, self.ranks_per_replica = replica, rank, ranks_per_replica
+        store_timeout = config.agree_timeout_s
+        self.store = connect(address, store_timeout)  # main thread's client
+        self._hb_store = connect(address, store_timeout)  # heartbeat thread's own client
+        self.epoch = -1
+        self.members: tuple[int, ...] = ()
+        self._progress = time.time()
+        self._step = 0
+        self._phase = "startup"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- main thread -------------------------------------------------------------------------------------
+    def progress(self, step: int | None = None, phase: str | None = None) -> None:
+        """Record main-thread progress (read by the heartbeat thread)."""
+        self._progress = time.time()
+        if step is not None:
+            self._step = step
+        if phase is not None:
+            self._phase = phase
+
+    def register(self) -> None:
+        self.store.set(
+            Keys.register(self.replica, self.rank), f"{os.getpid()},{socket.gethostname()},{self.ranks_per_replica}"
+        )
+        self._beat(self.store)
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="titan-recover-heartbeat", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """Training ended normally (or stopped as the protocol asked): from now on a silent heartbeat is not a
+        failure. Never called on an error path: a crashed rank must look dead."""
+        self.store.set(Keys.done(self.replica, self.rank), "1")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.config.heartbeat_interval_s + 1)
+
+    def current_epoch(self) -> int:
+        return int(self.store.get(Keys.EPOCH)) if self.store.check([Keys.EPOCH]) else -1
+
+    def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
+        """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.progress()
+            if self.store.check([Keys.STOP]):
+                raise TooFewReplicas(self.store.get(Keys.STOP).decode())
+            epoch = self.current_epoch()
+            if epoch > after:
+                members, reason = decode_members(self.store.get(Keys.members(epoch)))
+                if self.replica not in members:
+                    raise Excluded(f"replica {self.replica} left out of epoch {epoch}: {reason}")
+                self.epoch, self.members = epoch, members
+                return epoch, members, reason
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"replica {self.replica} rank {self.rank}: no epoch after {after} within {timeout_s} s "
+                    "(is the coordinator alive? recover.agree_timeout_s)"
+                )
+            time.sleep(0.005)
+
+    # ---- heartbeat thread --------------------------------------------------------------------------------
+    def _beat(self, store: TCPStore) -> None:
+        beat = Heartbeat(time.time(), self._progress, self._step, self._phase)
+        store.set(Keys.heartbeat(self.replica, self.rank), beat.encode())
+
+    def _heartbeat_loop(self) -> None:
+        store = self._hb_store
+        joined = -1
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self._beat(store)
+                if not store.check([Keys.EPOCH]):
+                    continue
+                epoch = int(store.get(Keys.EPOCH))
+                members, _ = decode_members(store.get(Keys.members(epoch)))
+                if self.replica not in members and not store.check([Keys.STOP]):
+                    logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica, self.rank, epoch)
+                    os._exit(EXIT_EXCLUDED)
+                if joined <= epoch and store.check([Keys.fault(epoch)]):
+                    store.set(Keys.join(epoch + 1, self.replica, self.rank), f"{time.time():.6f}")
+                    joined = epoch + 1
+            except Exception as error:  # the coordinator is gone: the main thread's store calls will fail too
+                logger.warning("replica %d rank %d: heartbeat failed: %s", self.replica, self.rank, error)
+                time.sleep(self.config.heartbeat_interval_s)

@@ -1,0 +1,166 @@
+"""The replica-group protocol's store keys and its pure decisions (tested without processes or clocks).
+
+See docs/replica_groups.md for the contract these implement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+class Keys:
+    """Store keys of the protocol, in one place."""
+
+    EPOCH = "epoch"
+    STOP = "stop"
+
+    @staticmethod
+    def register(replica: int, rank: int) -> str:
+        return f"register/{replica}/{rank}"
+
+    @staticmethod
+    def done(replica: int, rank: int) -> str:
+        return f"done/{replica}/{rank}"
+
+    @staticmethod
+    def heartbeat(replica: int, rank: int) -> str:
+        return f"hb/{replica}/{rank}"
+
+    @staticmethod
+    def members(epoch: int) -> str:
+        return f"epoch/{epoch}/members"
+
+    @staticmethod
+    def fault(epoch: int) -> str:
+        return f"fault/e{epoch}"
+
+    @staticmethod
+    def join(epoch: int, replica: int, rank: int) -> str:
+        return f"join/e{epoch}/{replica}/{rank}"
+
+    @staticmethod
+    def reduced(epoch: int, step: int) -> str:
+        return f"reduced/e{epoch}/s{step}"
+
+    @staticmethod
+    def decision(epoch: int, step: int) -> str:
+        return f"decision/e{epoch}/s{step}"
+
+    @staticmethod
+    def group_prefix(epoch: int, position: int) -> str:
+        return f"ftpg/e{epoch}/p{position}"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a rank's heartbeat thread publishes."""
+
+    time: float
+    """Wall time of the beat (the process is alive)."""
+    progress: float
+    """Wall time of the main thread's last progress (it is not hung)."""
+    step: int
+    phase: str
+
+    def encode(self) -> str:
+        return f"{self.time:.6f},{self.progress:.6f},{self.step},{self.phase}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "Heartbeat":
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        t, p, step, phase = text.split(",", 3)
+        return cls(float(t), float(p), int(step), phase)
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """The coordinator's verdict on one replica at one instant."""
+
+    replica: int
+    dead_ranks: tuple[int, ...]
+    hung_ranks: tuple[int, ...]
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead_ranks and not self.hung_ranks
+
+    def reason(self) -> str:
+        parts = []
+        if self.dead_ranks:
+            parts.append(f"replica {self.replica} rank(s) {list(self.dead_ranks)}: no heartbeat")
+        if self.hung_ranks:
+            parts.append(f"replica {self.replica} rank(s) {list(self.hung_ranks)}: no progress (hung)")
+        return "; ".join(parts)
+
+
+def judge_liveness(
+    replica: int,
+    beats: dict[int, Heartbeat | None],
+    now: float,
+    heartbeat_timeout_s: float,
+    progress_timeout_s: float,
+) -> Liveness:
+    """Dead: no heartbeat or one older than the timeout. Hung: beating, but the main thread made no progress."""
+    dead = tuple(sorted(r for r, b in beats.items() if b is None or now - b.time > heartbeat_timeout_s))
+    hung = tuple(
+        sorted(r for r, b in beats.items() if b is not None and r not in dead and now - b.progress > progress_timeout_s)
+    )
+    return Liveness(replica, dead, hung)
+
+
+@dataclass(frozen=True)
+class MembershipDecision:
+    members: tuple[int, ...]
+    removed: tuple[int, ...]
+    reason: str
+
+
+def decide_members(
+    current: Iterable[int],
+    joined: dict[int, set[int]],
+    ranks_per_replica: int,
+    excluded: Iterable[int] = (),
+) -> MembershipDecision:
+    """Next epoch's members: current members all of whose ranks joined and that are not excluded (hung/dead).
+
+    ``joined`` maps replica -> ranks that wrote their join key. A replica with a missing rank leaves: a replica is
+    the unit of failure, and its ranks cannot train without each other.
+    """
+    current = sorted(current)
+    excluded = set(excluded)
+    members, reasons = [], []
+    for replica in current:
+        missing = sorted(set(range(ranks_per_replica)) - joined.get(replica, set()))
+        if replica in excluded:
+            reasons.append(f"replica {replica} declared failed")
+        elif missing:
+            reasons.append(f"replica {replica} rank(s) {missing} did not join")
+        else:
+            members.append(replica)
+    removed = tuple(r for r in current if r not in members)
+    return MembershipDecision(tuple(members), removed, "; ".join(reasons) or "all members joined")
+
+
+def all_joined(current: Iterable[int], joined: dict[int, set[int]], ranks_per_replica: int) -> bool:
+    return all(len(joined.get(r, ())) == ranks_per_replica for r in current)
+
+
+def decide_commit(reduced_count: int, expected: int, fault_seen: bool) -> str | None:
+    """A rank's proposal at the commit barrier: ``commit`` once every member rank finished the reduction,
+    ``abort`` if a fault was seen first, ``None`` to keep waiting. The stored first proposal is final."""
+    if reduced_count >= expected:
+        return "commit"
+    if fault_seen:
+        return "abort"
+    return None
+
+
+def encode_members(members: Iterable[int], reason: str) -> str:
+    return ",".join(str(m) for m in members) + "|" + reason
+
+
+def decode_members(raw: bytes | str) -> tuple[tuple[int, ...], str]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    members, _, reason = text.partition("|")
+    return tuple(int(m) for m in members.split(",") if m), reason

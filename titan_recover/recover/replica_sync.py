@@ -1,0 +1,153 @@
+"""One rank's synchronisation with the other replicas: epochs, the gradient reduction and its commit point.
+
+:meth:`ReplicaSync.reduce` is the only place a step's cross-replica result is decided. It reduces a *copy* of the
+local gradients over the fault-tolerant group, then runs the commit barrier; on ``commit`` it returns the summed
+buffer, on ``abort`` (a fault anywhere in the epoch) it moves to the next epoch and redoes the reduction from the
+untouched local gradients with the survivors. ``max_epochs_per_step`` bounds the redo loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from titan_recover.recover.config import RecoverConfig
+from titan_recover.recover.events import EventLog
+from titan_recover.recover.ftpg import FaultDetected, FaultTolerantGroup, fault_time_and_reason, raise_fault_flag
+from titan_recover.recover.member import ReplicaMember
+from titan_recover.recover.protocol import decide_commit, Keys
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaSync:
+    def __init__(self, config: RecoverConfig, member: ReplicaMember, events: EventLog, chaos=None):
+        self.config, self.member, self.events, self.chaos = config, member, events, chaos
+        self.group: FaultTolerantGroup | None = None
+        # Groups of past epochs whose abandoned collectives still run: gloo's destructor would wait for them
+        # (up to collective_timeout_s), so they are kept until idle instead of blocking the recovery.
+        self._retired: list[FaultTolerantGroup] = []
+        self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
+
+    @property
+    def epoch(self) -> int:
+        return self.member.epoch
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self.member.members
+
+    def start(self) -> None:
+        """Register, wait for epoch 0, build its group."""
+        self.member.register()
+        self.member.wait_for_epoch(-1, self.config.startup_timeout_s + self.config.agree_timeout_s)
+        self._build_group()
+        self.events.emit("joined", epoch=self.epoch, members=list(self.members))
+
+    def _build_group(self) -> None:
+        if self.group is not None:
+            self._retired.append(self.group)
+        self._retired = [g for g in self._retired if not g.idle()]
+        self.group = FaultTolerantGroup(
+            self.member.store,
+            epoch=self.epoch,
+            members=self.members,
+            replica=self.member.replica,
+            position=self.member.rank,
+            timeout_s=self.config.collective_timeout_s,
+        )
+
+    def _catch_up(self) -> None:
+        """Before a collective: if the coordinator has moved on (a fault elsewhere), move to its epoch."""
+        if self.member.current_epoch() > self.epoch or self.member.store.check([Keys.fault(self.epoch)]):
+            self._next_epoch(step=None)
+
+    def _next_epoch(self, step: int | None) -> None:
+        noticed = time.time()
+        flag = self.member.store.get(Keys.fault(self.epoch)) if self.member.store.check([Keys.fault(self.epoch)]) else None
+        fault_time, reason = fault_time_and_reason(flag) if flag else (noticed, "coordinator moved on")
+        old = self.epoch
+        epoch, members, why = self.member.wait_for_epoch(old, self.config.agree_timeout_s)
+        agreed = time.time()
+        self._build_group()
+        built = time.time()
+        record = {
+            "step": step, "from_epoch": old, "epoch": epoch, "members": list(members), "reason": why,
+            "fault_raised_at": fault_time, "noticed_at": noticed, "agreed_at": agreed, "built_at": built,
+            "detect_s": max(0.0, noticed - fault_time), "agree_s": agreed - noticed, "build_s": built - agreed,
+        }
+        self.recoveries.append(record)
+        self.events.emit("epoch_entered", **record)
+
+    def broadcast_from_lowest(self, tensors: list[torch.Tensor]) -> None:
+        """Make this position's tensors equal to the lowest member replica's (used at start)."""
+        while True:
+            self._catch_up()
+            try:
+                flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if tensors else None
+                if flat is not None:
+                    self.group.broadcast_(flat, root_replica=min(self.members))
+                    offset = 0
+                    for t in tensors:
+                        t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+                        offset += t.numel()
+                return
+            except FaultDetected as fault:
+                logger.warning("broadcast failed: %s", fault.reason)
+                self._next_epoch(step=0)
+
+    def reduce(self, step: int, local: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Sum ``local`` (flat, not modified) over the member replicas; returns (sum, number of replicas).
+
+        Returns only once the reduction is committed in some epoch; raises ``TooFewReplicas`` / ``Excluded`` /
+        ``RuntimeError`` (too many epochs in one step).
+        """
+        self.recoveries = []
+        for attempt in range(self.config.max_epochs_per_step + 1):
+            self._catch_up()
+            buffer = local.clone()
+            self.member.progress(step=step, phase="reduction")
+            try:
+                if self.chaos is not None:
+                    self.chaos.maybe_inject(step, "reduction")
+                self.group.allreduce_sum_(buffer)
+                self.member.progress(phase="commit")
+                if self.chaos is not None:
+                    self.chaos.maybe_inject(step, "commit")
+                decision = self._commit_barrier(step)
+            except FaultDetected as fault:
+                logger.warning("step %d epoch %d: %s", step, self.epoch, fault.reason)
+                decision = self._propose(step, "abort")
+            if decision == "commit":
+                self.events.emit("step_committed", step=step, epoch=self.epoch, members=list(self.members),
+                                 attempts=attempt + 1)
+                return buffer, len(self.members)
+            self._next_epoch(step)
+        raise RuntimeError(
+            f"step {step}: the reduction failed in {self.config.max_epochs_per_step + 1} consecutive epochs "
+            f"(recover.max_epochs_per_step = {self.config.max_epochs_per_step}); giving up"
+        )
+
+    def _propose(self, step: int, proposal: str) -> str:
+        stored = self.member.store.compare_set(Keys.decision(self.epoch, step), "", proposal)
+        return stored.decode() if isinstance(stored, bytes) else stored
+
+    def _commit_barrier(self, step: int) -> str:
+        store = self.member.store
+        key = Keys.reduced(self.epoch, step)
+        expected = len(self.members) * self.member.ranks_per_replica
+        count = store.add(key, 1)
+        deadline = time.monotonic() + self.config.collective_timeout_s
+        while True:
+            proposal = decide_commit(count, expected, store.check([Keys.fault(self.epoch)]))
+            if proposal is None and store.check([Keys.decision(self.epoch, step)]):
+                return store.get(Keys.decision(self.epoch, step)).decode()
+            if proposal is None and time.monotonic() > deadline:
+                raise_fault_flag(store, self.epoch, f"replica {self.member.replica}: commit barrier of step {step} timed out")
+                proposal = "abort"
+            if proposal is not None:
+                return self._propose(step, proposal)
+            time.sleep(0.001)
+            count = store.add(key, 0)
