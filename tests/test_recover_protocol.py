@@ -68,7 +68,7 @@ def test_chaos_schedule_is_seeded_and_checked():
     assert all(2 <= f.step <= 6 and f.kind in ("kill", "hang") for f in first[1:])
     with pytest.raises(ValueError, match=r"kind 'explode' is not registered; registered: hang, kill, raise, stall"):
         FaultSpec(kind="explode")
-    with pytest.raises(ConfigError, match=r"phase 'loading' must be one of forward, backward, reduction"):
+    with pytest.raises(ConfigError, match=r"phase 'loading' must be one of forward, backward, reduction, commit, rebuild"):
         build_config(None, ["--chaos.faults", '[{kind="kill", phase="loading"}]'])
     config = build_config(None, ["--chaos.faults", '[{kind="hang", replica=2, step=3, phase="optimizer"}]'])
     assert config.chaos.faults == [FaultSpec(kind="hang", replica=2, rank=0, step=3, phase="optimizer")]

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 LOSS = "loss_metrics/global_avg_loss"
 
 
-def load_curve(run: str | pathlib.Path, metric: str = LOSS) -> dict[int, float]:
-    """``{step: value}`` from a run folder or JSONL file; for a step logged twice (a resumed run) the last wins."""
+def load_curve(run: str | pathlib.Path, metric: str = LOSS, replica: int | None = None) -> dict[int, float]:
+    """``{step: value}`` from a run folder or JSONL file; for a step logged twice (a resumed run, or several
+    replica groups logging the same cross-replica loss) the last wins. ``replica`` keeps one replica's lines."""
     path = pathlib.Path(run)
     if path.is_dir():
         path = path / "metrics.jsonl"
@@ -26,6 +27,8 @@ def load_curve(run: str | pathlib.Path, metric: str = LOSS) -> dict[int, float]:
         if not line.strip():
             continue
         record = json.loads(line)
+        if replica is not None and record.get("replica") != replica:
+            continue
         if metric in record:
             curve[int(record["step"])] = float(record[metric])
     if not curve:

@@ -7,6 +7,7 @@ rank, and checked against this job's world size before TorchTitan starts.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -46,14 +47,26 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()
     logger.info(f"titan_recover: {config.model_spec.name}/{config.model_spec.flavor}, {layout}")
     trainer = None
+    exit_code = 0
     try:
         trainer = config.build()
         trainer.train()
+    except SystemExit as stop:  # the replica protocol's orderly stop (too few replicas left)
+        exit_code = stop.code if isinstance(stop.code, int) else 1
     finally:
         if trainer is not None:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+    if config.recover.enabled:
+        # Groups of past epochs may still hold a collective (or a lazy connection) to a dead peer; their
+        # destructors would wait for gloo's timeout and can abort the process. Training is over: leave now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    if exit_code:
+        raise SystemExit(exit_code)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ faults on every rank.
     replica = 1
     rank = 0
     step = 3
-    phase = "reduction"    # forward | backward | reduction | commit | optimizer
+    phase = "reduction"    # forward | backward | reduction | commit | rebuild | optimizer
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-PHASES = ("forward", "backward", "reduction", "commit", "optimizer")
+PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
 
 _FAULTS: dict[str, Callable[[], None]] = {}
 
@@ -81,7 +81,8 @@ class FaultSpec:
     step: int = 1
     """Training step (1-based)."""
     phase: str = "forward"
-    """forward | backward | reduction | commit | optimizer."""
+    """forward | backward | reduction | commit | optimizer, or rebuild: right after entering a new epoch (a
+    failure during recovery)."""
 
     def __post_init__(self) -> None:
         if self.kind not in _FAULTS:

@@ -5,10 +5,13 @@ a pending operation. So every collective here is issued asynchronously and polle
 (gloo error, deadline), or the epoch's fault flag in the coordinator's store appears. Whichever comes first is
 reported as :class:`FaultDetected`, and a failure seen here raises the flag so that every other member stops
 waiting too. A group is never reused after a fault: the next epoch builds a new one from a new store prefix.
+A failed group is never destroyed during the run either: gloo's destructor joins threads that may still be
+blocked on a dead peer (observed: a survivor stuck for minutes), so the owner keeps it until the process exits.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -54,14 +57,15 @@ class FaultTolerantGroup:
         position: int,
         timeout_s: float,
         poll_s: float = 0.01,
+        on_poll=None,
     ):
         if replica not in members:
             raise ValueError(f"replica {replica} is not a member of epoch {epoch} ({members})")
         self.store, self.epoch, self.members = store, epoch, members
         self.replica, self.position = replica, position
         self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.on_poll = on_poll  # called at every poll: a rank waiting on its peers is alive and not hung
         self.group_rank = members.index(replica)
-        self.pending = []  # collectives abandoned on a fault: their gloo work must finish before the group goes
         self.pg = ProcessGroupGloo(
             PrefixStore(Keys.group_prefix(epoch, position), store),
             self.group_rank,
@@ -72,11 +76,6 @@ class FaultTolerantGroup:
     @property
     def size(self) -> int:
         return len(self.members)
-
-    def idle(self) -> bool:
-        """No abandoned collective is still running (destroying the group now will not block)."""
-        self.pending = [w for w in self.pending if not w.is_completed()]
-        return not self.pending
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         opts = AllreduceOptions()
@@ -96,24 +95,22 @@ class FaultTolerantGroup:
         work = None
         try:
             work = issue()
-            next_check = 0.0
-            while not work.is_completed():
-                now = time.monotonic()
-                if now >= next_check:
-                    next_check = now + self.poll_s
-                    if self.store.check([fault_key]):
-                        _, reason = fault_time_and_reason(self.store.get(fault_key))
-                        self.pending.append(work)
-                        raise FaultDetected(f"{name} in epoch {self.epoch} abandoned: {reason}", raised_here=False)
-                    if now > deadline:
-                        raise TimeoutError(f"{name} did not complete within {self.timeout_s} s")
-                time.sleep(0.0005)
+            # Sleep on the work's future (no busy polling competing with gloo's threads for the CPU), waking
+            # every poll_s to look at the epoch's fault flag and the deadline.
+            done = threading.Event()
+            work.get_future().then(lambda _fut: done.set())
+            while not done.wait(self.poll_s):
+                if self.on_poll is not None:
+                    self.on_poll()
+                if self.store.check([fault_key]):
+                    _, reason = fault_time_and_reason(self.store.get(fault_key))
+                    raise FaultDetected(f"{name} in epoch {self.epoch} abandoned: {reason}", raised_here=False)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not complete within {self.timeout_s} s")
             work.wait()
         except FaultDetected:
             raise
         except Exception as error:  # gloo's own error (peer reset, timeout) or our deadline
-            if work is not None and not work.is_completed():
-                self.pending.append(work)
             reason = (
                 f"replica {self.replica} position {self.position}: {name} in epoch {self.epoch} failed: "
                 f"{type(error).__name__}: {str(error)[:200]}"

@@ -26,8 +26,8 @@ class ReplicaSync:
     def __init__(self, config: RecoverConfig, member: ReplicaMember, events: EventLog, chaos=None):
         self.config, self.member, self.events, self.chaos = config, member, events, chaos
         self.group: FaultTolerantGroup | None = None
-        # Groups of past epochs whose abandoned collectives still run: gloo's destructor would wait for them
-        # (up to collective_timeout_s), so they are kept until idle instead of blocking the recovery.
+        # Groups of past epochs, kept alive until the process exits: destroying a gloo group whose peer died can
+        # block on its threads (see ftpg). One small group per membership change.
         self._retired: list[FaultTolerantGroup] = []
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
 
@@ -49,7 +49,6 @@ class ReplicaSync:
     def _build_group(self) -> None:
         if self.group is not None:
             self._retired.append(self.group)
-        self._retired = [g for g in self._retired if not g.idle()]
         self.group = FaultTolerantGroup(
             self.member.store,
             epoch=self.epoch,
@@ -57,12 +56,13 @@ class ReplicaSync:
             replica=self.member.replica,
             position=self.member.rank,
             timeout_s=self.config.collective_timeout_s,
+            on_poll=self.member.progress,
         )
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, step: int | None) -> None:
         """Before a collective: if the coordinator has moved on (a fault elsewhere), move to its epoch."""
         if self.member.current_epoch() > self.epoch or self.member.store.check([Keys.fault(self.epoch)]):
-            self._next_epoch(step=None)
+            self._next_epoch(step)
 
     def _next_epoch(self, step: int | None) -> None:
         noticed = time.time()
@@ -80,11 +80,13 @@ class ReplicaSync:
         }
         self.recoveries.append(record)
         self.events.emit("epoch_entered", **record)
+        if self.chaos is not None and step is not None:
+            self.chaos.maybe_inject(step, "rebuild")
 
     def broadcast_from_lowest(self, tensors: list[torch.Tensor]) -> None:
         """Make this position's tensors equal to the lowest member replica's (used at start)."""
         while True:
-            self._catch_up()
+            self._catch_up(step=None)
             try:
                 flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if tensors else None
                 if flat is not None:
@@ -106,7 +108,7 @@ class ReplicaSync:
         """
         self.recoveries = []
         for attempt in range(self.config.max_epochs_per_step + 1):
-            self._catch_up()
+            self._catch_up(step)
             buffer = local.clone()
             self.member.progress(step=step, phase="reduction")
             try:
@@ -149,5 +151,5 @@ class ReplicaSync:
                 proposal = "abort"
             if proposal is not None:
                 return self._propose(step, proposal)
-            time.sleep(0.001)
+            time.sleep(0.002)
             count = store.add(key, 0)

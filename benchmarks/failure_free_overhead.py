@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Failure-free cost of fault-tolerant replica groups against TorchTitan's native HSDP, same degrees.
+
+Runs, alternately and ``--rounds`` times each: ``train_configs/replicas.toml`` (R replica groups x FSDP2 inside,
+the gradient reduction across replicas over the fault-tolerant group, a coordinator) and
+``train_configs/hsdp.toml`` (TorchTitan's HSDP with ``data_parallel_replicate_degree = R``, same shard degree,
+same global batch). Step time is TorchTitan's per-step ``time_metrics/end_to_end(s)`` from ``metrics.jsonl``
+(replica 0's lines for the replica run); the first ``--warmup`` steps of each run are dropped. Both runs train on
+the same data from the same initialisation, so their losses are also compared.
+
+    python benchmarks/failure_free_overhead.py [--rounds 2] [--steps 20] [--flavor debugmodel]
+
+Last line: ``ratio=<FTPG / native median step time> ...``. Target: ratio <= 1.05 on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from titan_recover.compare import load_curve, LOSS  # noqa: E402
+
+STEP_TIME = "time_metrics/end_to_end(s)"
+
+
+def run(kind: str, args, folder: str) -> tuple[list[float], dict[int, float]]:
+    common = ["--model.flavor", args.flavor, "--training.steps", str(args.steps), "--metrics.no_enable_wandb",
+              "--parallelism.data_parallel_shard_degree", str(args.shards), "--dump_folder", folder]
+    if kind == "ftpg":
+        cmd = ["train_configs/replicas.toml", "--recover.replicas", str(args.replicas), *common]
+    else:
+        cmd = ["train_configs/hsdp.toml", "--parallelism.data_parallel_replicate_degree", str(args.replicas), *common]
+    proc = subprocess.run([sys.executable, "-m", "titan_recover.launch", *cmd], cwd=ROOT, capture_output=True,
+                          text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    replica = 0 if kind == "ftpg" else None
+    times = load_curve(folder, STEP_TIME, replica=replica)
+    losses = load_curve(folder, LOSS, replica=replica)
+    if sorted(times) != list(range(1, args.steps + 1)):
+        raise RuntimeError(f"{kind} run logged steps {sorted(times)}")
+    return [times[s] for s in sorted(times)][args.warmup:], losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args(argv)
+
+    times: dict[str, list[float]] = {"ftpg": [], "native": []}
+    losses: dict[str, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for kind in ("ftpg", "native") if r % 2 == 0 else ("native", "ftpg"):
+                step_times, curve = run(kind, args, f"{tmp}/{kind}{r}")
+                times[kind] += step_times
+                losses.setdefault(kind, curve)
+                print(f"round {r} {kind:6s}: median step {statistics.median(step_times):.3f} s", flush=True)
+    ftpg, native = statistics.median(times["ftpg"]), statistics.median(times["native"])
+    diff = max(abs(losses["ftpg"][s] - losses["native"][s]) / abs(losses["native"][s]) for s in losses["native"])
+    print(f"{args.replicas} replicas x {args.shards} shards, {args.flavor}: fault-tolerant groups {ftpg:.4f} s, "
+          f"native HSDP {native:.4f} s per step; largest relative loss difference {diff:.1e}")
+    print(f"ratio={ftpg / native:.4f} ftpg_step_s={ftpg:.4f} native_step_s={native:.4f} loss_max_rel_diff={diff:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

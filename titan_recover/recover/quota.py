@@ -1,0 +1,134 @@
+"""Microbatch quotas: which replica computes which global microbatch ids of a step (pure, deterministic).
+
+A step consumes the ids ``[(step - 1) * M, step * M)``. A **policy** (registered by name, picked by
+``[recover.quota] policy``) turns the live members and their measured speeds into a *count* per replica; the ids
+are then dealt out in order, round-robin weighted by the counts, so that with equal counts and all replicas alive
+replica ``i`` gets ids ``k = a * R + i``, exactly the microbatches TorchTitan's HSDP would give it.
+
+Every rank evaluates the same function on the same inputs (members come from the coordinator's epoch, speeds
+travel inside the reduction buffer), so every rank computes the same assignment without talking.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class QuotaInput:
+    members: tuple[int, ...]
+    """Live replicas, sorted."""
+    total: int
+    """Microbatch ids to hand out."""
+    speeds: Mapping[int, float] = field(default_factory=dict)
+    """Smoothed microbatches per second per replica; missing: unknown (treated as the mean of the known)."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    ids: dict[int, tuple[int, ...]]
+    """replica -> global microbatch ids it computes."""
+    reason: str
+
+    def count(self, replica: int) -> int:
+        return len(self.ids.get(replica, ()))
+
+
+QuotaPolicy = Callable[[QuotaInput], tuple[dict[int, int], str]]
+"""Counts per member (summing to ``total``) and a reason for the logs."""
+
+_POLICIES: dict[str, QuotaPolicy] = {}
+
+
+def register_policy(name: str):
+    def register(fn: QuotaPolicy) -> QuotaPolicy:
+        if name in _POLICIES:
+            raise ValueError(f"quota policy {name!r} registered twice")
+        _POLICIES[name] = fn
+        return fn
+
+    return register
+
+
+def policies() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def get_policy(name: str) -> QuotaPolicy:
+    if name not in _POLICIES:
+        raise ValueError(f"quota policy {name!r} is not registered; registered: {', '.join(policies())}")
+    return _POLICIES[name]
+
+
+def _largest_remainder(weights: Mapping[int, float], total: int) -> dict[int, int]:
+    """Integer counts proportional to ``weights`` summing to ``total``; ties go to the lower replica id."""
+    weight_sum = sum(weights.values())
+    exact = {m: total * w / weight_sum for m, w in weights.items()}
+    counts = {m: math.floor(x) for m, x in exact.items()}
+    left = total - sum(counts.values())
+    for m in sorted(weights, key=lambda m: (-(exact[m] - counts[m]), m))[:left]:
+        counts[m] += 1
+    return counts
+
+
+@register_policy("even")
+def even(inp: QuotaInput) -> tuple[dict[int, int], str]:
+    """Equal shares; the remainder goes one each to the lowest replica ids."""
+    counts = _largest_remainder({m: 1.0 for m in inp.members}, inp.total)
+    return counts, f"even over {len(inp.members)} replicas"
+
+
+@register_policy("throughput")
+def throughput(inp: QuotaInput) -> tuple[dict[int, int], str]:
+    """Shares proportional to measured speed, so all replicas finish their share at about the same time."""
+    known = [inp.speeds[m] for m in inp.members if inp.speeds.get(m, 0) > 0]
+    if not known:
+        counts, _ = even(inp)
+        return counts, "throughput: no speed measured yet, even"
+    mean = sum(known) / len(known)
+    weights = {m: inp.speeds.get(m, 0) if inp.speeds.get(m, 0) > 0 else mean for m in inp.members}
+    counts = _largest_remainder(weights, inp.total)
+    shown = ", ".join(f"{m}: {weights[m]:.2f}/s" for m in inp.members)
+    return counts, f"throughput ({shown})"
+
+
+def deal(ids: Sequence[int], counts: Mapping[int, int]) -> dict[int, tuple[int, ...]]:
+    """Deal ``ids`` in order, one per turn to each replica that still has quota left (sorted replica order)."""
+    if sum(counts.values()) != len(ids):
+        raise ValueError(f"counts {dict(counts)} do not add up to {len(ids)} ids")
+    left = dict(counts)
+    out: dict[int, list[int]] = {m: [] for m in sorted(counts)}
+    queue = list(ids)
+    while queue:
+        for m in sorted(left):
+            if left[m] > 0 and queue:
+                out[m].append(queue.pop(0))
+                left[m] -= 1
+    return {m: tuple(v) for m, v in out.items()}
+
+
+def assign(policy: str, step: int, per_step: int, members: Sequence[int],
+           speeds: Mapping[int, float] | None = None) -> Assignment:
+    """The assignment of step ``step``'s ids (``[(step - 1) * per_step, step * per_step)``) to ``members``."""
+    if not members:
+        raise ValueError("no live replica to assign microbatches to")
+    first = (step - 1) * per_step
+    counts, reason = get_policy(policy)(QuotaInput(tuple(sorted(members)), per_step, dict(speeds or {})))
+    return Assignment(deal(range(first, first + per_step), counts), reason)
+
+
+def reassign_orphans(policy: str, current: Assignment, survivors: Sequence[int],
+                     speeds: Mapping[int, float] | None = None) -> Assignment:
+    """After losing replicas mid-step: survivors keep their ids (their accumulation holds them) and the ids of
+    the lost replicas are dealt among the survivors by the policy. Exactly-once: every id stays assigned once."""
+    survivors = tuple(sorted(survivors))
+    orphans = sorted(i for m, ids in current.ids.items() if m not in survivors for i in ids)
+    if not survivors:
+        raise ValueError("no survivor to take the lost replicas' microbatches")
+    counts, reason = get_policy(policy)(QuotaInput(survivors, len(orphans), dict(speeds or {})))
+    extra = deal(orphans, counts)
+    ids = {m: current.ids.get(m, ()) + extra.get(m, ()) for m in survivors}
+    lost = sorted(m for m in current.ids if m not in survivors)
+    return Assignment(ids, f"replicas {lost} lost: their {len(orphans)} microbatches to survivors, {reason}")
