@@ -72,3 +72,25 @@ def test_chaos_schedule_is_seeded_and_checked():
         build_config(None, ["--chaos.faults", '[{kind="kill", phase="loading"}]'])
     config = build_config(None, ["--chaos.faults", '[{kind="hang", replica=2, step=3, phase="optimizer"}]'])
     assert config.chaos.faults == [FaultSpec(kind="hang", replica=2, rank=0, step=3, phase="optimizer")]
+
+
+def test_chaos_monkey_logs_before_it_acts():
+    from titan_recover.recover.chaos import ChaosMonkey, InjectedFault
+
+    class Events:
+        def __init__(self):
+            self.seen = []
+
+        def emit(self, event, **fields):
+            self.seen.append((event, fields))
+
+    events = Events()
+    schedule = [FaultSpec(kind="raise", replica=1, rank=0, step=3, phase="commit"),
+                FaultSpec(kind="kill", replica=0, rank=0, step=3, phase="commit")]  # another rank's fault
+    monkey = ChaosMonkey(schedule, replica=1, rank=0, events=events)
+    monkey.maybe_inject(2, "commit")
+    monkey.maybe_inject(3, "forward")
+    assert events.seen == []
+    with pytest.raises(InjectedFault):
+        monkey.maybe_inject(3, "commit")
+    assert events.seen[0][0] == "fault_injected" and events.seen[0][1]["kind"] == "raise"

@@ -22,23 +22,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from titan_recover.registry import Registry
+
 PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
 
-_FAULTS: dict[str, Callable[[], None]] = {}
-
-
-def register_fault(name: str):
-    def register(fn: Callable[[], None]):
-        if name in _FAULTS:
-            raise ValueError(f"fault kind {name!r} registered twice")
-        _FAULTS[name] = fn
-        return fn
-
-    return register
+FAULTS: Registry[Callable[[], None]] = Registry("chaos fault kind")
+register_fault = FAULTS.register
 
 
 def fault_kinds() -> list[str]:
-    return sorted(_FAULTS)
+    return FAULTS.names()
 
 
 class InjectedFault(RuntimeError):
@@ -85,8 +78,7 @@ class FaultSpec:
     failure during recovery)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in _FAULTS:
-            raise ValueError(f"chaos fault kind {self.kind!r} is not registered; registered: {', '.join(fault_kinds())}")
+        FAULTS.get(self.kind)  # raises, naming the registered kinds
         if self.phase not in PHASES:
             raise ValueError(f"chaos fault phase {self.phase!r} must be one of {', '.join(PHASES)}")
         if self.step < 1 or self.replica < 0 or self.rank < 0:
@@ -117,7 +109,7 @@ class ChaosConfig:
             spec.__post_init__()
         if self.random_faults < 0:
             raise ValueError("chaos.random_faults must be >= 0")
-        unknown = [k for k in self.random_kinds if k not in _FAULTS]
+        unknown = [k for k in self.random_kinds if k not in FAULTS]
         if unknown:
             raise ValueError(f"chaos.random_kinds {unknown} not registered; registered: {', '.join(fault_kinds())}")
         if len(self.random_steps) != 2 or not 1 <= self.random_steps[0] <= self.random_steps[1]:
@@ -150,4 +142,4 @@ class ChaosMonkey:
         for fault in self.mine:
             if fault.step == step and fault.phase == phase:
                 self.events.emit("fault_injected", kind=fault.kind, step=step, phase=phase, pid=os.getpid())
-                _FAULTS[fault.kind]()
+                FAULTS.get(fault.kind)()

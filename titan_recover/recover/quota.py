@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from titan_recover.registry import Registry
+
 
 @dataclass(frozen=True)
 class QuotaInput:
@@ -39,27 +41,16 @@ class Assignment:
 QuotaPolicy = Callable[[QuotaInput], tuple[dict[int, int], str]]
 """Counts per member (summing to ``total``) and a reason for the logs."""
 
-_POLICIES: dict[str, QuotaPolicy] = {}
-
-
-def register_policy(name: str):
-    def register(fn: QuotaPolicy) -> QuotaPolicy:
-        if name in _POLICIES:
-            raise ValueError(f"quota policy {name!r} registered twice")
-        _POLICIES[name] = fn
-        return fn
-
-    return register
+POLICIES: Registry[QuotaPolicy] = Registry("quota policy")
+register_policy = POLICIES.register
 
 
 def policies() -> list[str]:
-    return sorted(_POLICIES)
+    return POLICIES.names()
 
 
 def get_policy(name: str) -> QuotaPolicy:
-    if name not in _POLICIES:
-        raise ValueError(f"quota policy {name!r} is not registered; registered: {', '.join(policies())}")
-    return _POLICIES[name]
+    return POLICIES.get(name)
 
 
 def _largest_remainder(weights: Mapping[int, float], total: int) -> dict[int, int]:
