@@ -16,8 +16,6 @@ Hooks overridden (each calls TorchTitan's own implementation for everything it d
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -32,9 +30,8 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
 from titan_recover.recover import RecoverConfig  # noqa: E402
+from titan_recover.recover import replica_step  # noqa: E402
 from titan_recover.recover.chaos import ChaosConfig  # noqa: E402
-
-logger = logging.getLogger(__name__)
 
 
 class RecoverTrainer(Trainer):
@@ -49,9 +46,7 @@ class RecoverTrainer(Trainer):
     def __init__(self, config: Config):
         super().__init__(config)
         if config.recover.enabled:
-            from titan_recover.recover.replica_step import attach_replica_sync
-
-            attach_replica_sync(self)
+            replica_step.attach_replica_sync(self)
 
     def train_step(self, data_iterator):
         if self.replica_sync is not None:
@@ -64,9 +59,7 @@ class RecoverTrainer(Trainer):
             return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
-        from titan_recover.recover.replica_step import forward_backward_then_reduce
-
-        return forward_backward_then_reduce(
+        return replica_step.forward_backward_then_reduce(
             self,
             lambda: super(RecoverTrainer, self).forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
@@ -76,9 +69,7 @@ class RecoverTrainer(Trainer):
     def train(self):
         if self.replica_sync is None:
             return super().train()
-        from titan_recover.recover.replica_step import train_until_done_or_stopped
-
-        return train_until_done_or_stopped(self, super().train)
+        return replica_step.train_until_done_or_stopped(self, super().train)
 
     def close(self) -> None:
         if self.replica_sync is not None:

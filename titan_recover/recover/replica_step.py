@@ -62,7 +62,6 @@ def attach_replica_sync(trainer) -> None:
     sync = ReplicaSync(config.recover, member, events, chaos)
     trainer.replica_sync = sync
     trainer.chaos = chaos
-    sync.participants, sync.last_reduce_s = len(sync.members), 0.0
     trainer.metrics_processor.step_metrics_fn = lambda: step_metrics(sync)
     try:
         sync.start()
@@ -125,7 +124,7 @@ def reduce_gradients(trainer, local_loss: torch.Tensor) -> torch.Tensor:
                      + [local_loss.to(torch.float32).reshape(1)])
     start = time.perf_counter()
     summed, replicas = trainer.replica_sync.reduce(trainer.step, flat)
-    trainer.replica_sync.last_reduce_s = time.perf_counter() - start
+    trainer.replica_sync.last_reduce_s = time.perf_counter() - start  # for the step's metrics
     offset = 0
     with torch.no_grad():
         for g in grads:

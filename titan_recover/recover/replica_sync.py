@@ -30,6 +30,8 @@ class ReplicaSync:
         # block on its threads (see ftpg). One small group per membership change.
         self._retired: list[FaultTolerantGroup] = []
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
+        self.participants = 0  # replicas in the last committed reduction
+        self.last_reduce_s = 0.0  # wall time of the last reduction, recovery included
 
     @property
     def epoch(self) -> int:
