@@ -92,9 +92,11 @@ class ReplicaMember:
         deadline = time.monotonic() + timeout_s
         while True:
             self.progress()
+            epoch = self.current_epoch()
+            # The coordinator writes `stop` before it publishes the epoch: read the epoch first, then `stop`, so
+            # that a rank seeing the new epoch also sees a stop that came with it.
             if self.store.check([Keys.STOP]):
                 raise TooFewReplicas(self.store.get(Keys.STOP).decode())
-            epoch = self.current_epoch()
             if epoch > after:
                 members, reason = decode_members(self.store.get(Keys.members(epoch)))
                 if self.replica not in members:
