@@ -42,7 +42,7 @@ def test_reassign_orphans_is_exactly_once_through_successive_losses():
 
 def test_policy_registry_and_errors():
     assert {"even", "throughput"} <= set(policies())
-    with pytest.raises(ValueError, match="registered: even"):
+    with pytest.raises(ValueError, match="registered: drop, even, throughput"):
         get_policy("fastest")
     with pytest.raises(ValueError, match="do not add up"):
         deal([1, 2, 3], {0: 1, 1: 1})

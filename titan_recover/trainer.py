@@ -7,11 +7,12 @@ Hooks overridden (each calls TorchTitan's own implementation for everything it d
 
 * ``batch_generator``: microbatches come from the addressable loader by id, derived from the step counter, so
   the data position is a pure function of ``step`` (checkpoint-exact, and computable by any replica);
-* with ``[recover] replicas > 1`` (docs/replica_groups.md): ``__init__`` joins the replica groups and makes the
-  parameters equal to the lowest member replica's; ``forward_backward_step`` reduces the gradients across
-  replicas over the fault-tolerant group after the step's last microbatch (the only cross-replica exchange),
-  and makes the loss TorchTitan logs the mean over the replicas; ``train`` turns "too few replicas left" into a
-  durable checkpoint and a clear error.
+* with ``[recover] replicas > 1`` (docs/replica_groups.md, docs/invariant.md): ``__init__`` joins the replica
+  groups and makes the parameters equal to the lowest member replica's; the first ``forward_backward_step`` call
+  of a step runs the whole step's share of this replica (its quota of global microbatch ids, fetched by address,
+  the ids of replicas lost during the step, the reduction across replicas and its commit) and the later calls of
+  TorchTitan's accumulation loop add nothing (their batches are placeholders); ``train`` turns "too few replicas
+  left" into a durable checkpoint and a clear error.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from titan_recover.recover import replica_step  # noqa: E402
 from titan_recover.recover.chaos import ChaosConfig  # noqa: E402
 
 
+def _placeholders() -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """What TorchTitan's accumulation loop iterates in replica mode: the step's data is fetched by id instead."""
+    token = torch.zeros((1, 1), dtype=torch.int64)
+    while True:
+        yield {"input": token}, token
+
+
 class RecoverTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -42,6 +50,7 @@ class RecoverTrainer(Trainer):
         chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     replica_sync = None  # ReplicaSync when [recover] replicas > 1
+    replica_step = None  # its per-step state (replica_step.ReplicaStep)
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -49,21 +58,21 @@ class RecoverTrainer(Trainer):
             replica_step.attach_replica_sync(self)
 
     def train_step(self, data_iterator):
-        if self.replica_sync is not None:
-            self._step_microbatches = 0
-            self._step_local_loss = torch.zeros((), dtype=torch.float64)
+        if self.replica_step is not None:
+            self.replica_step.begin_step()
         return super().train_step(data_iterator)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
-        if self.replica_sync is None:
+        if self.replica_step is None:
             return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
-        return replica_step.forward_backward_then_reduce(
-            self,
-            lambda: super(RecoverTrainer, self).forward_backward_step(
-                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-            ),
+        return self.replica_step.forward_backward()
+
+    def base_forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        """TorchTitan's forward and backward of one microbatch (replica mode calls it once per microbatch id)."""
+        return super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
 
     def train(self):
@@ -77,21 +86,18 @@ class RecoverTrainer(Trainer):
         super().close()
 
     def batch_layout(self) -> tuple[int, int]:
-        """``(batch_degree, batch_rank)``: data-parallel size and this rank's index (replicate-major), over all
-        replica groups when there are several (replica ``i`` of ``R`` holds batch ranks ``[i * S, (i + 1) * S)``)."""
+        """``(batch_degree, batch_rank)``: data-parallel size and this rank's index (replicate-major)."""
         size, rank = 1, 0
         if self.parallel_dims.dp_enabled:
             mesh = self.parallel_dims.get_mesh("batch")
             size, rank = mesh.size(), mesh.get_local_rank()
-        if self.config.recover.enabled:
-            replica = self.replica_sync.member.replica
-            return self.config.recover.replicas * size, replica * size + rank
         return size, rank
 
     def microbatch_order(self, step: int) -> Iterator[int]:
         """Local-batch indices ``n`` this rank consumes in ``step`` (1-based), one per gradient-accumulation
-        step: ``n = ((step - 1) * A + a) * dp + r``. With ``r = replica * shard_degree + shard``, ``n`` is
-        microbatch ``g = ((step - 1) * A + a) * replicas + replica`` at shard rank ``shard``."""
+        step: ``n = ((step - 1) * A + a) * dp + r``. In HSDP terms (``r = replica * shard_degree + shard``),
+        ``n`` is replica microbatch ``g = ((step - 1) * A + a) * replicas + replica`` at shard rank ``shard``,
+        the id the ``even`` quota gives that replica in replica mode (which fetches ``n = g * S + shard``)."""
         dp, r = self.batch_layout()
         accumulation = self.gradient_accumulation_steps
         for a in range(accumulation):
@@ -102,6 +108,8 @@ class RecoverTrainer(Trainer):
     ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         if not isinstance(self.dataloader, AddressableDataLoader):
             return super().batch_generator(data_iterable)
+        if self.config.recover.enabled:
+            return _placeholders()
         # Read the step now: TorchTitan creates this iterator before the loop and advances ``self.step``
         # before the first ``next()``, when a generator body would only start running.
         return self._addressable_batches(first_step=self.step + 1)

@@ -6,7 +6,7 @@ so a test can assert that it fired. A seeded random schedule (``random_faults``)
 faults on every rank.
 
     [[chaos.faults]]
-    kind = "kill"          # kill | hang | stall | raise
+    kind = "kill"          # kill | hang | stall | raise | slow
     replica = 1
     rank = 0
     step = 3
@@ -26,7 +26,7 @@ from titan_recover.registry import Registry
 
 PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
 
-FAULTS: Registry[Callable[[], None]] = Registry("chaos fault kind")
+FAULTS: Registry[Callable[["ChaosMonkey", "FaultSpec"], None]] = Registry("chaos fault kind")
 register_fault = FAULTS.register
 
 
@@ -39,26 +39,32 @@ class InjectedFault(RuntimeError):
 
 
 @register_fault("kill")
-def _kill() -> None:
+def _kill(_monkey, _spec) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 @register_fault("hang")
-def _hang() -> None:
+def _hang(_monkey, _spec) -> None:
     """The whole process stops (SIGSTOP): no heartbeat, sockets stay open."""
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
 @register_fault("stall")
-def _stall() -> None:
+def _stall(_monkey, _spec) -> None:
     """The main thread is stuck forever while the process (and its heartbeat thread) lives on."""
     while True:
         time.sleep(1.0)
 
 
 @register_fault("raise")
-def _raise() -> None:
+def _raise(_monkey, _spec) -> None:
     raise InjectedFault("injected exception")
+
+
+@register_fault("slow")
+def _slow(monkey, spec) -> None:
+    """From this step on, every microbatch of this rank takes ``factor`` times as long (a straggler)."""
+    monkey.slowdown = spec.factor
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,7 +72,7 @@ class FaultSpec:
     """One scheduled fault."""
 
     kind: str
-    """Registered fault kind: kill, hang (SIGSTOP), stall (stuck main thread), raise."""
+    """Registered fault kind: kill, hang (SIGSTOP), stall (stuck main thread), raise, slow (straggler)."""
     replica: int = 0
     """Replica group to hit."""
     rank: int = 0
@@ -76,11 +82,15 @@ class FaultSpec:
     phase: str = "forward"
     """forward | backward | reduction | commit | optimizer, or rebuild: right after entering a new epoch (a
     failure during recovery)."""
+    factor: float = 2.0
+    """``slow``: compute-time multiplier from ``step`` on (apply it to every rank of the replica)."""
 
     def __post_init__(self) -> None:
         FAULTS.get(self.kind)  # raises, naming the registered kinds
         if self.phase not in PHASES:
             raise ValueError(f"chaos fault phase {self.phase!r} must be one of {', '.join(PHASES)}")
+        if self.factor < 1:
+            raise ValueError(f"chaos fault factor must be >= 1, got {self.factor}")
         if self.step < 1 or self.replica < 0 or self.rank < 0:
             raise ValueError(f"chaos fault needs step >= 1, replica >= 0, rank >= 0: {self}")
 
@@ -137,9 +147,15 @@ class ChaosMonkey:
     def __init__(self, schedule: list[FaultSpec], replica: int, rank: int, events):
         self.mine = [f for f in schedule if f.replica == replica and f.rank == rank]
         self.events = events
+        self.slowdown = 1.0
 
     def maybe_inject(self, step: int, phase: str) -> None:
         for fault in self.mine:
             if fault.step == step and fault.phase == phase:
                 self.events.emit("fault_injected", kind=fault.kind, step=step, phase=phase, pid=os.getpid())
-                FAULTS.get(fault.kind)()
+                FAULTS.get(fault.kind)(self, fault)
+
+    def after_compute(self, step: int, elapsed_s: float) -> None:
+        """Called after every microbatch: a ``slow`` rank sleeps so the microbatch took ``factor`` times as long."""
+        if self.slowdown > 1:
+            time.sleep(elapsed_s * (self.slowdown - 1))

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from titan_recover.recover.config import RecoverConfig
+from titan_recover.recover.config import QuotaConfig, RecoverConfig
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.ftpg import fault_time_and_reason, raise_fault_flag
 from titan_recover.recover.protocol import (
@@ -37,6 +37,7 @@ from titan_recover.recover.protocol import (
 logger = logging.getLogger("titan_recover.coordinator")
 
 TICK_S = 0.02
+FINISH_LINGER_S = 0.5
 
 
 class Coordinator:
@@ -65,6 +66,8 @@ class Coordinator:
             if self._finished():
                 stopped = self.store.check([Keys.STOP])
                 self.events.emit("job_finished", epoch=self.epoch, members=list(self.members), stopped=stopped)
+                self.store.set(Keys.FINISHED, "1")
+                time.sleep(FINISH_LINGER_S)  # let clients that poll the store (the launcher) see it before it closes
                 return 1 if stopped else 0
             if not self.store.check([Keys.STOP]):  # after a stop, only keep serving the store to the survivors
                 self._watch_liveness()
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address-file", help="write HOST:PORT here once the store listens")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[coordinator] %(asctime)s %(message)s")
-    config = RecoverConfig(**json.loads(args.recover_json))
+    fields = json.loads(args.recover_json)
+    config = RecoverConfig(**{**fields, "quota": QuotaConfig(**fields.get("quota", {}))})
     coordinator = Coordinator(config, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
                               run_dir=args.run_dir, host=args.host, port=args.port)
     signal.signal(signal.SIGTERM, coordinator.request_stop)

@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 from titan_recover.recover.member import connect, COORDINATOR_ENV, REPLICA_ENV
 from titan_recover.recover.protocol import decode_members, Keys
-from titan_recover.recover.replica_step import RUN_DIR_ENV
+from titan_recover.recover.member import RUN_DIR_ENV
 
 GRACE_S = 10.0
 
@@ -122,11 +122,15 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
         children.extend(replicas)
         store = connect(address, timeout_s=30)
         ended: set[int] = set()
+        watching = True
         while any(r.poll() is None for r in replicas):
             time.sleep(0.1)
-            if coordinator.poll() is not None:
-                continue  # the coordinator is gone (job finished or stopped): nothing more to learn from it
+            if not watching or coordinator.poll() is not None:
+                continue  # the coordinator is gone or done: nothing more to learn from it
             try:
+                if store.check([Keys.FINISHED]):
+                    watching = False  # its store closes soon: stop asking before it does
+                    continue
                 removed = _removed_replicas(store) - ended
             except Exception:
                 removed = set()

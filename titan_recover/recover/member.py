@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"
 REPLICA_ENV = "TITAN_RECOVER_REPLICA"
+RUN_DIR_ENV = "TITAN_RECOVER_RUN_DIR"
 EXIT_EXCLUDED = 75
 """Exit code of a rank whose replica was left out of an epoch."""
 
@@ -76,7 +77,9 @@ class ReplicaMember:
 
     def finish(self) -> None:
         """Training ended normally (or stopped as the protocol asked): from now on a silent heartbeat is not a
-        failure. Never called on an error path: a crashed rank must look dead."""
+        failure. Never called on an error path: a crashed rank must look dead. The heartbeat thread stops first:
+        once every rank is done the coordinator closes the store, and a beat after that would fail loudly."""
+        self.close()
         self.store.set(Keys.done(self.replica, self.rank), "1")
 
     def close(self) -> None:
@@ -86,6 +89,10 @@ class ReplicaMember:
 
     def current_epoch(self) -> int:
         return int(self.store.get(Keys.EPOCH)) if self.store.check([Keys.EPOCH]) else -1
+
+    def members_of(self, epoch: int) -> tuple[int, ...]:
+        """Members the coordinator published for ``epoch`` (kept in the store for the whole run)."""
+        return decode_members(self.store.get(Keys.members(epoch)))[0]
 
     def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason)."""

@@ -14,6 +14,7 @@ class Keys:
 
     EPOCH = "epoch"
     STOP = "stop"
+    FINISHED = "finished"
 
     @staticmethod
     def register(replica: int, rank: int) -> str:

@@ -5,6 +5,10 @@ A step consumes the ids ``[(step - 1) * M, step * M)``. A **policy** (registered
 are then dealt out in order, round-robin weighted by the counts, so that with equal counts and all replicas alive
 replica ``i`` gets ids ``k = a * R + i``, exactly the microbatches TorchTitan's HSDP would give it.
 
+A policy that ``redistributes`` (``even``, ``throughput``) gives the ids of lost replicas to survivors, so every
+step still consumes all ``M`` ids. ``drop`` is the baseline that does not: every configured replica keeps its fixed
+share whether it lives or not, so the batch shrinks when one dies (torchft's semantics).
+
 Every rank evaluates the same function on the same inputs (members come from the coordinator's epoch, speeds
 travel inside the reduction buffer), so every rank computes the same assignment without talking.
 """
@@ -26,6 +30,12 @@ class QuotaInput:
     """Microbatch ids to hand out."""
     speeds: Mapping[int, float] = field(default_factory=dict)
     """Smoothed microbatches per second per replica; missing: unknown (treated as the mean of the known)."""
+    replicas: int = 0
+    """Configured replica groups (live or not); 0: the number of members."""
+
+    @property
+    def configured(self) -> tuple[int, ...]:
+        return tuple(range(self.replicas)) if self.replicas else self.members
 
 
 @dataclass(frozen=True)
@@ -38,11 +48,31 @@ class Assignment:
         return len(self.ids.get(replica, ()))
 
 
-QuotaPolicy = Callable[[QuotaInput], tuple[dict[int, int], str]]
-"""Counts per member (summing to ``total``) and a reason for the logs."""
+CountFn = Callable[[QuotaInput], tuple[dict[int, int], str]]
+"""Counts per replica (summing to ``total``) and a reason for the logs."""
+
+
+@dataclass(frozen=True)
+class QuotaPolicy:
+    counts: CountFn
+    redistributes: bool = True
+    """Lost replicas' ids go to survivors in the same step (the ReCoVer invariant). False: they are skipped."""
+    uses_speeds: bool = False
+    """The counts depend on measured speeds (ranks of a replica must then agree on its speed)."""
+
+    def __call__(self, inp: QuotaInput) -> tuple[dict[int, int], str]:
+        return self.counts(inp)
+
 
 POLICIES: Registry[QuotaPolicy] = Registry("quota policy")
-register_policy = POLICIES.register
+
+
+def register_policy(name: str, *, redistributes: bool = True, uses_speeds: bool = False) -> Callable[[CountFn], CountFn]:
+    def add(counts: CountFn) -> CountFn:
+        POLICIES.register(name)(QuotaPolicy(counts, redistributes=redistributes, uses_speeds=uses_speeds))
+        return counts
+
+    return add
 
 
 def policies() -> list[str]:
@@ -71,7 +101,7 @@ def even(inp: QuotaInput) -> tuple[dict[int, int], str]:
     return counts, f"even over {len(inp.members)} replicas"
 
 
-@register_policy("throughput")
+@register_policy("throughput", uses_speeds=True)
 def throughput(inp: QuotaInput) -> tuple[dict[int, int], str]:
     """Shares proportional to measured speed, so all replicas finish their share at about the same time."""
     known = [inp.speeds[m] for m in inp.members if inp.speeds.get(m, 0) > 0]
@@ -83,6 +113,14 @@ def throughput(inp: QuotaInput) -> tuple[dict[int, int], str]:
     counts = _largest_remainder(weights, inp.total)
     shown = ", ".join(f"{m}: {weights[m]:.2f}/s" for m in inp.members)
     return counts, f"throughput ({shown})"
+
+
+@register_policy("drop", redistributes=False)
+def drop(inp: QuotaInput) -> tuple[dict[int, int], str]:
+    """Fixed equal shares over all configured replicas, live or not: a lost replica's ids are not computed."""
+    counts = _largest_remainder({m: 1.0 for m in inp.configured}, inp.total)
+    lost = [m for m in inp.configured if m not in inp.members]
+    return counts, f"drop: fixed shares over {len(inp.configured)} replicas" + (f", {lost} lost" if lost else "")
 
 
 def deal(ids: Sequence[int], counts: Mapping[int, int]) -> dict[int, tuple[int, ...]]:
@@ -101,12 +139,13 @@ def deal(ids: Sequence[int], counts: Mapping[int, int]) -> dict[int, tuple[int, 
 
 
 def assign(policy: str, step: int, per_step: int, members: Sequence[int],
-           speeds: Mapping[int, float] | None = None) -> Assignment:
-    """The assignment of step ``step``'s ids (``[(step - 1) * per_step, step * per_step)``) to ``members``."""
+           speeds: Mapping[int, float] | None = None, *, replicas: int = 0) -> Assignment:
+    """The assignment of step ``step``'s ids (``[(step - 1) * per_step, step * per_step)``) to ``members``
+    (``replicas``: configured replica groups, for policies that also count the dead ones)."""
     if not members:
         raise ValueError("no live replica to assign microbatches to")
     first = (step - 1) * per_step
-    counts, reason = get_policy(policy)(QuotaInput(tuple(sorted(members)), per_step, dict(speeds or {})))
+    counts, reason = get_policy(policy)(QuotaInput(tuple(sorted(members)), per_step, dict(speeds or {}), replicas))
     return Assignment(deal(range(first, first + per_step), counts), reason)
 
 
@@ -114,6 +153,8 @@ def reassign_orphans(policy: str, current: Assignment, survivors: Sequence[int],
                      speeds: Mapping[int, float] | None = None) -> Assignment:
     """After losing replicas mid-step: survivors keep their ids (their accumulation holds them) and the ids of
     the lost replicas are dealt among the survivors by the policy. Exactly-once: every id stays assigned once."""
+    if not get_policy(policy).redistributes:
+        raise ValueError(f"quota policy {policy!r} does not redistribute lost replicas' microbatches")
     survivors = tuple(sorted(survivors))
     orphans = sorted(i for m, ids in current.ids.items() if m not in survivors for i in ids)
     if not survivors:

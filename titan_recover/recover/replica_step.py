@@ -1,10 +1,13 @@
-"""The trainer's side of replica groups: joining, the per-step gradient reduction, stopping cleanly.
+"""The trainer's side of replica groups: joining, the step's microbatches by id, the reduction, stopping cleanly.
 
 Called from :class:`titan_recover.trainer.RecoverTrainer`'s hooks; TorchTitan's trainer does everything else.
-Within a replica, gradients are reduced by FSDP2 over the replica's own (shard-only) mesh as usual; across
-replicas, after the step's last microbatch, every rank sums its local gradient shards with the same position in
-the other member replicas (:class:`~titan_recover.recover.replica_sync.ReplicaSync`) and divides by the number of
-replicas that took part.
+In replica mode TorchTitan's loop still drives the step (zero_grad, its gradient-accumulation calls, clipping, the
+optimizer, logging), but its first ``forward_backward_step`` call runs the whole step through
+:class:`~titan_recover.recover.step_recovery.StepRecovery`: this replica's quota of global microbatch ids, fetched
+by address, forward and backward with the loss scaled by the constant ``1 / tokens of the global batch``; FSDP2
+reduces over the replica's own ranks as usual; across replicas every rank sums its local gradient shards with the
+same position in the other member replicas, together with the step's ledger; lost replicas' ids are computed by
+survivors in the same step. The gradient written back is the committed sum (docs/invariant.md).
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
+from titan_recover import platform
+
+platform.activate()  # before any TorchTitan module that copies the device globals
+
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
+
 from titan_recover.recover.chaos import ChaosMonkey
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.member import (
@@ -25,13 +34,14 @@ from titan_recover.recover.member import (
     EXIT_EXCLUDED,
     REPLICA_ENV,
     ReplicaMember,
+    RUN_DIR_ENV,
     TooFewReplicas,
 )
 from titan_recover.recover.replica_sync import ReplicaSync
+from titan_recover.recover.step_recovery import StepOutcome, StepRecovery
 
 logger = logging.getLogger(__name__)
 
-RUN_DIR_ENV = "TITAN_RECOVER_RUN_DIR"
 EXIT_TOO_FEW = 3
 
 
@@ -62,7 +72,8 @@ def attach_replica_sync(trainer) -> None:
     sync = ReplicaSync(config.recover, member, events, chaos)
     trainer.replica_sync = sync
     trainer.chaos = chaos
-    trainer.metrics_processor.step_metrics_fn = lambda: step_metrics(sync)
+    trainer.replica_step = ReplicaStep(trainer, sync, chaos)
+    trainer.metrics_processor.step_metrics_fn = trainer.replica_step.metrics
     try:
         sync.start()
         sync.broadcast_from_lowest(local_parameters(trainer))
@@ -75,6 +86,15 @@ def attach_replica_sync(trainer) -> None:
         chaos.maybe_inject(trainer.step, "optimizer")
 
     trainer.optimizers.register_step_pre_hook(before_optimizer)
+    optimizer_step = trainer.optimizers.step
+
+    def step_unless_discarded(*args, **kwargs):
+        """``drop`` discards a step that saw a failure, as torchft does: no optimizer update at all."""
+        if trainer.replica_step.discard:
+            return None
+        return optimizer_step(*args, **kwargs)
+
+    trainer.optimizers.step = step_unless_discarded
 
     def on_output(_module, _inputs, output):
         if isinstance(output, torch.Tensor) and output.requires_grad:
@@ -87,52 +107,175 @@ def attach_replica_sync(trainer) -> None:
     trainer.model_parts[-1].register_forward_hook(on_output)
 
 
-def step_metrics(sync: ReplicaSync) -> dict[str, float]:
-    metrics = {
-        "recover/replicas": sync.participants,
-        "recover/epoch": sync.epoch,
-        "recover/reduce_s": sync.last_reduce_s,
-    }
-    if sync.recoveries:
-        metrics.update({
-            "recover/epoch_changes": len(sync.recoveries),
-            "recover/detect_s": sum(r["detect_s"] for r in sync.recoveries),
-            "recover/agree_s": sum(r["agree_s"] for r in sync.recoveries),
-            "recover/rebuild_s": sum(r["build_s"] for r in sync.recoveries),
-        })
-    return metrics
+class ReplicaStep:
+    """Replica mode's per-step state on one rank: the local accumulation, the recovery manager, the outcome."""
+
+    def __init__(self, trainer, sync: ReplicaSync, chaos: ChaosMonkey):
+        config = trainer.config
+        quota = config.recover.quota
+        self.trainer, self.sync, self.chaos = trainer, sync, chaos
+        self.exact = quota.exact
+        self.replicas = config.recover.replicas
+        self.per_step = quota.microbatches or self.replicas * trainer.gradient_accumulation_steps
+        self.shard_degree, self.shard_rank = 1, 0
+        if trainer.parallel_dims.dp_enabled:
+            mesh = trainer.parallel_dims.get_mesh("batch")
+            self.shard_degree, self.shard_rank = mesh.size(), mesh.get_local_rank()
+        self.local_batch = config.training.local_batch_size
+        self.tokens_per_microbatch = self.shard_degree * self.local_batch * config.training.seq_len
+        # The constant loss scale: every microbatch's summed token loss is divided by the tokens of the whole
+        # global batch (all labels of the addressable loader are valid tokens), never by the live replicas.
+        self.global_tokens = torch.tensor(self.per_step * self.tokens_per_microbatch, device=trainer.device)
+        self.params = [p for m in trainer.model_parts for p in m.parameters() if p.requires_grad]
+        self.numel = sum(_local(p).numel() for p in self.params)
+        self.dtype = torch.float64 if self.exact else torch.float32
+        self.recovery = StepRecovery(
+            quota, replica=sync.member.replica, replicas=self.replicas, per_step=self.per_step, sync=sync,
+            compute=self.compute, pack=self.pack, max_epochs_per_step=config.recover.max_epochs_per_step,
+            agree_speed=self.agree_speed if torch.distributed.get_world_size() > 1 else None,
+        )
+        self.outcome: StepOutcome | None = None
+        self.discard = False
+        self._calls = 0
+        self._loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        self._accumulator: torch.Tensor | None = None
+
+    def begin_step(self) -> None:
+        self._calls = 0
+        self.discard = False
+        self._loss.zero_()
+        if self.exact:
+            if self._accumulator is None:
+                self._accumulator = torch.zeros(self.numel, dtype=torch.float64, device=self.trainer.device)
+            self._accumulator.zero_()
+
+    def forward_backward(self) -> torch.Tensor:
+        """One of TorchTitan's gradient-accumulation calls: the first runs the whole step, the others add 0 to
+        the logged loss. Returns this rank's share of the logged loss (TorchTitan sums shares over the replica's
+        ranks: the result is the mean token loss of the committed global batch)."""
+        self._calls += 1
+        if self._calls > 1:
+            return torch.zeros((), device=self.trainer.device)
+        trainer = self.trainer
+        outcome = self.recovery.run(trainer.step)
+        self.outcome = outcome
+        scale = self.per_step / outcome.committed  # 1 unless `drop` lost microbatches
+        summed = outcome.summed
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = _local(p.grad)
+                part = summed[offset : offset + g.numel()].view_as(g)
+                g.copy_((part * scale if scale != 1 else part).to(g.dtype))
+                offset += g.numel()
+        self.discard = outcome.discarded
+        if outcome.discarded:
+            self.sync.events.emit("step_discarded", step=trainer.step, epoch=self.sync.epoch,
+                                  microbatches=outcome.committed)
+        return torch.tensor(float(summed[self.numel]) * scale, dtype=torch.float32, device=trainer.device)
+
+    def compute(self, g: int) -> None:
+        """Forward and backward of replica microbatch ``g`` (this rank's shard of it), accumulated locally."""
+        trainer, member = self.trainer, self.sync.member
+        member.progress(step=trainer.step, phase="forward")
+        self.chaos.maybe_inject(trainer.step, "forward")
+        start = time.perf_counter()
+        input_dict, labels = trainer.dataloader.microbatch(
+            g, self.shard_rank, shard_degree=self.shard_degree, batch_size=self.local_batch
+        )
+        if bool((labels == IGNORE_INDEX).any()):
+            raise ValueError("replica mode scales the loss by a constant token count: labels must not be ignored")
+        loaded = time.perf_counter()
+        chunks = trainer.num_pipeline_parallel_microbatches
+        inputs, targets = [], []
+        for c in range(chunks):
+            part = slice(c * self.local_batch // chunks, (c + 1) * self.local_batch // chunks)
+            inputs.append({k: v[part].to(trainer.device) for k, v in input_dict.items()})
+            targets.append(labels[part].to(trainer.device))
+            trainer.metrics_processor.ntokens_since_last_log += targets[-1].numel()
+            trainer.metrics_processor.data_loading_times.append((loaded - start) / chunks)
+        pp = trainer.parallel_dims.pp_enabled
+        loss = trainer.base_forward_backward_step(
+            input_dict=inputs if pp else inputs[0], labels=targets if pp else targets[0],
+            global_valid_tokens=self.global_tokens,
+        )
+        if not pp or trainer.pp_has_last_stage:
+            self._loss += loss.detach().to(torch.float64).sum()
+        if self.exact:
+            self._move_gradients_to_accumulator()
+        self.chaos.after_compute(trainer.step, time.perf_counter() - loaded)
+
+    def _move_gradients_to_accumulator(self) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = _local(p).numel()
+                if p.grad is not None:
+                    g = _local(p.grad)
+                    self._accumulator[offset : offset + n].add_(g.reshape(-1))
+                    g.zero_()
+                offset += n
+
+    def pack(self, tail: list[float]) -> torch.Tensor:
+        """The flat buffer reduced across replicas: local accumulation, loss, then ``tail`` (ledger, speeds)."""
+        if self.exact:
+            local = self._accumulator
+        else:
+            local = torch.cat([
+                (_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1).to(self.dtype)
+                for p in self.params
+            ])
+        return torch.cat([
+            local.detach().cpu().to(self.dtype),
+            self._loss.detach().cpu().to(self.dtype).reshape(1),
+            torch.tensor(tail, dtype=self.dtype),
+        ])
+
+    def agree_speed(self, speed: float) -> float:
+        """The replica's speed as one number on all its ranks (their timings differ slightly)."""
+        t = torch.tensor([speed], dtype=torch.float64, device=self.trainer.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t.item())
+
+    def metrics(self) -> dict[str, float]:
+        outcome, sync = self.outcome, self.sync
+        if outcome is None:
+            return {}
+        metrics = {
+            "recover/replicas": outcome.participants,
+            "recover/epoch": sync.epoch,
+            "recover/microbatches": outcome.committed,
+            "recover/tokens": outcome.committed * self.tokens_per_microbatch,
+            "recover/recomputed": outcome.recomputed,
+            "recover/computed_here": outcome.mine,
+            "recover/attempts": outcome.attempts,
+            "recover/discarded": int(outcome.discarded),
+            "recover/compute_s": outcome.compute_s,
+            "recover/wait_s": outcome.wait_s,
+            "recover/recovery_s": outcome.recovery_s,
+            **{f"recover/quota/{r}": outcome.quotas.get(r, 0) for r in range(self.replicas)},
+        }
+        if sync.recoveries:
+            metrics.update({
+                "recover/epoch_changes": len(sync.recoveries),
+                "recover/detect_s": sum(r["detect_s"] for r in sync.recoveries),
+                "recover/agree_s": sum(r["agree_s"] for r in sync.recoveries),
+                "recover/rebuild_s": sum(r["build_s"] for r in sync.recoveries),
+            })
+        return metrics
 
 
-def forward_backward_then_reduce(trainer, forward_backward) -> torch.Tensor:
-    sync: ReplicaSync = trainer.replica_sync
-    sync.member.progress(step=trainer.step, phase="forward")
-    trainer.chaos.maybe_inject(trainer.step, "forward")
-    loss = forward_backward()
-    trainer._step_microbatches += 1
-    trainer._step_local_loss += loss.detach().to(torch.float64).cpu().reshape(())
-    if trainer._step_microbatches < trainer.gradient_accumulation_steps:
-        return loss
-    mean_loss = reduce_gradients(trainer, trainer._step_local_loss)
-    # TorchTitan logs the sum of this step's returned losses: make that sum the mean over member replicas
-    return loss + (mean_loss - trainer._step_local_loss).to(loss.dtype).to(loss.device)
-
-
-def reduce_gradients(trainer, local_loss: torch.Tensor) -> torch.Tensor:
-    """Sum gradients (and the loss) across member replicas, write back gradient / replicas; returns mean loss."""
-    grads = [_local(p.grad) for m in trainer.model_parts for p in m.parameters() if p.grad is not None]
-    flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads]
-                     + [local_loss.to(torch.float32).reshape(1)])
-    start = time.perf_counter()
-    summed, replicas = trainer.replica_sync.reduce(trainer.step, flat)
-    trainer.replica_sync.last_reduce_s = time.perf_counter() - start  # for the step's metrics
-    offset = 0
-    with torch.no_grad():
-        for g in grads:
-            g.copy_(summed[offset : offset + g.numel()].view_as(g).div_(replicas).to(g.dtype))
-            offset += g.numel()
-    trainer.replica_sync.participants = replicas
-    return summed[-1].to(torch.float64) / replicas
-
+def save_final_parameters(trainer, folder: str) -> None:
+    """Every rank's local parameter shards, by name, to ``folder/replica{i}_rank{k}.pt`` (for comparing runs)."""
+    os.makedirs(folder, exist_ok=True)
+    member = trainer.replica_sync.member
+    shards = {name: _local(p.data).detach().cpu().clone()
+              for i, m in enumerate(trainer.model_parts) for name, p in m.named_parameters()}
+    path = os.path.join(folder, f"replica{member.replica}_rank{member.rank}.pt")
+    torch.save(shards, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 def parameter_digest(trainer) -> str:
     """sha256 of this rank's local parameter shards (bitwise identity across replicas, without copying)."""
@@ -145,6 +288,9 @@ def parameter_digest(trainer) -> str:
 def train_until_done_or_stopped(trainer, train) -> None:
     try:
         train()
+        if trainer.config.recover.save_final_parameters:
+            save_final_parameters(trainer, os.path.join(os.environ.get(RUN_DIR_ENV, trainer.config.dump_folder),
+                                                        "final_parameters"))
         trainer.replica_sync.member.finish()
         trainer.replica_sync.events.emit("final_parameters", step=trainer.step, epoch=trainer.replica_sync.epoch,
                                          sha256=parameter_digest(trainer))

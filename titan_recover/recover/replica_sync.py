@@ -1,9 +1,11 @@
 """One rank's synchronisation with the other replicas: epochs, the gradient reduction and its commit point.
 
-:meth:`ReplicaSync.reduce` is the only place a step's cross-replica result is decided. It reduces a *copy* of the
-local gradients over the fault-tolerant group, then runs the commit barrier; on ``commit`` it returns the summed
-buffer, on ``abort`` (a fault anywhere in the epoch) it moves to the next epoch and redoes the reduction from the
-untouched local gradients with the survivors. ``max_epochs_per_step`` bounds the redo loop.
+:meth:`ReplicaSync.reduce_once` is the only place a step's cross-replica result is decided. It reduces a buffer
+(a *copy* of the local gradients, with the step's ledger) over the fault-tolerant group, then runs the commit
+barrier: ``commit`` and the buffer holds the sum; ``abort`` (a fault anywhere in the epoch) and the rank has moved
+to the next epoch, where the caller (:mod:`~titan_recover.recover.step_recovery`) completes the step's microbatches
+and tries again. The start-up broadcast goes through the same commit barrier (as step 0), so that every member
+agrees on the epoch the first step's quotas start from.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class ReplicaSync:
         self._retired: list[FaultTolerantGroup] = []
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
         self.participants = 0  # replicas in the last committed reduction
-        self.last_reduce_s = 0.0  # wall time of the last reduction, recovery included
+        self.committed_epoch = -1  # epoch of the last commit (start-up broadcast or step): quotas start from it
+        self.committed_members: tuple[int, ...] = ()
 
     @property
     def epoch(self) -> int:
@@ -61,7 +64,10 @@ class ReplicaSync:
             on_poll=self.member.progress,
         )
 
-    def _catch_up(self, step: int | None) -> None:
+    def members_of(self, epoch: int) -> tuple[int, ...]:
+        return self.member.members_of(epoch)
+
+    def catch_up(self, step: int | None) -> None:
         """Before a collective: if the coordinator has moved on (a fault elsewhere), move to its epoch."""
         if self.member.current_epoch() > self.epoch or self.member.store.check([Keys.fault(self.epoch)]):
             self._next_epoch(step)
@@ -86,53 +92,56 @@ class ReplicaSync:
             self.chaos.maybe_inject(step, "rebuild")
 
     def broadcast_from_lowest(self, tensors: list[torch.Tensor]) -> None:
-        """Make this position's tensors equal to the lowest member replica's (used at start)."""
-        while True:
-            self._catch_up(step=None)
+        """Make this position's tensors equal to the lowest member replica's (used at start), then commit as
+        step 0 so that every member agrees on the epoch the first step starts from."""
+        for _ in range(self.config.max_epochs_per_step + 1):
+            self.catch_up(step=None)
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
             try:
-                flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if tensors else None
-                if flat is not None:
-                    self.group.broadcast_(flat, root_replica=min(self.members))
-                    offset = 0
-                    for t in tensors:
-                        t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-                        offset += t.numel()
-                return
+                self.group.broadcast_(flat, root_replica=min(self.members))
+                decision = self._commit_barrier(0)
             except FaultDetected as fault:
                 logger.warning("broadcast failed: %s", fault.reason)
-                self._next_epoch(step=0)
-
-    def reduce(self, step: int, local: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Sum ``local`` (flat, not modified) over the member replicas; returns (sum, number of replicas).
-
-        Returns only once the reduction is committed in some epoch; raises ``TooFewReplicas`` / ``Excluded`` /
-        ``RuntimeError`` (too many epochs in one step).
-        """
-        self.recoveries = []
-        for attempt in range(self.config.max_epochs_per_step + 1):
-            self._catch_up(step)
-            buffer = local.clone()
-            self.member.progress(step=step, phase="reduction")
-            try:
-                if self.chaos is not None:
-                    self.chaos.maybe_inject(step, "reduction")
-                self.group.allreduce_sum_(buffer)
-                self.member.progress(phase="commit")
-                if self.chaos is not None:
-                    self.chaos.maybe_inject(step, "commit")
-                decision = self._commit_barrier(step)
-            except FaultDetected as fault:
-                logger.warning("step %d epoch %d: %s", step, self.epoch, fault.reason)
-                decision = self._propose(step, "abort")
+                decision = self._propose(0, "abort")
             if decision == "commit":
-                self.events.emit("step_committed", step=step, epoch=self.epoch, members=list(self.members),
-                                 attempts=attempt + 1)
-                return buffer, len(self.members)
-            self._next_epoch(step)
-        raise RuntimeError(
-            f"step {step}: the reduction failed in {self.config.max_epochs_per_step + 1} consecutive epochs "
-            f"(recover.max_epochs_per_step = {self.config.max_epochs_per_step}); giving up"
-        )
+                offset = 0
+                for t in tensors:
+                    t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+                self._committed()
+                return
+            self._next_epoch(step=0)
+        raise RuntimeError(f"start-up broadcast failed in {self.config.max_epochs_per_step + 1} consecutive epochs")
+
+    def _committed(self) -> None:
+        self.committed_epoch, self.committed_members = self.epoch, self.members
+
+    def reduce_once(self, step: int, buffer: torch.Tensor, attempt: int = 1) -> bool:
+        """Sum ``buffer`` in place over the current epoch's members and run the commit barrier.
+
+        True: committed, ``buffer`` holds the sum. False: aborted, this rank is now in the next epoch (``buffer``
+        is garbage). Raises ``TooFewReplicas`` / ``Excluded`` when the next epoch says so.
+        """
+        self.member.progress(step=step, phase="reduction")
+        try:
+            if self.chaos is not None:
+                self.chaos.maybe_inject(step, "reduction")
+            self.group.allreduce_sum_(buffer)
+            self.member.progress(phase="commit")
+            if self.chaos is not None:
+                self.chaos.maybe_inject(step, "commit")
+            decision = self._commit_barrier(step)
+        except FaultDetected as fault:
+            logger.warning("step %d epoch %d: %s", step, self.epoch, fault.reason)
+            decision = self._propose(step, "abort")
+        if decision == "commit":
+            self._committed()
+            self.participants = len(self.members)
+            self.events.emit("step_committed", step=step, epoch=self.epoch, members=list(self.members),
+                             attempts=attempt)
+            return True
+        self._next_epoch(step)
+        return False
 
     def _propose(self, step: int, proposal: str) -> str:
         stored = self.member.store.compare_set(Keys.decision(self.epoch, step), "", proposal)

@@ -1,0 +1,235 @@
+"""The exactly-once ledger and the step recovery manager, without processes.
+
+``SimulatedReplicas`` runs the manager of every replica of a step in one process against a fake coordinator:
+failures are scripted per (replica, phase), the "reduction" sums what the live replicas packed, and the test
+checks what every replica computed and what the step committed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+from titan_recover.recover.config import QuotaConfig
+from titan_recover.recover.ledger import LedgerError, StepLedger
+from titan_recover.recover.step_recovery import StepRecovery
+
+
+def ledger(policy="even", members=(0, 1, 2, 3), per_step=8, step=2, replicas=4, speeds=None):
+    return StepLedger(policy, step, per_step, members, epoch=5, replicas=replicas, speeds=speeds or {})
+
+
+def test_ledger_starts_from_the_policy_and_takes_over_lost_ids_in_epoch_order():
+    book = ledger()
+    assert book.ids(1) == (9, 13) and book.first == 8
+    moved = book.advance(6, [0, 2, 3])
+    assert moved.lost == (1,) and sorted(itertools.chain(*moved.extra.values())) == [9, 13]
+    assert book.recomputed == 2
+    again = book.advance(7, [0, 3])
+    assert again.lost == (2,)
+    held = sorted(itertools.chain(*(book.ids(m) for m in (0, 3))))
+    assert held == list(range(8, 16))  # every id of the step, once, after two losses
+    assert book.ids(2) == () and book.ids(1) == ()
+    with pytest.raises(ValueError, match="next is 8"):
+        book.advance(9, [0, 3])
+
+
+def test_ledger_check_accepts_exactly_once_only():
+    book = ledger()
+    vectors = [book.vector(book.ids(m)) for m in range(4)]
+    reduced = [sum(column) for column in zip(*vectors)]
+    assert book.check(reduced) == 8
+    twice = list(reduced)
+    twice[3] += 1
+    with pytest.raises(LedgerError, match=r"counted too often \[11\]"):
+        book.check(twice)
+    missing = list(reduced)
+    missing[0] = 0
+    with pytest.raises(LedgerError, match=r"missing ids \[8\]"):
+        book.check(missing)
+    with pytest.raises(LedgerError, match="not an id of step 2"):
+        book.vector([99])
+
+
+def test_drop_keeps_fixed_shares_and_commits_fewer():
+    book = ledger("drop", members=(0, 1, 3))  # replica 2 already gone: its share is not computed
+    assert book.ids(0) == (8, 12) and book.ids(2) == ()
+    book.advance(6, [0, 3])
+    assert book.ids(0) == (8, 12) and book.recomputed == 0
+    reduced = [a + b for a, b in zip(book.vector(book.ids(0)), book.vector(book.ids(3)))]
+    assert book.check(reduced) == 4
+
+
+def test_every_holder_lost_is_an_error():
+    book = ledger(members=(0, 1))
+    with pytest.raises(LedgerError, match="every replica"):
+        book.advance(6, [2])
+
+
+class FakeEvents:
+    def __init__(self):
+        self.records = []
+
+    def emit(self, event, **fields):
+        self.records.append({"event": event, **fields})
+
+
+class SimulatedReplicas:
+    """The replicas of one step, each manager in its own thread, against a fake coordinator: a scripted death
+    publishes the next epoch without the dead replica; an epoch's reduction commits once every member packed in
+    it, and aborts (the rank moves to the newest epoch) when a newer epoch appears first."""
+
+    def __init__(self, replicas: int, per_step: int, policy: str = "even", dies: dict[int, str] | None = None):
+        self.replicas, self.per_step, self.policy = replicas, per_step, policy
+        self.dies = dict(dies or {})
+        self.epochs = {0: tuple(range(replicas))}
+        self.packed: dict[int, dict[int, torch.Tensor]] = {}
+        self.computed: dict[int, list[int]] = {r: [] for r in range(replicas)}
+        self.changed = threading.Condition()
+
+    def lose(self, replica: int) -> None:
+        with self.changed:
+            last = max(self.epochs)
+            self.epochs[last + 1] = tuple(m for m in self.epochs[last] if m != replica)
+            self.changed.notify_all()
+
+    @staticmethod
+    def value(g: int) -> torch.Tensor:
+        return torch.tensor([g + 1.0, 2.0 ** -g, 1.0], dtype=torch.float64)
+
+    def sync(self, replica: int):
+        sim = self
+
+        class Sync:
+            def __init__(self):
+                self.epoch, self.members = 0, sim.epochs[0]
+                self.committed_epoch, self.committed_members = 0, sim.epochs[0]
+                self.recoveries, self.events = [], FakeEvents()
+
+            def catch_up(self, _step):
+                with sim.changed:
+                    self.epoch = max(sim.epochs)
+                    self.members = sim.epochs[self.epoch]
+
+            def members_of(self, epoch):
+                return sim.epochs[epoch]
+
+            def reduce_once(self, _step, buffer, attempt=1):
+                if sim.dies.get(replica) == "reduction":
+                    sim.lose(replica)
+                    raise SystemExit
+                with sim.changed:
+                    packed = sim.packed.setdefault(self.epoch, {})
+                    packed[replica] = buffer.clone()
+                    sim.changed.notify_all()
+                    complete = lambda: set(packed) == set(self.members)
+                    superseded = lambda: max(sim.epochs) > self.epoch
+                    assert sim.changed.wait_for(lambda: complete() or superseded(), timeout=10)
+                    if complete():
+                        buffer.copy_(sum(packed.values()))
+                        self.committed_epoch, self.committed_members = self.epoch, self.members
+                        return True
+                    self.epoch = max(sim.epochs)
+                    self.members = sim.epochs[self.epoch]
+                    return False
+
+        return Sync()
+
+    def run_step(self, step: int) -> dict:
+        """Run every replica's manager for ``step``; returns replica -> outcome, or "dead"."""
+        outcomes: dict[int, object] = {}
+
+        def replica_main(r: int) -> None:
+            local = torch.zeros(3, dtype=torch.float64)
+
+            def compute(g):
+                if self.dies.get(r) == "forward":
+                    self.lose(r)
+                    raise SystemExit
+                self.computed[r].append(g)
+                local.add_(self.value(g))
+
+            def pack(tail):
+                return torch.cat([local, torch.tensor([0.0]), torch.tensor(tail, dtype=torch.float64)])
+
+            manager = StepRecovery(QuotaConfig(policy=self.policy), replica=r, replicas=self.replicas,
+                                   per_step=self.per_step, sync=self.sync(r), compute=compute, pack=pack)
+            try:
+                outcomes[r] = manager.run(step)
+            except SystemExit:
+                outcomes[r] = "dead"
+
+        threads = [threading.Thread(target=replica_main, args=(r,)) for r in range(self.replicas)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+            assert not t.is_alive()
+        return outcomes
+
+
+def test_manager_a_replica_lost_in_forward_has_its_ids_computed_by_survivors():
+    sim = SimulatedReplicas(replicas=3, per_step=6, dies={1: "forward"})
+    outcomes = sim.run_step(step=1)
+    assert outcomes[1] == "dead"
+    survivors = [outcomes[0], outcomes[2]]
+    assert {o.committed for o in survivors} == {6}
+    everything = sorted(sim.computed[0] + sim.computed[2])
+    assert everything == list(range(6))  # replica 1 computed nothing; all ids once
+    expected = sum(sim.value(g) for g in range(6))
+    for o in survivors:
+        assert torch.equal(o.summed[:3], expected)
+        assert o.recomputed == 2 and o.quotas == {0: 2, 1: 2, 2: 2}
+
+
+def test_manager_a_replica_lost_in_reduction_keeps_the_survivors_accumulation():
+    sim = SimulatedReplicas(replicas=3, per_step=6, dies={2: "reduction"})
+    outcomes = sim.run_step(step=1)
+    assert outcomes[2] == "dead"
+    for r in (0, 1):
+        assert outcomes[r].committed == 6
+        assert torch.equal(outcomes[r].summed[:3], sum(sim.value(g) for g in range(6)))
+    # replica 2's two ids were recomputed by the survivors on top of what they had
+    assert sorted(sim.computed[0] + sim.computed[1]) == list(range(6))
+
+
+def test_manager_drop_discards_the_failed_step_and_commits_fewer():
+    sim = SimulatedReplicas(replicas=3, per_step=6, policy="drop", dies={1: "reduction"})
+    outcomes = sim.run_step(step=1)
+    for r in (0, 2):
+        assert outcomes[r].committed == 4 and outcomes[r].discarded and outcomes[r].recomputed == 0
+
+
+def test_manager_gives_up_after_the_epoch_bound():
+    class NeverCommits:
+        epoch, members, committed_epoch, committed_members = 0, (0, 1), 0, (0, 1)
+        recoveries, events = [], FakeEvents()
+
+        def catch_up(self, _step):
+            pass
+
+        def reduce_once(self, *_args):
+            return False
+
+    manager = StepRecovery(QuotaConfig(), replica=0, replicas=2, per_step=2, sync=NeverCommits(),
+                           compute=lambda g: None, pack=lambda tail: torch.tensor(tail), max_epochs_per_step=2)
+    with pytest.raises(RuntimeError, match="failed in 3 consecutive epochs"):
+        manager.run(1)
+
+
+def test_manager_smooths_committed_speeds_and_the_next_plan_uses_them():
+    manager = StepRecovery(QuotaConfig(policy="throughput", speed_smoothing=0.5), replica=0, replicas=3,
+                           per_step=10, sync=None, compute=lambda g: None, pack=lambda tail: torch.tensor(tail))
+    manager._update_speeds([2.0, 0.0, 1.0])  # replica 1 computed nothing: no measurement
+    manager._update_speeds([4.0, 1.0, 1.0])
+    assert manager.speeds == {0: 3.0, 1: 1.0, 2: 1.0}
+
+    class Committed:
+        committed_epoch, committed_members = 3, (0, 1, 2)
+
+    manager.sync = Committed()
+    plan = manager.plan(step=2)
+    assert {m: plan.quota(m) for m in (0, 1, 2)} == {0: 6, 1: 2, 2: 2}  # 3 : 1 : 1
