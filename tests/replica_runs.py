@@ -1,0 +1,114 @@
+"""Running replica-group jobs in tests and checking what they did (shared by the multi-process test modules)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+
+import torch
+
+from conftest import launch, read_metrics
+from titan_recover.recover.events import read_events
+from titan_recover.recover.launcher import processes_of_run
+
+# join window short to keep tests fast; heartbeat timeout at its default (2 s): shorter ones can misjudge a live
+# process that the 2-core machine did not schedule for a second while 5+ processes compete.
+FAST_DETECTION = ("--recover.heartbeat_timeout_s", "2.0", "--recover.join_window_s", "0.3")
+LOSS = "loss_metrics/global_avg_loss"
+
+
+def run_replicas(folder: pathlib.Path, *, replicas: int, ranks: int, steps: int, faults: list[dict],
+                 extra: tuple[str, ...] = (), parallelism: tuple[str, ...] | None = None):
+    """One job of the tiny model: ``replicas`` groups of ``ranks`` processes (FSDP2 over them unless
+    ``parallelism`` says otherwise), the given chaos faults, every rank's final parameters saved."""
+    fault_toml = "[" + ", ".join(
+        "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.items()) + "}" for f in faults
+    ) + "]"
+    if parallelism is None:
+        parallelism = ("--parallelism.data_parallel_shard_degree", str(ranks))
+    proc = launch(
+        "train_configs/replicas.toml",
+        "--model.flavor", "tiny", "--metrics.no_enable_wandb",
+        "--training.steps", str(steps),
+        "--recover.replicas", str(replicas),
+        *parallelism,
+        "--dump_folder", str(folder),
+        "--recover.save_final_parameters",
+        "--chaos.faults", fault_toml,
+        *FAST_DETECTION, *extra,
+        timeout=280,
+    )
+    return proc, read_events(folder / "events.jsonl")
+
+
+def metrics_by_replica(folder: pathlib.Path) -> dict[int, dict[int, dict]]:
+    by_replica: dict[int, dict[int, dict]] = collections.defaultdict(dict)
+    for record in read_metrics(folder):
+        by_replica[record["replica"]][record["step"]] = record
+    return by_replica
+
+
+def assert_survived(folder, proc, events, *, replicas: int, ranks: int, steps: int, lost: dict[int, int]):
+    """The job finished; every fault fired; survivors trained every step with the replicas expected, logged the
+    same loss and ended bitwise identical; nothing is left running. ``lost``: replica -> first step it no longer
+    contributes to. Returns the injected-fault events."""
+    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, output
+    injected = [e for e in events if e["event"] == "fault_injected"]
+    assert len(injected) == len(lost), injected  # every scheduled fault fired
+    survivors = sorted(set(range(replicas)) - set(lost))
+    by_replica = metrics_by_replica(folder)
+    for replica in survivors:
+        assert sorted(by_replica[replica]) == list(range(1, steps + 1)), f"replica {replica} missed steps"
+        for step, record in by_replica[replica].items():
+            alive = sum(1 for r in range(replicas) if r not in lost or step < lost[r])
+            assert record["recover/replicas"] == alive, (replica, step, record["recover/replicas"])
+        for step in by_replica[replica]:  # every survivor logged the same (cross-replica) loss
+            assert by_replica[replica][step][LOSS] == by_replica[survivors[0]][step][LOSS]
+    finals = [e for e in events if e["event"] == "final_parameters"]
+    assert sorted((e["replica"], e["rank"]) for e in finals) == [(r, k) for r in survivors for k in range(ranks)]
+    for rank in range(ranks):
+        digests = {e["sha256"] for e in finals if e["rank"] == rank}
+        assert len(digests) == 1, f"position {rank}: replicas differ"  # bitwise identical parameters
+    removed = [r for e in events if e["event"] == "epoch_formed" for r in e["removed"]]
+    assert sorted(removed) == sorted(lost)
+    assert processes_of_run(str(folder)) == []  # nothing left behind
+    return injected
+
+
+def trajectory_deviation(reference: pathlib.Path, run: pathlib.Path, *, replica: int) -> float:
+    """Largest relative difference of the logged loss over the steps of ``replica`` in ``run``."""
+    ref, got = metrics_by_replica(reference)[0], metrics_by_replica(run)[replica]
+    assert sorted(got) == sorted(ref), "the runs did not log the same steps"
+    return max(abs(got[s][LOSS] - ref[s][LOSS]) / abs(ref[s][LOSS]) for s in ref)
+
+
+def final_parameters(folder: pathlib.Path, replica: int, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "final_parameters" / f"replica{replica}_rank{rank}.pt")
+
+
+def assert_same_trajectory(reference: pathlib.Path, run: pathlib.Path, *, survivors: list[int], ranks: int,
+                           bitwise: bool, rtol: float = 1e-5) -> None:
+    """The failure run equals the failure-free reference: the loss at every step and every final parameter, within
+    ``rtol`` relative (or bitwise), and the same tokens committed at every step."""
+    ref = metrics_by_replica(reference)[0]
+    for replica in survivors:
+        got = metrics_by_replica(run)[replica]
+        for step in ref:
+            assert got[step]["recover/tokens"] == ref[step]["recover/tokens"], (replica, step)
+            assert got[step]["recover/microbatches"] == ref[step]["recover/microbatches"], (replica, step)
+            if bitwise:
+                assert got[step][LOSS] == ref[step][LOSS], (replica, step, got[step][LOSS], ref[step][LOSS])
+        deviation = trajectory_deviation(reference, run, replica=replica)
+        assert deviation <= rtol, f"replica {replica}: loss deviates from the reference by {deviation:.3e}"
+        for rank in range(ranks):
+            expected, actual = final_parameters(reference, 0, rank), final_parameters(run, replica, rank)
+            assert expected.keys() == actual.keys()
+            for name, value in expected.items():
+                if bitwise:
+                    assert torch.equal(actual[name], value), (replica, rank, name)
+                else:
+                    scale = value.abs().max().clamp_min(1e-12)
+                    error = float((actual[name] - value).abs().max() / scale)
+                    assert error <= rtol, f"replica {replica} rank {rank} {name}: relative error {error:.3e}"

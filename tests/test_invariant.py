@@ -1,0 +1,126 @@
+"""The ReCoVer invariant end to end: a run that loses replicas equals the failure-free run (docs/invariant.md).
+
+Each failure run is compared with a failure-free reference of the same layout: the loss at every step and every
+final parameter within 1e-5 relative, the same tokens committed at every step; in exact mode bitwise
+(``torch.equal``). The same schedule with the ``drop`` policy (torchft's semantics) must leave that bound, which
+shows the bound is not met trivially. Faults are SIGKILLs (and one exception) at every phase of a step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from replica_runs import assert_same_trajectory, assert_survived, metrics_by_replica, run_replicas, \
+    trajectory_deviation
+
+pytestmark = pytest.mark.multiprocess
+
+REPLICAS, STEPS = 4, 4
+EXACT = ("--recover.quota.exact",)
+
+
+def kill(replica, step, phase, kind="kill", rank=0):
+    return {"kind": kind, "replica": replica, "rank": rank, "step": step, "phase": phase}
+
+
+# schedule name -> (faults, replica -> first step it no longer contributes to)
+SCHEDULES = {
+    # two replicas lost at different steps: one while computing, one while reducing
+    "forward+reduction": ([kill(1, 2, "forward"), kill(3, 3, "reduction")], {1: 2, 3: 3}),
+    # one in backward; then the lowest replica between its reduction and the commit
+    "backward+commit": ([kill(2, 2, "backward"), kill(0, 3, "commit")], {2: 2, 0: 3}),
+    # a loss during the recovery from another (phase rebuild), then an exception in the optimizer step after a
+    # commit: the last survivor computes every microbatch of step 4 alone
+    "rebuild+optimizer": ([kill(1, 2, "reduction"), kill(2, 2, "rebuild"), kill(3, 3, "optimizer", kind="raise")],
+                          {1: 2, 2: 2, 3: 4}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, default_data):
+    """Failure-free runs, one per (name, layout), made on first use and shared by the module's tests."""
+    cache = {}
+
+    def get(name: str, *, replicas: int, ranks: int, extra=(), parallelism=None):
+        if name not in cache:
+            folder = tmp_path_factory.mktemp(f"reference-{name}")
+            proc, events = run_replicas(folder, replicas=replicas, ranks=ranks, steps=STEPS, faults=[],
+                                        extra=extra, parallelism=parallelism)
+            assert_survived(folder, proc, events, replicas=replicas, ranks=ranks, steps=STEPS, lost={})
+            cache[name] = folder
+        return cache[name]
+
+    return get
+
+
+def survivors_of(lost: dict[int, int], replicas: int = REPLICAS) -> list[int]:
+    return sorted(set(range(replicas)) - set(lost))
+
+
+def check_recovery(folder, events, lost):
+    """Every lost replica's microbatches were taken over in the step it was lost (or the next, for a loss after
+    the commit), and the quotas of later steps exclude it."""
+    reassigned = [e for e in events if e["event"] == "microbatches_reassigned"]
+    for replica, step in lost.items():
+        assert any(replica in e["lost"] and e["step"] == step and e["extra"] for e in reassigned), (replica, step)
+    metrics = metrics_by_replica(folder)[survivors_of(lost)[0]]
+    for replica, step in lost.items():
+        for later in range(step + 1, STEPS + 1):
+            assert metrics[later][f"recover/quota/{replica}"] == 0
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_failure_run_equals_the_failure_free_run(tmp_path, reference, schedule):
+    faults, lost = SCHEDULES[schedule]
+    ref = reference("replicas", replicas=REPLICAS, ranks=1)
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults)
+    injected = assert_survived(tmp_path, proc, events, replicas=REPLICAS, ranks=1, steps=STEPS, lost=lost)
+    assert sorted((e["replica"], e["phase"]) for e in injected) == sorted((f["replica"], f["phase"]) for f in faults)
+    check_recovery(tmp_path, events, lost)
+    assert_same_trajectory(ref, tmp_path, survivors=survivors_of(lost), ranks=1, bitwise=False)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_exact_mode_failure_run_is_bitwise_the_failure_free_run(tmp_path, reference, schedule):
+    faults, lost = SCHEDULES[schedule]
+    ref = reference("exact", replicas=REPLICAS, ranks=1, extra=EXACT)
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults, extra=EXACT)
+    assert_survived(tmp_path, proc, events, replicas=REPLICAS, ranks=1, steps=STEPS, lost=lost)
+    assert_same_trajectory(ref, tmp_path, survivors=survivors_of(lost), ranks=1, bitwise=True)
+
+
+def test_drop_mode_leaves_the_reference_trajectory(tmp_path, reference):
+    faults, lost = SCHEDULES["forward+reduction"]
+    ref = reference("replicas", replicas=REPLICAS, ranks=1)
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults,
+                                extra=("--recover.quota.policy", "drop"))
+    assert_survived(tmp_path, proc, events, replicas=REPLICAS, ranks=1, steps=STEPS, lost=lost)
+    metrics = metrics_by_replica(tmp_path)[0]
+    # torchft's semantics: the batch shrinks with the replicas and the steps that saw a failure are discarded
+    assert [metrics[s]["recover/microbatches"] for s in range(1, STEPS + 1)] == [4, 3, 2, 2]
+    assert [metrics[s]["recover/discarded"] for s in range(1, STEPS + 1)] == [0, 1, 1, 0]
+    assert {e["step"] for e in events if e["event"] == "step_discarded"} == {2, 3}
+    assert trajectory_deviation(ref, tmp_path, replica=0) > 1e-5
+
+
+def test_fsdp_inside_replicas_kill_during_reduction(tmp_path, reference):
+    lost = {2: 3}
+    ref = reference("fsdp", replicas=3, ranks=2)
+    proc, events = run_replicas(tmp_path, replicas=3, ranks=2, steps=STEPS,
+                                faults=[kill(2, 3, "reduction", rank=1)])
+    assert_survived(tmp_path, proc, events, replicas=3, ranks=2, steps=STEPS, lost=lost)
+    redone = [e for e in events if e["event"] == "step_committed" and e["step"] == 3 and e["attempts"] > 1]
+    assert redone, "the step's reduction was not redone in the new epoch"
+    assert_same_trajectory(ref, tmp_path, survivors=[0, 1], ranks=2, bitwise=False)
+
+
+def test_tensor_parallel_inside_replicas_kill_in_backward(tmp_path, reference):
+    tp = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2")
+    lost = {1: 2}
+    ref = reference("tp", replicas=3, ranks=2, parallelism=tp)
+    proc, events = run_replicas(tmp_path, replicas=3, ranks=2, steps=STEPS, faults=[kill(1, 2, "backward", rank=1)],
+                                parallelism=tp)
+    assert_survived(tmp_path, proc, events, replicas=3, ranks=2, steps=STEPS, lost=lost)
+    check_recovery_steps = [e for e in events if e["event"] == "microbatches_reassigned" and e["step"] == 2]
+    assert check_recovery_steps, "replica 1's microbatches were not taken over in step 2"
+    assert_same_trajectory(ref, tmp_path, survivors=[0, 2], ranks=2, bitwise=False)
