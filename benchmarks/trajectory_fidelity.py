@@ -20,6 +20,7 @@ Targets: recover_dev <= 1e-5 and >= 100x smaller than drop_dev; exact_dev = 0.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import random
 import statistics
@@ -95,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     exact_dev = difference(exact_reference, exact_failures).max_rel
     overhead = statistics.median(exact_times) / statistics.median(ref_times)
     pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    plot({"failure-free": reference, "recover (in-step recovery)": recover, "exact": exact_failures,
-          "drop (torchft semantics)": drop}, args.plot)
-    print(f"plot: {args.plot}")
+    curves = {"failure-free": reference, "recover (in-step recovery)": recover, "exact": exact_failures,
+              "drop (torchft semantics)": drop}
+    plot(curves, args.plot)
+    data = pathlib.Path(args.plot).with_suffix(".json")
+    data.write_text(json.dumps({"schedule": faults, "curves": curves}, indent=1) + "\n")
+    print(f"plot: {args.plot} (curves: {data})")
     print(f"{args.replicas} replicas, {args.lost} lost, {args.flavor}, {args.steps} steps: largest relative loss "
           f"deviation from the failure-free run: recover {recover_dev:.2e}, exact {exact_dev:.2e}, drop {drop_dev:.2e}"
           f" ({drop_dev / max(recover_dev, 1e-30):.0f}x recover's)")

@@ -94,3 +94,22 @@ def test_chaos_monkey_logs_before_it_acts():
     with pytest.raises(InjectedFault):
         monkey.maybe_inject(3, "commit")
     assert events.seen[0][0] == "fault_injected" and events.seen[0][1]["kind"] == "raise"
+    monkey.maybe_inject(3, "commit")  # a retried phase of the same step: each fault fires once
+    assert len(events.seen) == 1
+
+
+def test_slow_fault_makes_a_straggler_from_its_step_on():
+    from titan_recover.recover.chaos import ChaosMonkey, FaultSpec
+
+    class Events:
+        def emit(self, event, **fields):
+            pass
+
+    monkey = ChaosMonkey([FaultSpec(kind="slow", factor=3.0, replica=0, rank=0, step=2, phase="forward")],
+                         replica=0, rank=0, events=Events())
+    monkey.maybe_inject(1, "forward")
+    assert monkey.slowdown == 1.0
+    monkey.maybe_inject(2, "forward")
+    assert monkey.slowdown == 3.0
+    with pytest.raises(ValueError, match="factor must be >= 1"):
+        FaultSpec(kind="slow", factor=0.5)

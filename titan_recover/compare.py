@@ -67,10 +67,11 @@ def plot(curves: dict[str, dict[int, float]], out: str | pathlib.Path, metric: s
     for i, name in enumerate(names):
         steps = sorted(curves[name])
         style = {"linewidth": 2.5, "alpha": 0.5} if i == 0 else {"linewidth": 1.2, "linestyle": "--"}
-        top.plot(steps, [curves[name][s] for s in steps], label=name, **style)
+        color = f"C{i}"  # the same colour for a run in both panels
+        top.plot(steps, [curves[name][s] for s in steps], label=name, color=color, **style)
         if i:
             common = sorted(set(reference) & set(curves[name]))
-            bottom.plot(common, [curves[name][s] - reference[s] for s in common], label=name)
+            bottom.plot(common, [curves[name][s] - reference[s] for s in common], label=name, color=color)
     top.set_ylabel(metric)
     top.legend()
     top.grid(alpha=0.3)

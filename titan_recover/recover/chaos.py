@@ -148,10 +148,14 @@ class ChaosMonkey:
         self.mine = [f for f in schedule if f.replica == replica and f.rank == rank]
         self.events = events
         self.slowdown = 1.0
+        self._fired: set[int] = set()
 
     def maybe_inject(self, step: int, phase: str) -> None:
+        """Fire the faults scheduled for (step, phase), each once (a phase recurs within a step: every
+        microbatch has a forward, a retried reduction is a reduction again)."""
         for fault in self.mine:
-            if fault.step == step and fault.phase == phase:
+            if fault.step == step and fault.phase == phase and id(fault) not in self._fired:
+                self._fired.add(id(fault))
                 self.events.emit("fault_injected", kind=fault.kind, step=step, phase=phase, pid=os.getpid())
                 FAULTS.get(fault.kind)(self, fault)
 

@@ -78,6 +78,10 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def cpu_threads_per_process(processes: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, processes))
+
+
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
                     metrics_rank: int) -> int:
     recover = config.recover
@@ -87,6 +91,9 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
     if os.path.exists(address_file):
         os.remove(address_file)
     base_env = dict(os.environ, **{RUN_DIR_ENV: run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1"})
+    # torchrun caps a worker's CPU threads only when it starts several; R single-process replicas on one node
+    # would each take every core and thrash. Share the cores unless the user chose.
+    base_env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(recover.replicas * ranks_per_replica)))
     coordinator = _spawn(
         [sys.executable, "-m", "titan_recover.recover.coordinator", "--replicas", str(recover.replicas),
          "--ranks-per-replica", str(ranks_per_replica), "--run-dir", run_dir, "--host", "127.0.0.1",

@@ -96,7 +96,8 @@ class ReplicaSync:
         step 0 so that every member agrees on the epoch the first step starts from."""
         for _ in range(self.config.max_epochs_per_step + 1):
             self.catch_up(step=None)
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+            # staged in host memory: the fault-tolerant group is gloo, whatever device the parameters live on
+            flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
             try:
                 self.group.broadcast_(flat, root_replica=min(self.members))
                 decision = self._commit_barrier(0)
