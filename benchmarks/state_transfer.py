@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""State-transfer throughput (docs/phoenix.md): a donor streams its training state (parameters + AdamW state +
+metadata; chunked, CRC-32 per chunk) to a joiner over the fault-tolerant group (gloo over loopback), against a raw
+gloo broadcast of the same number of bytes in one tensor between the same two processes.
+
+Two processes; the state is a stack of ``--layers`` square linear layers of width ``--width`` with AdamW state after
+one step (about 12 bytes per parameter: fp32 weights + two fp32 moments). ``--rounds`` alternating rounds of each;
+medians reported.
+
+    python benchmarks/state_transfer.py [--width 2048] [--layers 4] [--rounds 3] [--chunk-mb 64]
+
+Last line: ``transfer_mb_s=... raw_mb_s=... transfer_ratio=...``. Target (issue "rejoin from peers' memory"):
+transfer_ratio >= 0.8. The full rejoin benchmark (time to full strength with a spare or a restart) comes with the
+admission protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pathlib
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _member(port: int, replica: int, args, results) -> None:
+    import torch
+    from torch.distributed import TCPStore
+
+    from titan_recover.recover.ftpg import FaultTolerantGroup
+    from titan_recover.recover.state_transfer import TrainingState, transfer
+
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+    group = FaultTolerantGroup(store, epoch=0, members=(0, 1), replica=replica, position=0, timeout_s=300.0)
+    torch.manual_seed(replica)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    if replica == 0:
+        model(torch.randn(2, args.width)).sum().backward()
+        optimizer.step()
+    step = {"value": 1 if replica == 0 else 0}
+    state = TrainingState([model], [optimizer], scheduler, lambda: step["value"],
+                          lambda s: step.__setitem__("value", s))
+    if replica == 1:
+        state.ensure_optimizer_state()
+    total = sum(t.numel() * t.element_size() for t in state.tensors())
+    raw = torch.zeros(total // 4, dtype=torch.float32)
+
+    def broadcast(t):
+        group.broadcast_(t, root_replica=0)
+
+    def barrier():
+        flag = torch.zeros(1)
+        group.allreduce_sum_(flag)
+
+    timings: dict[str, list[float]] = {"transfer": [], "raw": []}
+    for r in range(args.rounds):
+        for kind in ("transfer", "raw") if r % 2 == 0 else ("raw", "transfer"):
+            barrier()
+            start = time.perf_counter()
+            if kind == "transfer":
+                transfer(state, broadcast, is_donor=replica == 0, chunk_bytes=args.chunk_mb * 2**20)
+            else:
+                broadcast(raw)
+            barrier()
+            timings[kind].append(time.perf_counter() - start)
+    results.put((replica, total, timings))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunk-mb", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    from torch.distributed import TCPStore
+
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(store.port, r, args, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = {r: (total, timings) for r, total, timings in (results.get(timeout=900) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    total, timings = got[1]  # the joiner's clock: from before the first byte to its last check
+    mb = total / 2**20
+    transfer_s, raw_s = statistics.median(timings["transfer"]), statistics.median(timings["raw"])
+    print(f"state {mb:.1f} MB ({args.layers} x {args.width}^2 parameters + AdamW state), chunks of "
+          f"{args.chunk_mb} MB, {args.rounds} rounds: transfer " + ", ".join(f"{t:.3f}" for t in timings["transfer"])
+          + " s; raw broadcast " + ", ".join(f"{t:.3f}" for t in timings["raw"]) + " s")
+    print(f"transfer_mb_s={mb / transfer_s:.1f} raw_mb_s={mb / raw_s:.1f} transfer_ratio={raw_s / transfer_s:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""State transfer from a donor's memory (docs/phoenix.md), in one process: the donor and the receiver run in two
+threads and the "broadcast" hands tensors from one to the other through a queue."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+
+import pytest
+import torch
+
+from titan_recover.recover.state_transfer import ChecksumError, StateMismatch, TrainingState, transfer
+
+
+class Replica:
+    def __init__(self, seed: int, hidden: int = 16):
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 4))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (1 + s))
+        self.step = 0
+
+    def state(self) -> TrainingState:
+        return TrainingState([self.model], [self.optimizer], self.scheduler, lambda: self.step, self._set_step)
+
+    def _set_step(self, step: int) -> None:
+        self.step = step
+
+    def train_step(self, batch: int) -> None:
+        g = torch.Generator().manual_seed(batch)
+        x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+        self.optimizer.zero_grad()
+        torch.nn.functional.mse_loss(self.model(x), y).backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+
+
+def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_bytes: int = 2**20, tamper=None):
+    """Donor and receiver each call transfer(); returns (donor stats, receiver stats or the exception)."""
+    pipe: queue.Queue = queue.Queue()
+    results: dict[str, object] = {}
+
+    def donor_side():
+        def broadcast(t):
+            pipe.put(t.clone())
+        results["donor"] = transfer(donor.state(), broadcast, is_donor=True, chunk_bytes=chunk_bytes,
+                                    direct_bytes=direct_bytes)
+
+    def receiver_side():
+        count = {"n": 0}
+
+        def broadcast(t):
+            got = pipe.get(timeout=10)
+            count["n"] += 1
+            if tamper is not None:
+                got = tamper(count["n"], got)
+            t.copy_(got)
+        try:
+            results["receiver"] = transfer(receiver.state(), broadcast, is_donor=False)
+        except Exception as error:  # noqa: BLE001 - handed to the test
+            results["receiver"] = error
+
+    threads = [threading.Thread(target=donor_side), threading.Thread(target=receiver_side)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+        assert not t.is_alive()
+    return results["donor"], results["receiver"]
+
+
+@pytest.mark.parametrize("direct_bytes", [2**20, 64], ids=["packed", "direct"])
+def test_a_fresh_replica_becomes_bitwise_its_donor_and_stays_so(direct_bytes):
+    donor, joiner = Replica(seed=0), Replica(seed=1)
+    for batch in range(3):
+        donor.train_step(batch)
+    torch.manual_seed(99)
+    donor_rng = torch.get_rng_state()
+
+    def receiver_had_another_rng(n, t):
+        if n == 1:  # the donor has built its header: now the (one-process) RNG is the joiner's own
+            torch.manual_seed(1234)
+        return t
+
+    # small chunks: tensors span several
+    sent, received = run_transfer(donor, joiner, chunk_bytes=100, direct_bytes=direct_bytes,
+                                  tamper=receiver_had_another_rng)
+    assert not isinstance(received, Exception), received
+    assert sent.chunks > 10 and sent.bytes == received.bytes
+    assert torch.equal(torch.get_rng_state(), donor_rng)
+    assert joiner.step == 3 and joiner.scheduler.last_epoch == donor.scheduler.last_epoch
+    assert joiner.optimizer.param_groups[0]["lr"] == donor.optimizer.param_groups[0]["lr"]
+    for a, b in zip(donor.state().tensors(), joiner.state().tensors()):
+        assert torch.equal(a, b)
+    # the next steps are identical too: the optimizer state (moments, step count) and the schedule came along
+    for batch in (3, 4):
+        donor.train_step(batch)
+        joiner.train_step(batch)
+    for a, b in zip(donor.model.parameters(), joiner.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_replica_of_another_shape_is_refused_before_anything_is_overwritten():
+    donor, other = Replica(seed=0), Replica(seed=1, hidden=32)
+    donor.train_step(0)
+    before = [p.detach().clone() for p in other.model.parameters()]
+    _, received = run_transfer(donor, other, chunk_bytes=256)
+    assert isinstance(received, StateMismatch)
+    assert "same config" in str(received) and "first difference at tensor 0" in str(received)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.model.parameters()))
+
+
+def test_pieces_cover_every_byte_once_and_large_tensors_go_as_themselves():
+    from titan_recover.recover.state_transfer import plan_pieces
+
+    sizes = [10, 300, 5, 70]
+    pieces = plan_pieces(sizes, chunk_bytes=64, direct_bytes=100)
+    covered = sorted((i, o, n) for _, segments in pieces for i, o, n in segments)
+    for index, size in enumerate(sizes):  # contiguous, complete, no overlap
+        spans = [(o, n) for i, o, n in covered if i == index]
+        assert spans[0][0] == 0 and sum(n for _, n in spans) == size
+        assert all(a + m == b for (a, m), (b, _) in zip(spans, spans[1:]))
+    assert all(len(segments) == 1 and segments[0][0] == 1 for direct, segments in pieces if direct)
+    assert all(sum(n for *_, n in segments) <= 64 for _, segments in pieces)
+
+
+def test_a_corrupted_chunk_fails_its_checksum():
+    donor, joiner = Replica(seed=0), Replica(seed=1)
+    donor.train_step(0)
+
+    def flip_a_bit_of_the_third_chunk(n, t):
+        # broadcasts: 1 header length, 2 header, then (chunk, crc) pairs: the 3rd chunk is broadcast 7
+        if n == 7:
+            t = t.clone()
+            t[0] ^= 1
+        return t
+
+    _, received = run_transfer(donor, joiner, chunk_bytes=128, tamper=flip_a_bit_of_the_third_chunk)
+    assert isinstance(received, ChecksumError) and "chunk 2" in str(received)
+
+
+def _member(port: int, replica: int, die_after_broadcasts: int | None, results) -> None:
+    """One replica position over a real fault-tolerant group: replica 0 donates, replica 1 joins."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from titan_recover.recover.ftpg import FaultDetected, FaultTolerantGroup
+
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+    group = FaultTolerantGroup(store, epoch=0, members=(0, 1), replica=replica, position=0, timeout_s=20.0)
+    me = Replica(seed=replica, hidden=256)
+    if replica == 0:
+        for batch in range(2):
+            me.train_step(batch)
+    sent = {"n": 0}
+
+    def broadcast(t):
+        if die_after_broadcasts is not None and sent["n"] == die_after_broadcasts:
+            os.kill(os.getpid(), signal.SIGKILL)
+        sent["n"] += 1
+        group.broadcast_(t, root_replica=0)
+
+    try:
+        stats = transfer(me.state(), broadcast, is_donor=replica == 0, chunk_bytes=4096)
+        digest = [float(t.double().sum()) for t in me.state().tensors()]
+        results.put((replica, "done", stats.chunks, digest, me.step))
+    except FaultDetected as fault:
+        results.put((replica, "fault", 0, fault.reason, me.step))
+
+
+def _run_pair(die_after_broadcasts: int | None):
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(store.port, r, die_after_broadcasts if r == 0 else None, results))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        expected = 2 if die_after_broadcasts is None else 1
+        got = {r: rest for r, *rest in (results.get(timeout=60) for _ in range(expected))}
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+@pytest.mark.multiprocess
+def test_transfer_over_the_fault_tolerant_group():
+    got = _run_pair(None)
+    (donor_status, chunks, donor_digest, donor_step), (joiner_status, _, joiner_digest, joiner_step) = got[0], got[1]
+    assert donor_status == joiner_status == "done" and chunks >= 5
+    assert joiner_digest == donor_digest and joiner_step == donor_step == 2
+
+
+@pytest.mark.multiprocess
+def test_a_donor_dying_mid_transfer_is_a_fault_not_a_hang():
+    got = _run_pair(die_after_broadcasts=6)  # the header went through, then some chunks
+    status, _, reason, step = got[1]
+    assert status == "fault" and "broadcast" in reason
+    assert step == 0  # the joiner's metadata was not loaded from a partial transfer

@@ -1,0 +1,234 @@
+"""Streaming a replica's training state from a live peer's memory: chunked, checksummed, no disk (docs/phoenix.md).
+
+The state of one shard position is a fixed-order list of tensors (parameter shards, then every optimizer state
+tensor, sorted by name) plus small metadata (the step, the learning-rate schedule, the optimizers' scalar
+hyperparameters, the RNG states). :func:`transfer` moves it from the donor to every other participant of a
+broadcast: first a header (metadata and the shape / dtype of every tensor, which the receiver checks against its
+own before touching anything), then the tensors' bytes in chunks of at most ``chunk_bytes``, each followed by its
+64-bit xxHash3 checksum. Large tensors travel as slices of themselves (no copy on CPU: received straight into the
+receiver's tensor), small ones packed into a staging chunk. Receivers write into their existing tensors in place,
+so references held by the optimizer and by FSDP2 stay valid; a failed check fails the transfer, the receiver's
+metadata (step, schedule, RNG) is only loaded after the last chunk verified, and a joiner whose transfer failed is
+not admitted: it asks again.
+
+``broadcast(tensor)`` is the only communication: it must make ``tensor`` (a CPU tensor) equal to the donor's, in
+place, or raise (the fault-tolerant group's ``broadcast_``). Tests pass a fake.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import xxhash
+from torch.distributed.tensor import DTensor
+
+Broadcast = Callable[[torch.Tensor], None]
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+DEFAULT_DIRECT_BYTES = 2**20
+
+
+class StateMismatch(RuntimeError):
+    """The donor's state does not have the layout of the receiver's (a different model, sharding or optimizer)."""
+
+
+class ChecksumError(RuntimeError):
+    """A chunk arrived with a checksum different from the donor's: the transfer failed and must be redone."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class TrainingState:
+    """What a step needs, as held by one rank (see docs/phoenix.md for the list)."""
+
+    model_parts: list[torch.nn.Module]
+    optimizers: Iterable[torch.optim.Optimizer]
+    schedulers: Any
+    """An object with ``state_dict()`` / ``load_state_dict()`` (TorchTitan's LR scheduler container)."""
+    get_step: Callable[[], int]
+    set_step: Callable[[int], None]
+
+    def ensure_optimizer_state(self) -> None:
+        """Create the optimizer state a fresh replica lacks (torch optimizers create it on their first step), so
+        that the received bytes have somewhere to go: one step on zero gradients, parameters restored after it."""
+        for opt in self.optimizers:
+            params = [p for group in opt.param_groups for p in group["params"]]
+            if all(p in opt.state and opt.state[p] for p in params):
+                continue
+            grads = [p.grad for p in params]
+            values = [p.detach().clone() for p in params]  # the dry step must not change the parameters
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            with torch.no_grad():
+                opt.step()
+                for p, value, grad in zip(params, values, grads):
+                    p.copy_(value)
+                    p.grad = grad
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [_local(p.data) for part in self.model_parts for p in part.parameters()]
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    out.extend(_local(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor))
+        return out
+
+    def metadata(self) -> dict[str, Any]:
+        groups = [[{k: v for k, v in g.items() if k != "params" and _is_json_scalar(v)} for g in opt.param_groups]
+                  for opt in self.optimizers]
+        rng = {"cpu": _b64(torch.get_rng_state())}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        return {"step": self.get_step(), "schedulers": self.schedulers.state_dict(), "param_groups": groups,
+                "rng": rng}
+
+    def load_metadata(self, meta: dict[str, Any]) -> None:
+        self.set_step(meta["step"])
+        self.schedulers.load_state_dict(meta["schedulers"])
+        for opt, groups in zip(self.optimizers, meta["param_groups"]):
+            for group, values in zip(opt.param_groups, groups):
+                group.update(values)
+        torch.set_rng_state(_unb64(meta["rng"]["cpu"]))
+        if "cuda" in meta["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([_unb64(s) for s in meta["rng"]["cuda"]])
+
+
+def _is_json_scalar(v: Any) -> bool:
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return True
+    return isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float)) for x in v)
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _spec(tensors: list[torch.Tensor]) -> list[list]:
+    return [[list(t.shape), str(t.dtype)] for t in tensors]
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise StateMismatch("state transfer needs contiguous tensors")
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+Segment = tuple[int, int, int]
+"""(tensor index, byte offset in that tensor, length)."""
+
+
+def plan_pieces(sizes: list[int], chunk_bytes: int, direct_bytes: int) -> list[tuple[bool, list[Segment]]]:
+    """The broadcasts of a transfer, the same on both sides (a function of the tensor sizes only): a tensor of at
+    least ``direct_bytes`` goes as slices of itself of at most ``chunk_bytes`` (``direct``: no copy on CPU);
+    smaller ones are packed, in order, into staging chunks of at most ``chunk_bytes``."""
+    pieces: list[tuple[bool, list[Segment]]] = []
+    packed: list[Segment] = []
+    room = chunk_bytes
+    for index, size in enumerate(sizes):
+        if size >= direct_bytes:
+            pieces.extend((True, [(index, offset, min(chunk_bytes, size - offset))])
+                          for offset in range(0, size, chunk_bytes))
+            continue
+        offset = 0
+        while offset < size:
+            n = min(size - offset, room)
+            packed.append((index, offset, n))
+            offset += n
+            room -= n
+            if room == 0:
+                pieces.append((False, packed))
+                packed, room = [], chunk_bytes
+    if packed:
+        pieces.append((False, packed))
+    return pieces
+
+
+def checksum(data: torch.Tensor) -> int:
+    """xxHash3 (64 bits) of a CPU byte tensor, as a signed int64."""
+    value = xxhash.xxh3_64_intdigest(data.numpy())
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _send_text(text: str | None, broadcast: Broadcast) -> str:
+    length = torch.tensor([len(text.encode()) if text is not None else 0], dtype=torch.int64)
+    broadcast(length)
+    payload = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if text is not None:
+        payload.copy_(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8))
+    broadcast(payload)
+    return bytes(payload.numpy()).decode()
+
+
+@dataclass
+class TransferStats:
+    bytes: int
+    chunks: int
+
+
+def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_bytes: int = DEFAULT_DIRECT_BYTES) -> TransferStats:
+    """Make every participant's state equal to the donor's (a collective: every participant calls it)."""
+    if not is_donor:
+        state.ensure_optimizer_state()
+    tensors = state.tensors()
+    views = [_bytes_view(t) for t in tensors]
+    sizes = [v.numel() for v in views]
+    header = None
+    if is_donor:
+        header = json.dumps({"meta": state.metadata(), "spec": _spec(tensors), "chunk_bytes": chunk_bytes,
+                             "direct_bytes": direct_bytes})
+    received = json.loads(_send_text(header, broadcast))
+    if received["spec"] != _spec(tensors):
+        mismatch = next(i for i, (a, b) in enumerate(zip(received["spec"], _spec(tensors))) if a != b) \
+            if len(received["spec"]) == len(tensors) else None
+        raise StateMismatch(
+            f"donor state has {len(received['spec'])} tensors, this rank {len(tensors)}"
+            + (f"; first difference at tensor {mismatch}: donor {received['spec'][mismatch]}, "
+               f"here {_spec(tensors)[mismatch]}" if mismatch is not None else "")
+            + ": the joining replica must be built from the same config as the running ones"
+        )
+    chunk_bytes, direct_bytes = received["chunk_bytes"], received["direct_bytes"]
+    pieces = plan_pieces(sizes, chunk_bytes, direct_bytes)
+    staging = torch.empty(min(chunk_bytes, sum(sizes)) if pieces else 0, dtype=torch.uint8)
+    digest = torch.zeros(1, dtype=torch.int64)
+    for number, (direct, segments) in enumerate(pieces):
+        used = sum(n for _, _, n in segments)
+        if direct and views[segments[0][0]].device.type == "cpu":
+            index, offset, n = segments[0]
+            buffer = views[index][offset : offset + n]  # sent from / received into the tensor itself
+            scatter = False
+        else:
+            buffer = staging[:used]
+            scatter = not is_donor
+            if is_donor:
+                at = 0
+                for index, offset, n in segments:
+                    buffer[at : at + n].copy_(views[index][offset : offset + n])
+                    at += n
+        if is_donor:
+            digest[0] = checksum(buffer)
+        broadcast(buffer)
+        broadcast(digest)
+        if not is_donor:
+            if checksum(buffer) != int(digest[0]):
+                raise ChecksumError(f"chunk {number} of the state transfer failed its checksum")
+            if scatter:
+                at = 0
+                with torch.no_grad():
+                    for index, offset, n in segments:
+                        views[index][offset : offset + n].copy_(buffer[at : at + n])
+                        at += n
+    if not is_donor:
+        state.load_metadata(received["meta"])
+    return TransferStats(bytes=sum(sizes), chunks=len(pieces))
