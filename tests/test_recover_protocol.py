@@ -113,3 +113,31 @@ def test_slow_fault_makes_a_straggler_from_its_step_on():
     assert monkey.slowdown == 3.0
     with pytest.raises(ValueError, match="factor must be >= 1"):
         FaultSpec(kind="slow", factor=0.5)
+
+
+def test_commit_decision_carries_the_admitted_replicas():
+    from titan_recover.recover.protocol import CommitDecision
+
+    assert CommitDecision("commit").encode() == "commit"
+    assert CommitDecision.decode(b"commit") == CommitDecision("commit", ())
+    both = CommitDecision("commit", (3, 4))
+    assert CommitDecision.decode(both.encode()) == both and both.encode() == "commit+3,4"
+    assert CommitDecision.decode("abort").outcome == "abort"
+    with pytest.raises(ValueError, match="only a commit admits"):
+        CommitDecision("abort", (1,)).encode()
+    with pytest.raises(ValueError, match="not a commit decision"):
+        CommitDecision.decode("maybe")
+
+
+def test_only_a_complete_newer_incarnation_is_ready_to_join():
+    from titan_recover.recover.protocol import ready_to_join
+
+    registered = {
+        0: {0: 0, 1: 0},  # a member
+        1: {0: 1, 1: 1},  # restarted: incarnation 1 > dropped 0, both ranks
+        2: {0: 1},        # restarting: rank 1 not registered yet
+        3: {0: 1, 1: 0},  # ranks of two incarnations (the old one still shutting down)
+        4: {0: 0, 1: 0},  # the dropped incarnation itself
+    }
+    dropped = {1: 0, 2: 0, 3: 0, 4: 0}
+    assert ready_to_join([0], registered, 2, dropped) == (1,)

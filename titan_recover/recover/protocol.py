@@ -165,3 +165,47 @@ def decode_members(raw: bytes | str) -> tuple[tuple[int, ...], str]:
     text = raw.decode() if isinstance(raw, bytes) else raw
     members, _, reason = text.partition("|")
     return tuple(int(m) for m in members.split(",") if m), reason
+
+
+# ---- admission of restarted replicas (docs/phoenix.md; pure parts, not wired into the step yet) -------------
+
+
+@dataclass(frozen=True)
+class CommitDecision:
+    """The stored value of ``decision/e{e}/s{t}``: the outcome, and the replicas admitted after this commit."""
+
+    outcome: str
+    admitted: tuple[int, ...] = ()
+
+    def encode(self) -> str:
+        if self.admitted and self.outcome != "commit":
+            raise ValueError("only a commit admits replicas")
+        return self.outcome + ("+" + ",".join(str(r) for r in self.admitted) if self.admitted else "")
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "CommitDecision":
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        outcome, _, admitted = text.partition("+")
+        if outcome not in ("commit", "abort"):
+            raise ValueError(f"not a commit decision: {text!r}")
+        return cls(outcome, tuple(int(r) for r in admitted.split(",") if r))
+
+
+def ready_to_join(
+    members: Iterable[int],
+    registered: dict[int, dict[int, int]],
+    ranks_per_replica: int,
+    dropped_incarnation: dict[int, int],
+) -> tuple[int, ...]:
+    """Replicas that may be admitted at the next commit: not members, every rank registered with one and the same
+    incarnation, and that incarnation newer than the one dropped (a rank of the dropped incarnation that is still
+    shutting down must not be mistaken for the restarted replica). ``registered``: replica -> rank -> incarnation."""
+    members = set(members)
+    ready = []
+    for replica, ranks in sorted(registered.items()):
+        if replica in members or sorted(ranks) != list(range(ranks_per_replica)):
+            continue
+        incarnations = set(ranks.values())
+        if len(incarnations) == 1 and incarnations.pop() > dropped_incarnation.get(replica, -1):
+            ready.append(replica)
+    return tuple(ready)
