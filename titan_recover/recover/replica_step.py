@@ -18,17 +18,15 @@ import os
 import time
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from titan_recover import platform
 
 platform.activate()  # before any TorchTitan module that copies the device globals
 
-from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
-
-from titan_recover.recover.chaos import ChaosMonkey
-from titan_recover.recover.events import EventLog
-from titan_recover.recover.member import (
+from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
+from titan_recover.recover.chaos import ChaosMonkey  # noqa: E402
+from titan_recover.recover.events import EventLog  # noqa: E402
+from titan_recover.recover.member import (  # noqa: E402
     COORDINATOR_ENV,
     Excluded,
     EXIT_EXCLUDED,
@@ -37,20 +35,17 @@ from titan_recover.recover.member import (
     RUN_DIR_ENV,
     TooFewReplicas,
 )
-from titan_recover.recover.replica_sync import ReplicaSync
-from titan_recover.recover.step_recovery import StepOutcome, StepRecovery
+from titan_recover.recover.replica_sync import ReplicaSync  # noqa: E402
+from titan_recover.recover.state_transfer import local_tensor  # noqa: E402
+from titan_recover.recover.step_recovery import StepOutcome, StepRecovery  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 EXIT_TOO_FEW = 3
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def local_parameters(trainer) -> list[torch.Tensor]:
-    return [_local(p.data) for m in trainer.model_parts for p in m.parameters()]
+    return [local_tensor(p.data) for m in trainer.model_parts for p in m.parameters()]
 
 
 def attach_replica_sync(trainer) -> None:
@@ -114,6 +109,12 @@ class ReplicaStep:
         config = trainer.config
         quota = config.recover.quota
         self.trainer, self.sync, self.chaos = trainer, sync, chaos
+        if not isinstance(trainer.dataloader, AddressableDataLoader):
+            raise ValueError(
+                f"[recover] replicas = {config.recover.replicas} needs the addressable data loader (any replica "
+                f"computes any microbatch by id), got {type(trainer.dataloader).__name__}; use the project's "
+                "[dataloader] (dataset_path = a folder prepared by python -m titan_recover.data.prepare)"
+            )
         self.exact = quota.exact
         self.replicas = config.recover.replicas
         self.per_step = quota.microbatches or self.replicas * trainer.gradient_accumulation_steps
@@ -124,10 +125,10 @@ class ReplicaStep:
         self.local_batch = config.training.local_batch_size
         self.tokens_per_microbatch = self.shard_degree * self.local_batch * config.training.seq_len
         # The constant loss scale: every microbatch's summed token loss is divided by the tokens of the whole
-        # global batch (all labels of the addressable loader are valid tokens), never by the live replicas.
+        # global batch (the addressable loader's labels are all tokens, none ignored), never by the live replicas.
         self.global_tokens = torch.tensor(self.per_step * self.tokens_per_microbatch, device=trainer.device)
         self.params = [p for m in trainer.model_parts for p in m.parameters() if p.requires_grad]
-        self.numel = sum(_local(p).numel() for p in self.params)
+        self.numel = sum(local_tensor(p).numel() for p in self.params)
         self.dtype = torch.float64 if self.exact else torch.float32
         self.recovery = StepRecovery(
             quota, replica=sync.member.replica, replicas=self.replicas, per_step=self.per_step, sync=sync,
@@ -166,7 +167,7 @@ class ReplicaStep:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                g = _local(p.grad)
+                g = local_tensor(p.grad)
                 part = summed[offset : offset + g.numel()].view_as(g)
                 g.copy_((part * scale if scale != 1 else part).to(g.dtype))
                 offset += g.numel()
@@ -185,8 +186,6 @@ class ReplicaStep:
         input_dict, labels = trainer.dataloader.microbatch(
             g, self.shard_rank, shard_degree=self.shard_degree, batch_size=self.local_batch
         )
-        if bool((labels == IGNORE_INDEX).any()):
-            raise ValueError("replica mode scales the loss by a constant token count: labels must not be ignored")
         loaded = time.perf_counter()
         chunks = trainer.num_pipeline_parallel_microbatches
         inputs, targets = [], []
@@ -211,9 +210,9 @@ class ReplicaStep:
         offset = 0
         with torch.no_grad():
             for p in self.params:
-                n = _local(p).numel()
+                n = local_tensor(p).numel()
                 if p.grad is not None:
-                    g = _local(p.grad)
+                    g = local_tensor(p.grad)
                     self._accumulator[offset : offset + n].add_(g.reshape(-1))
                     g.zero_()
                 offset += n
@@ -224,7 +223,7 @@ class ReplicaStep:
             local = self._accumulator
         else:
             local = torch.cat([
-                (_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1).to(self.dtype)
+                (local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))).reshape(-1).to(self.dtype)
                 for p in self.params
             ])
         return torch.cat([
@@ -271,11 +270,12 @@ def save_final_parameters(trainer, folder: str) -> None:
     """Every rank's local parameter shards, by name, to ``folder/replica{i}_rank{k}.pt`` (for comparing runs)."""
     os.makedirs(folder, exist_ok=True)
     member = trainer.replica_sync.member
-    shards = {name: _local(p.data).detach().cpu().clone()
-              for i, m in enumerate(trainer.model_parts) for name, p in m.named_parameters()}
+    shards = {name: local_tensor(p.data).detach().cpu().clone()
+              for m in trainer.model_parts for name, p in m.named_parameters()}
     path = os.path.join(folder, f"replica{member.replica}_rank{member.rank}.pt")
     torch.save(shards, path + ".tmp")
     os.replace(path + ".tmp", path)
+
 
 def parameter_digest(trainer) -> str:
     """sha256 of this rank's local parameter shards (bitwise identity across replicas, without copying)."""

@@ -32,7 +32,6 @@ class ReplicaSync:
         # block on its threads (see ftpg). One small group per membership change.
         self._retired: list[FaultTolerantGroup] = []
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
-        self.participants = 0  # replicas in the last committed reduction
         self.committed_epoch = -1  # epoch of the last commit (start-up broadcast or step): quotas start from it
         self.committed_members: tuple[int, ...] = ()
 
@@ -137,7 +136,6 @@ class ReplicaSync:
             decision = self._propose(step, "abort")
         if decision == "commit":
             self._committed()
-            self.participants = len(self.members)
             self.events.emit("step_committed", step=step, epoch=self.epoch, members=list(self.members),
                              attempts=attempt)
             return True

@@ -39,7 +39,8 @@ class ChecksumError(RuntimeError):
     """A chunk arrived with a checksum different from the donor's: the transfer failed and must be redone."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of a (possibly distributed) tensor: a DTensor's local shard, anything else itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -72,12 +73,12 @@ class TrainingState:
                     p.grad = grad
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [_local(p.data) for part in self.model_parts for p in part.parameters()]
+        out = [local_tensor(p.data) for part in self.model_parts for p in part.parameters()]
         for opt in self.optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
                     state = opt.state.get(p, {})
-                    out.extend(_local(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor))
+                    out.extend(local_tensor(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor))
         return out
 
     def metadata(self) -> dict[str, Any]:
