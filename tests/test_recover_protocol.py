@@ -141,3 +141,43 @@ def test_only_a_complete_newer_incarnation_is_ready_to_join():
     }
     dropped = {1: 0, 2: 0, 3: 0, 4: 0}
     assert ready_to_join([0], registered, 2, dropped) == (1,)
+
+
+def test_spares_hold_quota_only_while_an_active_replica_is_missing():
+    from titan_recover.recover.protocol import active_replicas
+
+    assert active_replicas([3, 0, 1, 2], 3) == (0, 1, 2)  # spare 3 on standby
+    assert active_replicas([0, 2, 3], 3) == (0, 2, 3)  # replica 1 lost: the spare is promoted
+    assert active_replicas([0, 1, 2, 3], 3) == (0, 1, 2)  # 1 admitted again: 3 back on standby
+    assert active_replicas([2, 0], 0) == (0, 2)
+
+
+def test_admission_value_and_incarnations_round_trip():
+    from titan_recover.recover.member import incarnation_from_env
+    from titan_recover.recover.protocol import decode_admission, encode_admission, Heartbeat
+
+    assert decode_admission(encode_admission(7, (1, 3))) == (7, (1, 3))
+    assert decode_admission(b"7|") == (7, ())
+    beat = Heartbeat(1.5, 1.25, 4, "phase,with,commas", incarnation=2)
+    assert Heartbeat.decode(beat.encode()) == beat
+    assert incarnation_from_env({}) == 0
+    assert incarnation_from_env({"TITAN_RECOVER_INCARNATION": "2"}) == 2
+    assert incarnation_from_env({"TORCHELASTIC_RESTART_COUNT": "1"}) == 1
+
+
+def test_chaos_faults_hit_only_the_incarnation_they_name():
+    from titan_recover.recover.chaos import ChaosMonkey, FaultSpec
+
+    fired = []
+
+    class Events:
+        def emit(self, event, **fields):
+            fired.append(fields)
+
+    schedule = [FaultSpec(kind="slow", replica=1, step=3, incarnation=1)]
+    first = ChaosMonkey(schedule, replica=1, rank=0, events=Events(), incarnation=0)
+    first.maybe_inject(3, "forward")
+    assert fired == [] and first.slowdown == 1.0
+    restarted = ChaosMonkey(schedule, replica=1, rank=0, events=Events(), incarnation=1)
+    restarted.maybe_inject(3, "forward")
+    assert len(fired) == 1 and restarted.slowdown == 2.0

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics_rank = 0 if layout.pp == 1 else (layout.world_size // layout.pp) * (layout.pp - 1)
     if config.recover.enabled:
         if options.get("--dry-run"):
-            print(f"coordinator + {config.recover.replicas} replica groups x {nproc} processes")
+            spares = f" + {config.recover.spares} spare(s)" if config.recover.spares else ""
+            print(f"coordinator + {config.recover.replicas} replica groups{spares} x {nproc} processes")
             return 0
         from titan_recover.recover.launcher import launch_replicas
 

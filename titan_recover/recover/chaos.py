@@ -10,7 +10,7 @@ faults on every rank.
     replica = 1
     rank = 0
     step = 3
-    phase = "reduction"    # forward | backward | reduction | commit | rebuild | optimizer
+    phase = "reduction"    # forward | backward | reduction | commit | rebuild | optimizer | transfer
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from typing import Callable
 
 from titan_recover.registry import Registry
 
-PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
+STEP_PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
+"""Phases every step passes (a seeded random schedule draws from these)."""
+PHASES = (*STEP_PHASES, "transfer")
 
 FAULTS: Registry[Callable[["ChaosMonkey", "FaultSpec"], None]] = Registry("chaos fault kind")
 register_fault = FAULTS.register
@@ -80,10 +82,13 @@ class FaultSpec:
     step: int = 1
     """Training step (1-based)."""
     phase: str = "forward"
-    """forward | backward | reduction | commit | optimizer, or rebuild: right after entering a new epoch (a
-    failure during recovery)."""
+    """forward | backward | reduction | commit | optimizer, rebuild: right after entering a new epoch (a failure
+    during recovery), or transfer: in the middle of a state transfer to a joining replica (the step is the one
+    the joiner enters)."""
     factor: float = 2.0
     """``slow``: compute-time multiplier from ``step`` on (apply it to every rank of the replica)."""
+    incarnation: int = 0
+    """Which start of the replica group it hits (0: the first; a restarted replica is a later incarnation)."""
 
     def __post_init__(self) -> None:
         FAULTS.get(self.kind)  # raises, naming the registered kinds
@@ -134,7 +139,7 @@ class ChaosConfig:
                 replica=rng.randrange(replicas),
                 rank=rng.randrange(ranks_per_replica),
                 step=rng.randint(*self.random_steps),
-                phase=rng.choice(PHASES),
+                phase=rng.choice(STEP_PHASES),
             )
             for _ in range(self.random_faults)
         ]
@@ -144,8 +149,8 @@ class ChaosConfig:
 class ChaosMonkey:
     """The faults of one rank; :meth:`maybe_inject` is called at every phase of every step."""
 
-    def __init__(self, schedule: list[FaultSpec], replica: int, rank: int, events):
-        self.mine = [f for f in schedule if f.replica == replica and f.rank == rank]
+    def __init__(self, schedule: list[FaultSpec], replica: int, rank: int, events, incarnation: int = 0):
+        self.mine = [f for f in schedule if f.replica == replica and f.rank == rank and f.incarnation == incarnation]
         self.events = events
         self.slowdown = 1.0
         self._fired: set[int] = set()

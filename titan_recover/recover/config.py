@@ -59,6 +59,19 @@ class RecoverConfig:
     min_replicas: int = 1
     """Below this many live replicas the job stops with a durable checkpoint and a clear message."""
 
+    spares: int = 0
+    """Extra replica groups started as warm spares (docs/phoenix.md): members that hold no quota and apply every
+    committed step, so that one takes over a lost replica's share at the next step with no state to move."""
+
+    max_restarts: int = 0
+    """How often the launcher restarts a replica group that crashed or was dropped; a restarted group is admitted
+    at a step boundary and receives its state from a live replica's memory (docs/phoenix.md)."""
+
+    rejoin_wait_s: float = 0.0
+    """How long the running replicas hold a step boundary for a group the launcher is restarting, so that it is
+    admitted at the next commit (torchft's quorum join timeout plays this part). 0: never wait; a restarted group
+    is admitted at the first commit after it is ready."""
+
     coordinator_port: int = 0
     """TCP port of the coordinator's store; 0 picks a free one (single node). Fix it for multi-node jobs."""
 
@@ -94,6 +107,14 @@ class RecoverConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"recover.replicas must be >= 1, got {self.replicas}")
+        if self.rejoin_wait_s < 0:
+            raise ValueError(f"recover.rejoin_wait_s must be >= 0, got {self.rejoin_wait_s}")
+        if self.spares < 0 or self.max_restarts < 0:
+            raise ValueError(f"recover.spares and recover.max_restarts must be >= 0, got {self.spares} and "
+                             f"{self.max_restarts}")
+        if self.spares and self.replicas < 2:
+            raise ValueError("recover.spares needs replica groups: set recover.replicas >= 2 (a single replica's "
+                             "rank failures are covered by [recover.snapshot], not by spares)")
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(
                 f"recover.min_replicas must be between 1 and recover.replicas ({self.replicas}), "
@@ -117,3 +138,8 @@ class RecoverConfig:
     @property
     def enabled(self) -> bool:
         return self.replicas > 1
+
+    @property
+    def groups(self) -> int:
+        """Replica groups the launcher starts: the active ones and the spares."""
+        return self.replicas + self.spares

@@ -28,10 +28,13 @@ from titan_recover.recover.ftpg import fault_time_and_reason, raise_fault_flag
 from titan_recover.recover.protocol import (
     all_joined,
     decide_members,
+    decode_admission,
+    encode_admission,
     encode_members,
     Heartbeat,
     judge_liveness,
     Keys,
+    ready_to_join,
 )
 
 logger = logging.getLogger("titan_recover.coordinator")
@@ -53,6 +56,8 @@ class Coordinator:
         self.epoch = -1
         self.members: tuple[int, ...] = ()
         self.excluded: set[int] = set()
+        self.incarnation: dict[int, int] = {}  # the incarnation of each member (a restart is a new one)
+        self.dropped: dict[int, int] = {}  # the incarnation of each replica last removed
         self._terminate = False
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -73,6 +78,8 @@ class Coordinator:
                 self._watch_liveness()
                 if self.store.check([Keys.fault(self.epoch)]):
                     self._form_next_epoch()
+                elif self.store.check([Keys.admission(self.epoch)]):
+                    self._admit()
             time.sleep(TICK_S)
         return 0
 
@@ -86,6 +93,9 @@ class Coordinator:
     def _registered(self, replica: int) -> bool:
         return all(self.store.check([Keys.register(replica, r)]) for r in range(self.ranks))
 
+    def _registered_incarnation(self, replica: int) -> int:
+        return int(self.store.get(Keys.register(replica, 0)).decode().split(",")[3])
+
     def _form_first_epoch(self) -> bool:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while not self._terminate:
@@ -93,6 +103,7 @@ class Coordinator:
             if len(complete) == self.replicas or time.monotonic() > deadline:
                 missing = sorted(set(range(self.replicas)) - set(complete))
                 reason = "all replicas registered" if not missing else f"replicas {missing} did not register in time"
+                self.incarnation = {i: self._registered_incarnation(i) for i in complete}
                 return self._publish(0, tuple(complete), tuple(missing), reason, timing={})
             time.sleep(TICK_S)
         return False
@@ -105,8 +116,13 @@ class Coordinator:
             return
         raw = self.store.multi_get(keys)
         for i, replica in enumerate(watched):
-            # a rank that finished training stops beating: it is done, not dead
-            beats = {r: Heartbeat.decode(raw[i * self.ranks + r]) for r in range(self.ranks) if not self._done(replica, r)}
+            # a rank that finished training stops beating: it is done, not dead; a beat of another incarnation (the
+            # restarted replica, not yet admitted) says nothing about the member
+            beats = {}
+            for r in range(self.ranks):
+                if not self._done(replica, r):
+                    beat = Heartbeat.decode(raw[i * self.ranks + r])
+                    beats[r] = beat if beat.incarnation == self.incarnation.get(replica, 0) else None
             verdict = judge_liveness(replica, beats, now, self.config.heartbeat_timeout_s,
                                      self.config.progress_timeout_s)
             if not verdict.alive:
@@ -136,8 +152,29 @@ class Coordinator:
         self._publish(target, decision.members, decision.removed, f"{reason} -> {decision.reason}",
                       timing={"fault_raised_at": fault_time, "coordinator_noticed_at": noticed})
 
+    def _admit(self) -> None:
+        """Members committed a step and asked to admit ready joiners: publish the grown epoch (docs/phoenix.md)."""
+        step, requested = decode_admission(self.store.get(Keys.admission(self.epoch)))
+        requests = {}
+        for replica in requested:
+            keys = [Keys.join_request(replica, r) for r in range(self.ranks)]
+            if all(self.store.check([k]) for k in keys):
+                requests[replica] = {r: int(v) for r, v in enumerate(self.store.multi_get(keys))}
+        admitted = ready_to_join(self.members, requests, self.ranks, self.dropped)
+        for replica in admitted:
+            self.incarnation[replica] = requests[replica][0]
+            self.events.emit("replica_admitted", epoch=self.epoch + 1, replica=replica, after_step=step,
+                             incarnation=self.incarnation[replica])
+        withdrawn = sorted(set(requested) - set(admitted))
+        reason = f"admitted {list(admitted)} after step {step}" + (f"; {withdrawn} no longer ready" if withdrawn else "")
+        self.store.set(Keys.admitted(self.epoch + 1), encode_admission(step, admitted))
+        self._publish(self.epoch + 1, tuple(sorted(self.members + admitted)), (), reason, timing={})
+
     def _publish(self, epoch: int, members: tuple[int, ...], removed: tuple[int, ...], reason: str,
                  timing: dict) -> bool:
+        for replica in removed:
+            self.dropped[replica] = self.incarnation.get(replica, 0)
+            self.store.set(Keys.dropped(replica), f"{self.dropped[replica]}|{time.time():.6f}")
         self.store.set(Keys.members(epoch), encode_members(members, reason))
         self.epoch, self.members = epoch, members
         too_few = len(members) < self.config.min_replicas

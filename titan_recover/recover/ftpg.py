@@ -45,7 +45,8 @@ def fault_time_and_reason(raw: bytes | str) -> tuple[float, str]:
 
 
 class FaultTolerantGroup:
-    """The gloo group of one shard position over one epoch's member replicas."""
+    """The gloo group of one shard position over one epoch's member replicas (``tag``: a second group of the same
+    epoch and position over some of them, such as a state transfer's donor and joiners)."""
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class FaultTolerantGroup:
         timeout_s: float,
         poll_s: float = 0.01,
         on_poll=None,
+        tag: str = "",
     ):
         if replica not in members:
             raise ValueError(f"replica {replica} is not a member of epoch {epoch} ({members})")
@@ -67,7 +69,7 @@ class FaultTolerantGroup:
         self.on_poll = on_poll  # called at every poll: a rank waiting on its peers is alive and not hung
         self.group_rank = members.index(replica)
         self.pg = ProcessGroupGloo(
-            PrefixStore(Keys.group_prefix(epoch, position), store),
+            PrefixStore(Keys.group_prefix(epoch, position, tag), store),
             self.group_rank,
             len(members),
             timedelta(seconds=timeout_s),

@@ -14,11 +14,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
-from titan_recover.recover.member import connect, COORDINATOR_ENV, REPLICA_ENV
-from titan_recover.recover.protocol import decode_members, Keys
-from titan_recover.recover.member import RUN_DIR_ENV
+from titan_recover.recover.member import connect, COORDINATOR_ENV, INCARNATION_ENV, REPLICA_ENV, RUN_DIR_ENV
+from titan_recover.recover.protocol import Keys
 
 GRACE_S = 10.0
 
@@ -35,11 +34,14 @@ def _spawn(cmd: list[str], env: dict, prefix: str) -> subprocess.Popen:
     return proc
 
 
-def processes_of_run(run_dir: str, replica: int | None = None) -> list[int]:
-    """PIDs whose environment carries this run's marker (and the replica's, if given); Linux /proc."""
+def processes_of_run(run_dir: str, replica: int | None = None, incarnation: int | None = None) -> list[int]:
+    """PIDs whose environment carries this run's marker (and the replica's and incarnation's, if given); Linux
+    /proc."""
     markers = {f"{RUN_DIR_ENV}={run_dir}".encode()}
     if replica is not None:
         markers.add(f"{REPLICA_ENV}={replica}".encode())
+    if incarnation is not None:
+        markers.add(f"{INCARNATION_ENV}={incarnation}".encode())
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -61,14 +63,27 @@ def _kill_all(pids: list[int]) -> None:
             pass
 
 
-def _removed_replicas(store) -> set[int]:
-    """Replicas left out of the current epoch (they may be stopped or hung and unable to exit by themselves)."""
-    if not store.check([Keys.EPOCH]):
-        return set()
-    epoch = int(store.get(Keys.EPOCH))
-    members, _ = decode_members(store.get(Keys.members(epoch)))
-    first, _ = decode_members(store.get(Keys.members(0)))
-    return set(first) - set(members)
+def _dropped_incarnation(store, replica: int) -> int | None:
+    """The incarnation of ``replica`` the coordinator last removed from an epoch (it may be stopped or hung and
+    unable to exit by itself), or None."""
+    if not store.check([Keys.dropped(replica)]):
+        return None
+    return int(store.get(Keys.dropped(replica)).decode().partition("|")[0])
+
+
+@dataclass
+class ReplicaSlot:
+    """One replica group of the job and its current start (incarnation)."""
+
+    index: int
+    restarts_left: int
+    incarnation: int = 0
+    proc: subprocess.Popen | None = None
+    ended_incarnation: int = -1  # the incarnation this launcher already ended after it was dropped
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -93,9 +108,9 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
     base_env = dict(os.environ, **{RUN_DIR_ENV: run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1"})
     # torchrun caps a worker's CPU threads only when it starts several; R single-process replicas on one node
     # would each take every core and thrash. Share the cores unless the user chose.
-    base_env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(recover.replicas * ranks_per_replica)))
+    base_env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(recover.groups * ranks_per_replica)))
     coordinator = _spawn(
-        [sys.executable, "-m", "titan_recover.recover.coordinator", "--replicas", str(recover.replicas),
+        [sys.executable, "-m", "titan_recover.recover.coordinator", "--replicas", str(recover.groups),
          "--ranks-per-replica", str(ranks_per_replica), "--run-dir", run_dir, "--host", "127.0.0.1",
          "--port", str(recover.coordinator_port), "--recover-json", json.dumps(asdict(recover)),
          "--address-file", address_file],
@@ -119,38 +134,61 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
             time.sleep(0.05)
         with open(address_file) as fh:
             address = f"127.0.0.1:{int(fh.read())}"
-        replicas = []
-        for i in range(recover.replicas):
-            env = dict(base_env, **{REPLICA_ENV: str(i), COORDINATOR_ENV: address, "LOG_RANK": str(metrics_rank)})
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        groups = recover.groups
+
+        def spawn(slot: ReplicaSlot) -> None:
+            env = dict(base_env, **{REPLICA_ENV: str(slot.index), INCARNATION_ENV: str(slot.incarnation),
+                                    COORDINATOR_ENV: address, "LOG_RANK": str(metrics_rank)})
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0",
                    f"--nproc-per-node={ranks_per_replica}", f"--local-ranks-filter={metrics_rank}",
                    "-m", "titan_recover.train", *([toml_path] if toml_path else []), *overrides]
-            replicas.append(_spawn(cmd, env, f"[replica {i}] "))
-        children.extend(replicas)
+            slot.proc = _spawn(cmd, env, f"[replica {slot.index}] ")
+            children.append(slot.proc)
+
         store = connect(address, timeout_s=30)
-        ended: set[int] = set()
-        watching = True
-        while any(r.poll() is None for r in replicas):
+        slots = [ReplicaSlot(i, recover.max_restarts) for i in range(groups)]
+        for slot in slots:
+            spawn(slot)
+        watching = True  # the coordinator's store can be asked (it lives and has not finished)
+        coordinator_ended = None
+        while any(slot.running for slot in slots):
             time.sleep(0.1)
-            if not watching or coordinator.poll() is not None:
-                continue  # the coordinator is gone or done: nothing more to learn from it
-            try:
-                if store.check([Keys.FINISHED]):
-                    watching = False  # its store closes soon: stop asking before it does
-                    continue
-                removed = _removed_replicas(store) - ended
-            except Exception:
-                removed = set()
-            for i in removed:  # a replica dropped from the job is ended, even if stopped or hung
-                ended.add(i)
-                if replicas[i].poll() is None:
-                    print(f"[titan_recover] replica {i} was dropped from the job: ending its processes",
-                          file=sys.stderr, flush=True)
-                    _signal_group(replicas[i], signal.SIGKILL)
-                    _kill_all(processes_of_run(run_dir, replica=i))
-        codes = [r.returncode for r in replicas]
+            if coordinator.poll() is not None:
+                # the job is over: members exit by themselves; a restarted group still waiting for admission
+                # (or anything stuck) is ended after the grace period
+                coordinator_ended = coordinator_ended or time.monotonic()
+                if time.monotonic() - coordinator_ended > GRACE_S:
+                    break
+            if watching and coordinator.poll() is None:
+                try:
+                    if store.check([Keys.FINISHED]):
+                        watching = False  # its store closes soon: stop asking before it does
+                    over = not watching or store.check([Keys.STOP])
+                    dropped = {slot.index: _dropped_incarnation(store, slot.index) for slot in slots}
+                except Exception:
+                    watching, over, dropped = False, True, {}
+            else:
+                watching, over, dropped = False, True, {}
+            for slot in slots:
+                if slot.running and dropped.get(slot.index) == slot.incarnation != slot.ended_incarnation:
+                    # a replica dropped from the job is ended, even if stopped or hung
+                    slot.ended_incarnation = slot.incarnation
+                    print(f"[titan_recover] replica {slot.index} (start {slot.incarnation}) was dropped from the "
+                          "job: ending its processes", file=sys.stderr, flush=True)
+                    _signal_group(slot.proc, signal.SIGKILL)
+                    _kill_all(processes_of_run(run_dir, replica=slot.index, incarnation=slot.incarnation))
+                if (slot.proc.poll() not in (None, 0) and slot.restarts_left > 0 and not over
+                        and stopping["signal"] is None):
+                    _kill_all(processes_of_run(run_dir, replica=slot.index, incarnation=slot.incarnation))
+                    slot.restarts_left -= 1
+                    slot.incarnation += 1
+                    print(f"[titan_recover] replica {slot.index} exited with {slot.proc.returncode}: restarting it "
+                          f"(start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
+                          flush=True)
+                    spawn(slot)
+        codes = [slot.proc.returncode for slot in slots]
         finished = sum(1 for c in codes if c == 0)
-        print(f"[titan_recover] replica exit codes {codes}; {finished} of {recover.replicas} finished training",
+        print(f"[titan_recover] replica exit codes {codes}; {finished} of {groups} finished training",
               file=sys.stderr, flush=True)
         if stopping["signal"] is not None:
             return 128 + stopping["signal"]

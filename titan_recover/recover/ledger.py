@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from titan_recover.recover.protocol import active_replicas
 from titan_recover.recover.quota import Assignment, assign, get_policy, reassign_orphans
 
 
@@ -40,15 +41,19 @@ class StepLedger:
     epoch: int
     """That epoch; :meth:`advance` moves it forward."""
     replicas: int
+    """Configured (active) replica groups, for policies that also count the dead ones."""
     speeds: Mapping[int, float] = field(default_factory=dict)
+    active: int = 0
+    """How many members hold quota at the start of the step (the lowest-numbered; the others are spares, which
+    take over lost replicas' ids within the step like any survivor). 0: every member."""
     assignment: Assignment = field(init=False)
     transitions: list[Transition] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.members = tuple(sorted(self.members))
         self.redistributes = get_policy(self.policy).redistributes
-        self.assignment = assign(self.policy, self.step, self.per_step, self.members, self.speeds,
-                                 replicas=self.replicas)
+        self.assignment = assign(self.policy, self.step, self.per_step, active_replicas(self.members, self.active),
+                                 self.speeds, replicas=self.replicas)
         self.initial = self.assignment
 
     @property

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"
 REPLICA_ENV = "TITAN_RECOVER_REPLICA"
 RUN_DIR_ENV = "TITAN_RECOVER_RUN_DIR"
+INCARNATION_ENV = "TITAN_RECOVER_INCARNATION"
+"""Set by the launcher: how many times this replica group has been started before (0: the first start)."""
 EXIT_EXCLUDED = 75
 """Exit code of a rank whose replica was left out of an epoch."""
 
@@ -36,6 +38,17 @@ class Excluded(RuntimeError):
     """This replica was left out of the current epoch."""
 
 
+class JobOver(RuntimeError):
+    """The job finished or stopped while this replica waited for admission: there is nothing left to join."""
+
+
+def incarnation_from_env(environ=os.environ) -> int:
+    """Which start of this replica group this is (0: the first): the launcher's restarts of its torchrun, or
+    torchrun's own (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT``, as in scripts/slurm_replicas.sh). One of
+    the two restarts a group, never both (the launcher runs torchrun with ``--max-restarts 0``)."""
+    return int(environ.get(INCARNATION_ENV, 0)) + int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def connect(address: str, timeout_s: float) -> TCPStore:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -44,9 +57,14 @@ def connect(address: str, timeout_s: float) -> TCPStore:
 
 
 class ReplicaMember:
-    def __init__(self, config: RecoverConfig, *, replica: int, rank: int, ranks_per_replica: int, address: str):
+    def __init__(self, config: RecoverConfig, *, replica: int, rank: int, ranks_per_replica: int, address: str,
+                 incarnation: int = 0):
         self.config = config
         self.replica, self.rank, self.ranks_per_replica = replica, rank, ranks_per_replica
+        self.incarnation = incarnation
+        self.admitted = False
+        """This incarnation has been a member of an epoch. Until then it is a joiner: it answers no fault flag
+        (the epochs are not its own) and is not ended by epochs that leave it out."""
         store_timeout = config.agree_timeout_s
         self.store = connect(address, store_timeout)  # main thread's client
         self._hb_store = connect(address, store_timeout)  # heartbeat thread's own client
@@ -69,7 +87,8 @@ class ReplicaMember:
 
     def register(self) -> None:
         self.store.set(
-            Keys.register(self.replica, self.rank), f"{os.getpid()},{socket.gethostname()},{self.ranks_per_replica}"
+            Keys.register(self.replica, self.rank),
+            f"{os.getpid()},{socket.gethostname()},{self.ranks_per_replica},{self.incarnation}",
         )
         self._beat(self.store)
         self._thread = threading.Thread(target=self._heartbeat_loop, name="titan-recover-heartbeat", daemon=True)
@@ -109,6 +128,7 @@ class ReplicaMember:
                 if self.replica not in members:
                     raise Excluded(f"replica {self.replica} left out of epoch {epoch}: {reason}")
                 self.epoch, self.members = epoch, members
+                self.admitted = True
                 return epoch, members, reason
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -117,9 +137,31 @@ class ReplicaMember:
                 )
             time.sleep(0.005)
 
+    def wait_for_admission(self, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
+        """A joiner asks to be admitted (``join_request``) and blocks until an epoch includes this replica."""
+        self.store.set(Keys.join_request(self.replica, self.rank), str(self.incarnation))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.progress()
+            if self.store.check([Keys.FINISHED]) or self.store.check([Keys.STOP]):
+                raise JobOver(f"replica {self.replica}: the job ended before this replica was admitted")
+            epoch = self.current_epoch()
+            if epoch > self.epoch:
+                members, reason = decode_members(self.store.get(Keys.members(epoch)))
+                if self.replica in members:
+                    self.epoch, self.members = epoch, members
+                    self.admitted = True
+                    return epoch, members, reason
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"replica {self.replica} rank {self.rank}: not admitted within {timeout_s} s "
+                    "(recover.startup_timeout_s); are the running replicas committing steps?"
+                )
+            time.sleep(0.02)
+
     # ---- heartbeat thread --------------------------------------------------------------------------------
     def _beat(self, store: TCPStore) -> None:
-        beat = Heartbeat(time.time(), self._progress, self._step, self._phase)
+        beat = Heartbeat(time.time(), self._progress, self._step, self._phase, self.incarnation)
         store.set(Keys.heartbeat(self.replica, self.rank), beat.encode())
 
     def _heartbeat_loop(self) -> None:
@@ -128,7 +170,7 @@ class ReplicaMember:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             try:
                 self._beat(store)
-                if not store.check([Keys.EPOCH]):
+                if not self.admitted or not store.check([Keys.EPOCH]):
                     continue
                 epoch = int(store.get(Keys.EPOCH))
                 members, _ = decode_members(store.get(Keys.members(epoch)))

@@ -41,16 +41,37 @@ class Keys:
         return f"join/e{epoch}/{replica}/{rank}"
 
     @staticmethod
-    def reduced(epoch: int, step: int) -> str:
+    def reduced(epoch: int, step: int | str) -> str:
         return f"reduced/e{epoch}/s{step}"
 
     @staticmethod
-    def decision(epoch: int, step: int) -> str:
+    def decision(epoch: int, step: int | str) -> str:
         return f"decision/e{epoch}/s{step}"
 
     @staticmethod
-    def group_prefix(epoch: int, position: int) -> str:
-        return f"ftpg/e{epoch}/p{position}"
+    def group_prefix(epoch: int, position: int, tag: str = "") -> str:
+        return f"ftpg/e{epoch}/p{position}" + (f"/{tag}" if tag else "")
+
+    @staticmethod
+    def join_request(replica: int, rank: int) -> str:
+        """Written by a restarted (or late) replica's rank when it waits for admission: its incarnation."""
+        return f"join_request/{replica}/{rank}"
+
+    @staticmethod
+    def dropped(replica: int) -> str:
+        """``"{incarnation}|{time}"``: the start of ``replica`` last removed from an epoch, and when (the launcher
+        ends it and may restart it)."""
+        return f"dropped/{replica}"
+
+    @staticmethod
+    def admission(epoch: int) -> str:
+        """Members ask the coordinator to admit replicas after a commit in ``epoch``: ``"{step}|{replicas}"``."""
+        return f"admission/e{epoch}"
+
+    @staticmethod
+    def admitted(epoch: int) -> str:
+        """Published with an epoch that admits replicas: ``"{step}|{replicas}"`` (the step they enter after)."""
+        return f"admitted/e{epoch}"
 
 
 @dataclass(frozen=True)
@@ -63,15 +84,17 @@ class Heartbeat:
     """Wall time of the main thread's last progress (it is not hung)."""
     step: int
     phase: str
+    incarnation: int = 0
+    """Which start of the replica beats: a restarted replica's beat says nothing about the one that died."""
 
     def encode(self) -> str:
-        return f"{self.time:.6f},{self.progress:.6f},{self.step},{self.phase}"
+        return f"{self.time:.6f},{self.progress:.6f},{self.step},{self.incarnation},{self.phase}"
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "Heartbeat":
         text = raw.decode() if isinstance(raw, bytes) else raw
-        t, p, step, phase = text.split(",", 3)
-        return cls(float(t), float(p), int(step), phase)
+        t, p, step, incarnation, phase = text.split(",", 4)
+        return cls(float(t), float(p), int(step), phase, int(incarnation))
 
 
 @dataclass(frozen=True)
@@ -167,7 +190,7 @@ def decode_members(raw: bytes | str) -> tuple[tuple[int, ...], str]:
     return tuple(int(m) for m in members.split(",") if m), reason
 
 
-# ---- admission of restarted replicas (docs/phoenix.md; pure parts, not wired into the step yet) -------------
+# ---- admission of restarted and spare replicas (docs/phoenix.md) ----------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -209,3 +232,21 @@ def ready_to_join(
         if len(incarnations) == 1 and incarnations.pop() > dropped_incarnation.get(replica, -1):
             ready.append(replica)
     return tuple(ready)
+
+
+def encode_admission(step: int, replicas: Iterable[int]) -> str:
+    return f"{step}|" + ",".join(str(r) for r in replicas)
+
+
+def decode_admission(raw: bytes | str) -> tuple[int, tuple[int, ...]]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    step, _, replicas = text.partition("|")
+    return int(step), tuple(int(r) for r in replicas.split(",") if r)
+
+
+def active_replicas(members: Iterable[int], active: int) -> tuple[int, ...]:
+    """The members that hold quota: the ``active`` lowest-numbered ones. Spares are numbered after the active
+    replicas, so a spare holds quota exactly while an active replica is missing (promotion), and goes back to
+    standby when the restarted replica is admitted again. ``active = 0``: every member."""
+    members = tuple(sorted(members))
+    return members[:active] if active else members

@@ -30,13 +30,16 @@ from titan_recover.recover.member import (  # noqa: E402
     COORDINATOR_ENV,
     Excluded,
     EXIT_EXCLUDED,
+    incarnation_from_env,
+    JobOver,
     REPLICA_ENV,
     ReplicaMember,
     RUN_DIR_ENV,
     TooFewReplicas,
 )
+from titan_recover.recover.protocol import active_replicas  # noqa: E402
 from titan_recover.recover.replica_sync import ReplicaSync  # noqa: E402
-from titan_recover.recover.state_transfer import local_tensor  # noqa: E402
+from titan_recover.recover.state_transfer import local_tensor, TrainingState  # noqa: E402
 from titan_recover.recover.step_recovery import StepOutcome, StepRecovery  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -61,17 +64,20 @@ def attach_replica_sync(trainer) -> None:
     world = torch.distributed.get_world_size()
     run_dir = os.environ.get(RUN_DIR_ENV, config.dump_folder)
     events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{replica}/{rank}", replica=replica, rank=rank)
-    chaos = ChaosMonkey(config.chaos.schedule(config.recover.replicas, world), replica, rank, events)
+    groups = config.recover.groups
+    incarnation = incarnation_from_env()
+    chaos = ChaosMonkey(config.chaos.schedule(groups, world), replica, rank, events, incarnation=incarnation)
     member = ReplicaMember(config.recover, replica=replica, rank=rank, ranks_per_replica=world,
-                           address=os.environ[COORDINATOR_ENV])
-    sync = ReplicaSync(config.recover, member, events, chaos)
+                           address=os.environ[COORDINATOR_ENV], incarnation=incarnation)
+    sync = ReplicaSync(config.recover, member, events, chaos, groups=groups, final_step=config.training.steps)
     trainer.replica_sync = sync
     trainer.chaos = chaos
     trainer.replica_step = ReplicaStep(trainer, sync, chaos)
     trainer.metrics_processor.step_metrics_fn = trainer.replica_step.metrics
     try:
         sync.start()
-        sync.broadcast_from_lowest(local_parameters(trainer))
+        if not sync.joining:  # a joiner receives the whole state at its first step instead
+            sync.broadcast_from_lowest(local_parameters(trainer))
     except Excluded as excluded:
         logger.error("%s", excluded)
         os._exit(EXIT_EXCLUDED)
@@ -116,7 +122,8 @@ class ReplicaStep:
                 "[dataloader] (dataset_path = a folder prepared by python -m titan_recover.data.prepare)"
             )
         self.exact = quota.exact
-        self.replicas = config.recover.replicas
+        self.replicas = config.recover.replicas  # active replicas: the ones holding quota
+        self.groups = config.recover.groups
         self.per_step = quota.microbatches or self.replicas * trainer.gradient_accumulation_steps
         self.shard_degree, self.shard_rank = 1, 0
         if trainer.parallel_dims.dp_enabled:
@@ -131,7 +138,8 @@ class ReplicaStep:
         self.numel = sum(local_tensor(p).numel() for p in self.params)
         self.dtype = torch.float64 if self.exact else torch.float32
         self.recovery = StepRecovery(
-            quota, replica=sync.member.replica, replicas=self.replicas, per_step=self.per_step, sync=sync,
+            quota, replica=sync.member.replica, replicas=self.groups, active=self.replicas, per_step=self.per_step,
+            sync=sync,
             compute=self.compute, pack=self.pack, max_epochs_per_step=config.recover.max_epochs_per_step,
             agree_speed=self.agree_speed if torch.distributed.get_world_size() > 1 else None,
         )
@@ -140,8 +148,25 @@ class ReplicaStep:
         self._calls = 0
         self._loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
         self._accumulator: torch.Tensor | None = None
+        self.state = TrainingState(
+            trainer.model_parts, list(trainer.optimizers), trainer.lr_schedulers,
+            get_step=lambda: trainer.step, set_step=self._set_step,
+            get_extra=lambda: {"ntokens_seen": trainer.ntokens_seen,
+                               "speeds": {str(r): v for r, v in self.recovery.speeds.items()}},
+            set_extra=self._set_extra,
+        )
+
+    def _set_step(self, step: int) -> None:
+        self.trainer.step = step
+
+    def _set_extra(self, extra: dict) -> None:
+        self.trainer.ntokens_seen = extra["ntokens_seen"]
+        self.recovery.speeds = {int(r): v for r, v in extra["speeds"].items()}
 
     def begin_step(self) -> None:
+        # a replica admitted after the previous commit receives the state now (a joiner: its whole state, which
+        # moves trainer.step to the donors' step)
+        self.sync.admit_pending(self.trainer.step, self.state)
         self._calls = 0
         self.discard = False
         self._loss.zero_()
@@ -160,6 +185,8 @@ class ReplicaStep:
         trainer = self.trainer
         outcome = self.recovery.run(trainer.step)
         self.outcome = outcome
+        if not trainer.metrics_processor.data_loading_times:
+            trainer.metrics_processor.data_loading_times.append(0.0)  # a spare loaded nothing; TorchTitan averages
         scale = self.per_step / outcome.committed  # 1 unless `drop` lost microbatches
         summed = outcome.summed
         offset = 0
@@ -254,7 +281,8 @@ class ReplicaStep:
             "recover/compute_s": outcome.compute_s,
             "recover/wait_s": outcome.wait_s,
             "recover/recovery_s": outcome.recovery_s,
-            **{f"recover/quota/{r}": outcome.quotas.get(r, 0) for r in range(self.replicas)},
+            "recover/active": len(active_replicas(outcome.quotas, self.replicas)),
+            **{f"recover/quota/{r}": outcome.quotas.get(r, 0) for r in range(self.groups)},
         }
         if sync.recoveries:
             metrics.update({
@@ -297,6 +325,11 @@ def train_until_done_or_stopped(trainer, train) -> None:
     except Excluded as excluded:
         logger.error("%s", excluded)
         os._exit(EXIT_EXCLUDED)
+    except JobOver as over:
+        logger.warning("%s", over)
+        trainer.replica_sync.member.close()
+        trainer.replica_sync.events.emit("join_abandoned", reason=str(over))
+        raise SystemExit(0) from None
     except TooFewReplicas as stop:
         committed = trainer.step - 1  # the current step was not committed: parameters are those of step - 1
         trainer.step = committed

@@ -19,14 +19,31 @@ from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.ftpg import FaultDetected, FaultTolerantGroup, fault_time_and_reason, raise_fault_flag
 from titan_recover.recover.member import ReplicaMember
-from titan_recover.recover.protocol import decide_commit, Keys
+from titan_recover.recover.protocol import (
+    CommitDecision,
+    decide_commit,
+    decode_admission,
+    encode_admission,
+    Keys,
+    ready_to_join,
+)
+from titan_recover.recover.state_transfer import ChecksumError, transfer, TrainingState
 
 logger = logging.getLogger(__name__)
 
 
 class ReplicaSync:
-    def __init__(self, config: RecoverConfig, member: ReplicaMember, events: EventLog, chaos=None):
+    def __init__(self, config: RecoverConfig, member: ReplicaMember, events: EventLog, chaos=None, *,
+                 groups: int | None = None, final_step: int | None = None):
         self.config, self.member, self.events, self.chaos = config, member, events, chaos
+        self.groups = groups if groups is not None else config.groups
+        """Replica groups of the job (active and spares): the ids a joiner can have."""
+        self.final_step = final_step
+        """No replica is admitted after this step's commit (the job ends with it)."""
+        self.joining = member.incarnation > 0
+        """A restarted replica: it waits for admission and receives its state at the start of its first step."""
+        self.pending: tuple[int, tuple[int, ...]] | None = None
+        """(step, replicas) admitted by the last commit: the transfer runs at the start of the next step."""
         self.group: FaultTolerantGroup | None = None
         # Groups of past epochs, kept alive until the process exits: destroying a gloo group whose peer died can
         # block on its threads (see ftpg). One small group per membership change.
@@ -44,8 +61,12 @@ class ReplicaSync:
         return self.member.members
 
     def start(self) -> None:
-        """Register, wait for epoch 0, build its group."""
+        """Register, wait for epoch 0, build its group. A restarted replica only registers: it is admitted at a
+        step boundary of the running replicas (:meth:`admit_pending`)."""
         self.member.register()
+        if self.joining:
+            self.events.emit("join_requested", incarnation=self.member.incarnation)
+            return
         self.member.wait_for_epoch(-1, self.config.startup_timeout_s + self.config.agree_timeout_s)
         self._build_group()
         self.events.emit("joined", epoch=self.epoch, members=list(self.members))
@@ -130,23 +151,159 @@ class ReplicaSync:
             self.member.progress(phase="commit")
             if self.chaos is not None:
                 self.chaos.maybe_inject(step, "commit")
-            decision = self._commit_barrier(step)
+            decision = self._commit_barrier(step, admit=self.final_step is None or step < self.final_step)
         except FaultDetected as fault:
             logger.warning("step %d epoch %d: %s", step, self.epoch, fault.reason)
             decision = self._propose(step, "abort")
-        if decision == "commit":
+        outcome = CommitDecision.decode(decision)
+        if outcome.outcome == "commit":
             self._committed()
             self.events.emit("step_committed", step=step, epoch=self.epoch, members=list(self.members),
-                             attempts=attempt)
+                             attempts=attempt, admitted=list(outcome.admitted))
+            if outcome.admitted:
+                self.pending = (step, outcome.admitted)
             return True
         self._next_epoch(step)
         return False
 
-    def _propose(self, step: int, proposal: str) -> str:
+    # ---- admission (docs/phoenix.md) -----------------------------------------------------------------------
+    def admit_pending(self, step: int, state: TrainingState) -> None:
+        """At the start of ``step``: run the admission decided by the previous commit (members), or wait to be
+        admitted and receive the state (a joiner). Returns once the transfer committed, or once it is clear
+        that no joiner remains to receive it."""
+        if self.joining:
+            admitted_after, admitting = self._wait_until_admitted()
+        elif self.pending is None:
+            self._hold_for_restarts(step)
+            return
+        else:
+            admitted_after, requested = self.pending
+            self.pending = None
+            before = self.epoch
+            self.member.store.compare_set(Keys.admission(before), "", encode_admission(admitted_after, requested))
+            self._next_epoch(step)
+            admitting = self._admitted_since(before)
+            if not admitting:  # a fault came first: the joiners stay ready and are asked again at a later commit
+                return
+        label = f"admit{admitted_after}"
+        for _ in range(self.config.max_epochs_per_step + 1):
+            joiners = tuple(m for m in self.members if m in admitting)
+            if not joiners:
+                return  # every joiner was lost; training goes on as it was
+            donors = [m for m in self.members if m not in admitting]
+            if not donors:
+                raise RuntimeError(f"admission after step {admitted_after}: no member left to donate the state")
+            donor = min(donors)
+            try:
+                if self.member.replica == donor or self.member.replica in joiners:
+                    self._transfer(state, donor, joiners, step=admitted_after + 1)
+                decision = self._commit_barrier(label)
+            except (FaultDetected, ChecksumError) as fault:
+                if isinstance(fault, ChecksumError):
+                    raise_fault_flag(self.member.store, self.epoch, f"replica {self.member.replica}: {fault}")
+                logger.warning("admission after step %d, epoch %d: %s", admitted_after, self.epoch, fault)
+                decision = self._propose(label, "abort")
+            if decision == "commit":
+                self._committed()
+                self.joining = False
+                self.events.emit("admission_committed", step=admitted_after + 1, epoch=self.epoch, joiners=list(joiners),
+                                 donor=donor, members=list(self.members))
+                return
+            self._next_epoch(step)
+        raise RuntimeError(f"admission after step {admitted_after} failed in "
+                           f"{self.config.max_epochs_per_step + 1} consecutive epochs")
+
+    def _hold_for_restarts(self, step: int) -> None:
+        """``recover.rejoin_wait_s``: hold this step boundary for a dropped group that the launcher restarts
+        (it has restarts left, ``recover.max_restarts``) until it asks to join, so that it is admitted at this
+        step's commit, or until ``rejoin_wait_s`` after it was dropped."""
+        if self.config.rejoin_wait_s <= 0 or (self.final_step is not None and step >= self.final_step):
+            return  # no admission after the final step's commit: nothing to wait for
+        store, ranks = self.member.store, self.member.ranks_per_replica
+        for replica in range(self.groups):
+            if replica in self.members or not store.check([Keys.dropped(replica)]):
+                continue
+            incarnation, _, when = store.get(Keys.dropped(replica)).decode().partition("|")
+            if int(incarnation) >= self.config.max_restarts:
+                continue  # not restarted again
+            deadline = float(when) + self.config.rejoin_wait_s
+            started = time.time()
+            keys = [Keys.join_request(replica, r) for r in range(ranks)]
+            while time.time() < deadline:
+                if all(store.check([k]) for k in keys) and \
+                        all(int(v) > int(incarnation) for v in store.multi_get(keys)):
+                    break
+                self.member.progress(step=step, phase="rejoin_wait")
+                time.sleep(0.05)
+            if time.time() - started > 0.1:
+                self.events.emit("rejoin_wait", step=step, replica=replica, dropped_incarnation=int(incarnation),
+                                 waited_s=time.time() - started, ready=time.time() < deadline)
+
+    def _wait_until_admitted(self) -> tuple[int, tuple[int, ...]]:
+        started = time.time()
+        self.member.wait_for_admission(self.config.startup_timeout_s)
+        self._build_group()
+        # the admitting epoch may already be behind a newer one (a fault during the admission): look back
+        for epoch in range(self.epoch, -1, -1):
+            if self.member.store.check([Keys.admitted(epoch)]):
+                step, admitting = decode_admission(self.member.store.get(Keys.admitted(epoch)))
+                if self.member.replica in admitting:
+                    self.events.emit("admitted", epoch=self.epoch, members=list(self.members), after_step=step,
+                                     waited_s=time.time() - started)
+                    return step, admitting
+        raise RuntimeError(f"replica {self.member.replica} is a member of epoch {self.epoch} without an admission")
+
+    def _admitted_since(self, epoch: int) -> tuple[int, ...]:
+        admitting: set[int] = set()
+        for e in range(epoch + 1, self.epoch + 1):
+            if self.member.store.check([Keys.admitted(e)]):
+                admitting |= set(decode_admission(self.member.store.get(Keys.admitted(e)))[1])
+        return tuple(sorted(admitting))
+
+    def _transfer(self, state: TrainingState, donor: int, joiners: tuple[int, ...], step: int) -> None:
+        """Stream the donor's state to the joiners at this shard position, over a group of just them."""
+        is_donor = self.member.replica == donor
+        group = FaultTolerantGroup(
+            self.member.store, epoch=self.epoch, members=tuple(sorted((donor, *joiners))),
+            replica=self.member.replica, position=self.member.rank, timeout_s=self.config.collective_timeout_s,
+            on_poll=self.member.progress, tag="transfer",
+        )
+        self._retired.append(group)
+        self.member.progress(phase="transfer")
+        sent = [0]
+
+        def broadcast(tensor: torch.Tensor) -> None:
+            group.broadcast_(tensor, root_replica=donor)
+            sent[0] += 1
+            if sent[0] == 1 and self.chaos is not None:  # the header's length went out, the state has not
+                self.chaos.maybe_inject(step, "transfer")
+
+        start = time.perf_counter()
+        stats = transfer(state, broadcast, is_donor=is_donor)
+        seconds = time.perf_counter() - start
+        self.events.emit("state_transferred", epoch=self.epoch, role="donor" if is_donor else "joiner",
+                         donor=donor, joiners=list(joiners), bytes=stats.bytes, chunks=stats.chunks,
+                         seconds=seconds, mb_per_s=stats.bytes / 2**20 / max(seconds, 1e-9))
+
+    def _propose(self, step: int | str, proposal: str) -> str:
         stored = self.member.store.compare_set(Keys.decision(self.epoch, step), "", proposal)
         return stored.decode() if isinstance(stored, bytes) else stored
 
-    def _commit_barrier(self, step: int) -> str:
+    def _ready_joiners(self) -> tuple[int, ...]:
+        """Replicas waiting for admission with a complete, newer incarnation (read by the commit's proposer)."""
+        store, ranks = self.member.store, self.member.ranks_per_replica
+        requests, dropped = {}, {}
+        for replica in range(self.groups):
+            if replica in self.members:
+                continue
+            keys = [Keys.join_request(replica, r) for r in range(ranks)]
+            if all(store.check([k]) for k in keys):
+                requests[replica] = {r: int(v) for r, v in enumerate(store.multi_get(keys))}
+                if store.check([Keys.dropped(replica)]):
+                    dropped[replica] = int(store.get(Keys.dropped(replica)).decode().partition("|")[0])
+        return ready_to_join(self.members, requests, ranks, dropped)
+
+    def _commit_barrier(self, step: int | str, admit: bool = False) -> str:
         store = self.member.store
         key = Keys.reduced(self.epoch, step)
         expected = len(self.members) * self.member.ranks_per_replica
@@ -159,6 +316,9 @@ class ReplicaSync:
             if proposal is None and time.monotonic() > deadline:
                 raise_fault_flag(store, self.epoch, f"replica {self.member.replica}: commit barrier of step {step} timed out")
                 proposal = "abort"
+            if proposal == "commit" and admit:
+                # the first proposal stored is every member's decision: one writer decides the admission too
+                proposal = CommitDecision("commit", self._ready_joiners()).encode()
             if proposal is not None:
                 return self._propose(step, proposal)
             time.sleep(0.002)

@@ -54,6 +54,9 @@ class TrainingState:
     """An object with ``state_dict()`` / ``load_state_dict()`` (TorchTitan's LR scheduler container)."""
     get_step: Callable[[], int]
     set_step: Callable[[int], None]
+    get_extra: Callable[[], dict[str, Any]] | None = None
+    """More JSON-able state a step needs (the trainer's token count, the quota policy's speed estimates)."""
+    set_extra: Callable[[dict[str, Any]], None] | None = None
 
     def ensure_optimizer_state(self) -> None:
         """Create the optimizer state a fresh replica lacks (torch optimizers create it on their first step), so
@@ -88,7 +91,7 @@ class TrainingState:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
         return {"step": self.get_step(), "schedulers": self.schedulers.state_dict(), "param_groups": groups,
-                "rng": rng}
+                "rng": rng, "extra": self.get_extra() if self.get_extra is not None else {}}
 
     def load_metadata(self, meta: dict[str, Any]) -> None:
         self.set_step(meta["step"])
@@ -96,6 +99,8 @@ class TrainingState:
         for opt, groups in zip(self.optimizers, meta["param_groups"]):
             for group, values in zip(opt.param_groups, groups):
                 group.update(values)
+        if self.set_extra is not None:
+            self.set_extra(meta["extra"])
         torch.set_rng_state(_unb64(meta["rng"]["cpu"]))
         if "cuda" in meta["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([_unb64(s) for s in meta["rng"]["cuda"]])

@@ -25,6 +25,7 @@ import torch
 
 from titan_recover.recover.config import QuotaConfig
 from titan_recover.recover.ledger import StepLedger
+from titan_recover.recover.protocol import active_replicas
 from titan_recover.recover.quota import get_policy
 
 
@@ -64,13 +65,18 @@ class StepRecovery:
     compute: Callable[[int], None]
     pack: Callable[[list[float]], torch.Tensor]
     max_epochs_per_step: int = 8
+    active: int = 0
+    """Replicas holding quota (``[recover] replicas``); members beyond them are spares. 0: every member."""
     agree_speed: Callable[[float], float] | None = None
     """Make this replica's ranks agree on its measured speed (a max over the replica's own ranks)."""
     speeds: dict[int, float] = field(default_factory=dict)
     """Smoothed microbatches per second per replica, updated from every commit (identical on every rank)."""
+    degraded: bool = False
+    """Capacity was lost (a replica lost, or fewer than ``active`` replicas holding quota) and has not come back."""
 
     def __post_init__(self) -> None:
         self.policy = get_policy(self.config.policy)
+        self._holding: tuple[int, ...] = ()
 
     def plan(self, step: int) -> StepLedger:
         sync = self.sync
@@ -81,7 +87,8 @@ class StepRecovery:
         else:
             # every survivor of the last commit agrees on its epoch; later epochs are applied in order below
             epoch, members = sync.committed_epoch, sync.committed_members
-        return StepLedger(self.config.policy, step, self.per_step, members, epoch, self.replicas, dict(self.speeds))
+        return StepLedger(self.config.policy, step, self.per_step, members, epoch, self.active or self.replicas,
+                          dict(self.speeds), active=self.active)
 
     def tail_size(self) -> int:
         """Entries after the local accumulation and loss: ledger (M), speeds (R), failures seen (1)."""
@@ -92,6 +99,7 @@ class StepRecovery:
         sync.recoveries = []
         ledger = self.plan(step)
         quotas = {m: ledger.quota(m) for m in ledger.members}
+        self._note_capacity(step, ledger)
         done: list[int] = []
         start = time.perf_counter()
         for g in ledger.ids(self.replica):
@@ -134,6 +142,11 @@ class StepRecovery:
                 # the reduced failure flag is the same for every member, so all discard or none (torchft's
                 # should_commit is such an all-reduce of errors too)
                 saw_failure = tail[-1] > 0
+                if ledger.transitions and any(t.lost for t in ledger.transitions):
+                    self.degraded = True
+                elif self.degraded and len(self._holding) >= (self.active or len(self._holding)):
+                    self.degraded = False
+                    sync.events.emit("full_strength", step=step, epoch=sync.epoch, holding=list(self._holding))
                 return StepOutcome(
                     step=step, summed=buffer, committed=count, participants=len(sync.members), quotas=quotas,
                     recomputed=ledger.recomputed, mine=len(done), attempts=attempt,
@@ -145,6 +158,17 @@ class StepRecovery:
             f"step {step}: the reduction failed in {self.max_epochs_per_step + 1} consecutive epochs "
             f"(recover.max_epochs_per_step = {self.max_epochs_per_step}); giving up"
         )
+
+    def _note_capacity(self, step: int, ledger: StepLedger) -> None:
+        """Spare promotions and lost capacity, from who holds quota at the start of the step."""
+        holding = active_replicas(ledger.members, self.active)
+        promoted = [m for m in holding if m >= (self.active or self.replicas) and m not in self._holding]
+        if promoted and self._holding:
+            self.sync.events.emit("spare_promoted", step=step, epoch=ledger.epoch, spares=promoted,
+                                  holding=list(holding))
+        if self.active and len(holding) < self.active:
+            self.degraded = True
+        self._holding = holding
 
     def _update_speeds(self, measured: list[float]) -> None:
         alpha = self.config.speed_smoothing

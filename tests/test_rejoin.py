@@ -1,0 +1,104 @@
+"""PHOENIX end to end: lost capacity comes back from peers' memory and the trajectory is kept (docs/phoenix.md).
+
+Every run is in exact mode, so "the same trajectory" is bitwise: the loss at every step and every final parameter
+of every replica, the restarted and promoted ones included, equal the failure-free reference's (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica_runs import final_parameters, LOSS, metrics_by_replica, run_replicas
+from titan_recover.recover.launcher import processes_of_run
+
+pytestmark = pytest.mark.multiprocess
+
+REPLICAS, STEPS = 3, 8
+EXACT = ("--recover.quota.exact",)
+# restarted groups are waited for at the step boundary after they were dropped, so that the step they are admitted
+# at does not depend on how fast this machine starts a process (the bound is far above a start, ~10-25 s here)
+RESTARTS = ("--recover.max_restarts", "2", "--recover.rejoin_wait_s", "150")
+
+
+def fault(replica, step, phase, *, incarnation=0, kind="kill"):
+    return {"kind": kind, "replica": replica, "rank": 0, "step": step, "phase": phase, "incarnation": incarnation}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, default_data):
+    folder = tmp_path_factory.mktemp("reference")
+    proc, _ = run_replicas(folder, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[], extra=EXACT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder
+
+
+def of(events, name, **where):
+    return [e for e in events if e["event"] == name and all(e.get(k) == v for k, v in where.items())]
+
+
+def assert_all_equal_reference(reference, folder, events, replicas):
+    """Every replica ended bitwise identical to the reference; replicas that trained every step also logged its
+    loss at every step; a replica that rejoined logged the reference's loss at every step it trained."""
+    finals = of(events, "final_parameters")
+    assert sorted(e["replica"] for e in finals) == list(replicas)
+    assert len({e["sha256"] for e in finals}) == 1, "replicas ended with different parameters"
+    for replica in replicas:
+        expected, actual = final_parameters(reference, 0, 0), final_parameters(folder, replica, 0)
+        assert expected.keys() == actual.keys()
+        assert all(torch.equal(actual[name], value) for name, value in expected.items()), replica
+    ref = metrics_by_replica(reference)[0]
+    for replica, logged in metrics_by_replica(folder).items():
+        for step, record in logged.items():
+            assert record[LOSS] == ref[step][LOSS], (replica, step)
+            assert record["recover/tokens"] == ref[step]["recover/tokens"], (replica, step)
+
+
+def test_killed_replica_rejoins_and_a_donor_and_a_joiner_dying_mid_transfer_are_survived(tmp_path, reference):
+    """Replica 1 is killed at step 2 and restarted; at its admission (start of step 4) the donor, replica 0, is
+    killed mid-transfer: replica 2 donates instead. Replica 0 is restarted in turn and killed mid-transfer as a
+    joiner (step 6): the others go on; its third start is admitted and receives the state before step 8."""
+    faults = [fault(1, 2, "forward"), fault(0, 4, "transfer"), fault(0, 6, "transfer", incarnation=1)]
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults,
+                                extra=(*EXACT, *RESTARTS))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fired = sorted((e["replica"], e["step"], e["phase"]) for e in of(events, "fault_injected"))
+    assert fired == [(0, 4, "transfer"), (0, 6, "transfer"), (1, 2, "forward")]
+
+    admitted = [(e["replica"], e["after_step"], e["incarnation"]) for e in of(events, "replica_admitted")]
+    assert admitted == [(1, 3, 1), (0, 5, 1), (0, 7, 2)]
+    # the first admission: donor 0 died, replica 2 finished the transfer; both sides saw the same bytes
+    first = of(events, "state_transferred", epoch=of(events, "admission_committed", step=4)[0]["epoch"])
+    assert {(e["role"], e["replica"], e["donor"]) for e in first} == {("donor", 2, 2), ("joiner", 1, 2)}
+    assert len({e["bytes"] for e in first}) == 1 and first[0]["bytes"] > 0
+    # the joiner killed mid-transfer (step 6) never committed its admission; its next start did (step 8)
+    assert not of(events, "admission_committed", step=6)
+    assert {e["replica"] for e in of(events, "admission_committed", step=8)} == {0, 1, 2}
+    assert of(events, "full_strength", step=8)
+
+    # the restarted replicas trained from the step they were admitted at; all three ended bitwise equal to the
+    # failure-free run, which also means the loss of every step of every replica is the reference's
+    logged = metrics_by_replica(tmp_path)
+    assert sorted(logged[1]) == [1, 4, 5, 6, 7, 8] and sorted(logged[0]) == [1, 2, 3, 8]
+    assert sorted(logged[2]) == list(range(1, STEPS + 1))
+    assert_all_equal_reference(reference, tmp_path, events, replicas=[0, 1, 2])
+    assert processes_of_run(str(tmp_path)) == []
+
+
+def test_spare_is_promoted_after_a_kill(tmp_path, reference):
+    """3 replicas and a spare: the spare holds no quota but applies every committed step; when replica 1 dies the
+    survivors complete its microbatch in the same step and the spare holds its share from the next step on, with
+    no state to move."""
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[fault(1, 2, "forward")],
+                                extra=(*EXACT, "--recover.spares", "1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(of(events, "fault_injected")) == 1
+    logged = metrics_by_replica(tmp_path)
+    spare = REPLICAS
+    assert logged[spare][1]["recover/quota/3"] == 0 and logged[spare][1]["recover/computed_here"] == 0
+    promoted = of(events, "spare_promoted")
+    assert promoted and {e["step"] for e in promoted} == {3} and all(e["spares"] == [spare] for e in promoted)
+    assert logged[spare][3]["recover/quota/3"] == 1 and logged[spare][3]["recover/quota/1"] == 0
+    assert not of(events, "state_transferred")  # a spare is warm: nothing to transfer
+    assert sorted(logged[spare]) == list(range(1, STEPS + 1))
+    assert_all_equal_reference(reference, tmp_path, events, replicas=[0, 2, spare])
