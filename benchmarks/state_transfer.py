@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """State-transfer throughput (docs/phoenix.md): a donor streams its training state (parameters + AdamW state +
-metadata; chunked, CRC-32 per chunk) to a joiner over the fault-tolerant group (gloo over loopback), against a raw
+metadata; chunked, xxHash3 per chunk) to a joiner over the fault-tolerant group (gloo over loopback), against a raw
 gloo broadcast of the same number of bytes in one tensor between the same two processes.
 
 Two processes; the state is a stack of ``--layers`` square linear layers of width ``--width`` with AdamW state after
@@ -67,7 +67,8 @@ def _member(port: int, replica: int, args, results) -> None:
             barrier()
             start = time.perf_counter()
             if kind == "transfer":
-                transfer(state, broadcast, is_donor=replica == 0, chunk_bytes=args.chunk_mb * 2**20)
+                transfer(state, broadcast, is_donor=replica == 0, chunk_bytes=args.chunk_mb * 2**20,
+                         broadcast_many=lambda tensors, on_each: group.broadcast_many_(tensors, 0, on_each))
             else:
                 broadcast(raw)
             barrier()

@@ -132,14 +132,14 @@ def test_a_corrupted_chunk_fails_its_checksum():
     donor.train_step(0)
 
     def flip_a_bit_of_the_third_chunk(n, t):
-        # broadcasts: 1 header length, 2 header, then (chunk, crc) pairs: the 3rd chunk is broadcast 7
-        if n == 7:
+        # broadcasts: 1 header length, 2 header, then the chunks (the 3rd is broadcast 5), then the digests
+        if n == 5:
             t = t.clone()
             t[0] ^= 1
         return t
 
     _, received = run_transfer(donor, joiner, chunk_bytes=128, tamper=flip_a_bit_of_the_third_chunk)
-    assert isinstance(received, ChecksumError) and "chunk 2" in str(received)
+    assert isinstance(received, ChecksumError) and "chunk(s) [2]" in str(received)
 
 
 def _member(port: int, replica: int, die_after_broadcasts: int | None, results) -> None:

@@ -85,31 +85,39 @@ class FaultTolerantGroup:
         self._run("allreduce", lambda: self.pg.allreduce([tensor], opts))
 
     def broadcast_(self, tensor: torch.Tensor, root_replica: int) -> None:
+        self.broadcast_many_([tensor], root_replica)
+
+    def broadcast_many_(self, tensors: list[torch.Tensor], root_replica: int, on_each=None) -> None:
+        """Broadcast each tensor in order, all issued at once (gloo runs them back to back); ``on_each(i)`` is
+        called on this thread as soon as tensor ``i`` is through, in order, while the later ones are in flight."""
         opts = BroadcastOptions()
         opts.rootRank = self.members.index(root_replica)
         opts.rootTensor = 0
-        self._run("broadcast", lambda: self.pg.broadcast([tensor], opts))
+        self._run("broadcast", lambda: [self.pg.broadcast([t], opts) for t in tensors], on_each)
 
-    def _run(self, name: str, issue) -> None:
+    def _run(self, name: str, issue, on_each=None) -> None:
         fault_key = Keys.fault(self.epoch)
         start = time.monotonic()
         deadline = start + self.timeout_s
-        work = None
         try:
-            work = issue()
-            # Sleep on the work's future (no busy polling competing with gloo's threads for the CPU), waking
-            # every poll_s to look at the epoch's fault flag and the deadline.
-            done = threading.Event()
-            work.get_future().then(lambda _fut: done.set())
-            while not done.wait(self.poll_s):
-                if self.on_poll is not None:
-                    self.on_poll()
-                if self.store.check([fault_key]):
-                    _, reason = fault_time_and_reason(self.store.get(fault_key))
-                    raise FaultDetected(f"{name} in epoch {self.epoch} abandoned: {reason}", raised_here=False)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} did not complete within {self.timeout_s} s")
-            work.wait()
+            works = issue()
+            works = works if isinstance(works, list) else [works]
+            for i, work in enumerate(works):
+                # Sleep on the work's future (no busy polling competing with gloo's threads for the CPU), waking
+                # every poll_s to look at the epoch's fault flag and the deadline.
+                done = threading.Event()
+                work.get_future().then(lambda _fut, done=done: done.set())
+                while not done.wait(self.poll_s):
+                    if self.on_poll is not None:
+                        self.on_poll()
+                    if self.store.check([fault_key]):
+                        _, reason = fault_time_and_reason(self.store.get(fault_key))
+                        raise FaultDetected(f"{name} in epoch {self.epoch} abandoned: {reason}", raised_here=False)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{name} did not complete within {self.timeout_s} s")
+                work.wait()
+                if on_each is not None:
+                    on_each(i)
         except FaultDetected:
             raise
         except Exception as error:  # gloo's own error (peer reset, timeout) or our deadline

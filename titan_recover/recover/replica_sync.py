@@ -279,7 +279,8 @@ class ReplicaSync:
                 self.chaos.maybe_inject(step, "transfer")
 
         start = time.perf_counter()
-        stats = transfer(state, broadcast, is_donor=is_donor)
+        stats = transfer(state, broadcast, is_donor=is_donor,
+                         broadcast_many=lambda tensors, on_each: group.broadcast_many_(tensors, donor, on_each))
         seconds = time.perf_counter() - start
         self.events.emit("state_transferred", epoch=self.epoch, role="donor" if is_donor else "joiner",
                          donor=donor, joiners=list(joiners), bytes=stats.bytes, chunks=stats.chunks,

@@ -4,8 +4,9 @@ The state of one shard position is a fixed-order list of tensors (parameter shar
 tensor, sorted by name) plus small metadata (the step, the learning-rate schedule, the optimizers' scalar
 hyperparameters, the RNG states). :func:`transfer` moves it from the donor to every other participant of a
 broadcast: first a header (metadata and the shape / dtype of every tensor, which the receiver checks against its
-own before touching anything), then the tensors' bytes in chunks of at most ``chunk_bytes``, each followed by its
-64-bit xxHash3 checksum. Large tensors travel as slices of themselves (no copy on CPU: received straight into the
+own before touching anything), then the tensors' bytes in chunks of at most ``chunk_bytes``, then the 64-bit
+xxHash3 checksum of every chunk (hashed by each side after the chunk went through, so donor and receivers hash at
+the same time). Large tensors travel as slices of themselves (no copy on CPU: received straight into the
 receiver's tensor), small ones packed into a staging chunk. Receivers write into their existing tensors in place,
 so references held by the optimizer and by FSDP2 stay valid; a failed check fails the transfer, the receiver's
 metadata (step, schedule, RNG) is only loaded after the last chunk verified, and a joiner whose transfer failed is
@@ -183,8 +184,18 @@ class TransferStats:
 
 
 def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
-             chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_bytes: int = DEFAULT_DIRECT_BYTES) -> TransferStats:
-    """Make every participant's state equal to the donor's (a collective: every participant calls it)."""
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_bytes: int = DEFAULT_DIRECT_BYTES,
+             broadcast_many: Callable[..., None] | None = None) -> TransferStats:
+    """Make every participant's state equal to the donor's (a collective: every participant calls it).
+    ``broadcast_many(tensors, on_each)`` (optional): broadcast a list of tensors in order, all in flight at once,
+    calling ``on_each(i)`` as each one is through (the fault-tolerant group's ``broadcast_many_``); default: one
+    ``broadcast`` after the other."""
+    if broadcast_many is None:
+        def broadcast_many(tensors: list[torch.Tensor], on_each) -> None:
+            for i, t in enumerate(tensors):
+                broadcast(t)
+                on_each(i)
+
     if not is_donor:
         state.ensure_optimizer_state()
     tensors = state.tensors()
@@ -206,35 +217,43 @@ def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
         )
     chunk_bytes, direct_bytes = received["chunk_bytes"], received["direct_bytes"]
     pieces = plan_pieces(sizes, chunk_bytes, direct_bytes)
-    staging = torch.empty(min(chunk_bytes, sum(sizes)) if pieces else 0, dtype=torch.uint8)
-    digest = torch.zeros(1, dtype=torch.int64)
-    for number, (direct, segments) in enumerate(pieces):
+    # Every chunk gets its own buffer (a large tensor's slice on CPU, no copy; a staging buffer for packed small
+    # tensors), so that all of them can be in flight at once; each side hashes a chunk as soon as it is through,
+    # while the later ones travel, and the donor's digests follow in one broadcast at the end.
+    buffers, scatters = [], []
+    for direct, segments in pieces:
         used = sum(n for _, _, n in segments)
         if direct and views[segments[0][0]].device.type == "cpu":
             index, offset, n = segments[0]
-            buffer = views[index][offset : offset + n]  # sent from / received into the tensor itself
-            scatter = False
-        else:
-            buffer = staging[:used]
-            scatter = not is_donor
-            if is_donor:
-                at = 0
-                for index, offset, n in segments:
-                    buffer[at : at + n].copy_(views[index][offset : offset + n])
-                    at += n
+            buffers.append(views[index][offset : offset + n])  # sent from / received into the tensor itself
+            scatters.append(None)
+            continue
+        buffer = torch.empty(used, dtype=torch.uint8)
         if is_donor:
-            digest[0] = checksum(buffer)
-        broadcast(buffer)
-        broadcast(digest)
-        if not is_donor:
-            if checksum(buffer) != int(digest[0]):
-                raise ChecksumError(f"chunk {number} of the state transfer failed its checksum")
-            if scatter:
+            at = 0
+            for index, offset, n in segments:
+                buffer[at : at + n].copy_(views[index][offset : offset + n])
+                at += n
+        buffers.append(buffer)
+        scatters.append(None if is_donor else segments)
+    digests = torch.zeros(len(buffers), dtype=torch.int64)
+
+    def hash_chunk(i: int) -> None:  # while the later chunks are in flight
+        digests[i] = checksum(buffers[i])
+
+    broadcast_many(buffers, hash_chunk)
+    computed = digests.clone()
+    broadcast(digests)  # the donor's
+    if not is_donor:
+        bad = (computed != digests).nonzero().flatten().tolist()
+        if bad:
+            raise ChecksumError(f"chunk(s) {bad} of the state transfer failed their checksum")
+        with torch.no_grad():
+            for buffer, segments in zip(buffers, scatters):
                 at = 0
-                with torch.no_grad():
-                    for index, offset, n in segments:
-                        views[index][offset : offset + n].copy_(buffer[at : at + n])
-                        at += n
+                for index, offset, n in segments or ():
+                    views[index][offset : offset + n].copy_(buffer[at : at + n])
+                    at += n
     if not is_donor:
         state.load_metadata(received["meta"])
     return TransferStats(bytes=sum(sizes), chunks=len(pieces))
