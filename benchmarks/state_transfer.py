@@ -10,8 +10,7 @@ medians reported.
     python benchmarks/state_transfer.py [--width 2048] [--layers 4] [--rounds 3] [--chunk-mb 64]
 
 Last line: ``transfer_mb_s=... raw_mb_s=... transfer_ratio=...``. Target (issue "rejoin from peers' memory"):
-transfer_ratio >= 0.8. The full rejoin benchmark (time to full strength with a spare or a restart) comes with the
-admission protocol.
+transfer_ratio >= 0.8. benchmarks/rejoin.py runs this and adds the time to full strength with a spare or a restart.
 """
 
 from __future__ import annotations

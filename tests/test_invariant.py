@@ -79,9 +79,10 @@ def test_failure_run_equals_the_failure_free_run(tmp_path, reference, schedule):
     assert_same_trajectory(ref, tmp_path, survivors=survivors_of(lost), ranks=1, bitwise=False)
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_exact_mode_failure_run_is_bitwise_the_failure_free_run(tmp_path, reference, schedule):
-    faults, lost = SCHEDULES[schedule]
+def test_exact_mode_failure_run_is_bitwise_the_failure_free_run(tmp_path, reference):
+    # the hardest schedule (two losses in one step, one during the recovery from the other); exact mode with the
+    # other schedules and with rejoining and promoted replicas: tests/test_rejoin.py
+    faults, lost = SCHEDULES["reduction+rebuild"]
     ref = reference("exact", replicas=REPLICAS, ranks=1, extra=EXACT)
     proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults, extra=EXACT)
     assert_survived(tmp_path, proc, events, replicas=REPLICAS, ranks=1, steps=STEPS, lost=lost)
@@ -103,23 +104,23 @@ def test_drop_mode_leaves_the_reference_trajectory(tmp_path, reference):
 
 
 def test_fsdp_inside_replicas_kill_during_reduction(tmp_path, reference):
-    lost = {2: 3}
-    ref = reference("fsdp", replicas=3, ranks=2)
-    proc, events = run_replicas(tmp_path, replicas=3, ranks=2, steps=STEPS,
-                                faults=[kill(2, 3, "reduction", rank=1)])
-    assert_survived(tmp_path, proc, events, replicas=3, ranks=2, steps=STEPS, lost=lost)
+    lost = {1: 3}
+    ref = reference("fsdp", replicas=2, ranks=2)
+    proc, events = run_replicas(tmp_path, replicas=2, ranks=2, steps=STEPS,
+                                faults=[kill(1, 3, "reduction", rank=1)])
+    assert_survived(tmp_path, proc, events, replicas=2, ranks=2, steps=STEPS, lost=lost)
     redone = [e for e in events if e["event"] == "step_committed" and e["step"] == 3 and e["attempts"] > 1]
     assert redone, "the step's reduction was not redone in the new epoch"
-    assert_same_trajectory(ref, tmp_path, survivors=[0, 1], ranks=2, bitwise=False)
+    assert_same_trajectory(ref, tmp_path, survivors=[0], ranks=2, bitwise=False)
 
 
 def test_tensor_parallel_inside_replicas_kill_in_backward(tmp_path, reference):
     tp = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2")
     lost = {1: 2}
-    ref = reference("tp", replicas=3, ranks=2, parallelism=tp)
-    proc, events = run_replicas(tmp_path, replicas=3, ranks=2, steps=STEPS, faults=[kill(1, 2, "backward", rank=1)],
+    ref = reference("tp", replicas=2, ranks=2, parallelism=tp)
+    proc, events = run_replicas(tmp_path, replicas=2, ranks=2, steps=STEPS, faults=[kill(1, 2, "backward", rank=1)],
                                 parallelism=tp)
-    assert_survived(tmp_path, proc, events, replicas=3, ranks=2, steps=STEPS, lost=lost)
+    assert_survived(tmp_path, proc, events, replicas=2, ranks=2, steps=STEPS, lost=lost)
     check_recovery_steps = [e for e in events if e["event"] == "microbatches_reassigned" and e["step"] == 2]
     assert check_recovery_steps, "replica 1's microbatches were not taken over in step 2"
-    assert_same_trajectory(ref, tmp_path, survivors=[0, 2], ranks=2, bitwise=False)
+    assert_same_trajectory(ref, tmp_path, survivors=[0], ranks=2, bitwise=False)
