@@ -5,7 +5,9 @@
 barrier: ``commit`` and the buffer holds the sum; ``abort`` (a fault anywhere in the epoch) and the rank has moved
 to the next epoch, where the caller (:mod:`~titan_recover.recover.step_recovery`) completes the step's microbatches
 and tries again. The start-up broadcast goes through the same commit barrier (as step 0), so that every member
-agrees on the epoch the first step's quotas start from.
+agrees on the epoch the first step's quotas start from. :meth:`ReplicaSync.admit_pending` runs the admission of
+restarted replicas at a step boundary (docs/phoenix.md): a commit's decision names the ready joiners, the
+coordinator publishes the grown epoch, a donor streams the state, and a commit barrier makes it count.
 """
 
 from __future__ import annotations
