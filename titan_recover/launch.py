@@ -178,12 +178,21 @@ def main(argv: list[str] | None = None) -> int:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={options['--rdzv-endpoint']}"]
         if "--node-rank" in options:
             cmd += [f"--node-rank={options['--node-rank']}"]
-    cmd += ["-m", "titan_recover.train"] + ([toml_path] if toml_path else []) + overrides
     env = dict(os.environ, LOG_RANK=str(metrics_rank))
+    if config.recover.max_restarts:
+        # torchrun restarts every worker when one dies; gloo must not connect at group creation for that
+        cmd += [f"--max-restarts={config.recover.max_restarts}"]
+        env["TORCH_GLOO_LAZY_INIT"] = "1"
+    cmd += ["-m", "titan_recover.train"] + ([toml_path] if toml_path else []) + overrides
+    keeper_here = config.recover.snapshot.interval > 0 and not config.recover.snapshot.keepers
     if options.get("--dry-run"):
-        print(shlex.join(cmd))
+        print(("snapshot keeper + " if keeper_here else "") + shlex.join(cmd))
         return 0
     print(f"[titan_recover] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    if keeper_here:
+        from titan_recover.recover.snapshot import run_with_keeper
+
+        return run_with_keeper(cmd, env, os.path.abspath(config.dump_folder))
     os.execve(cmd[0], cmd, env)
     return 0  # not reached
 

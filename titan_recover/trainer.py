@@ -17,6 +17,7 @@ Hooks overridden (each calls TorchTitan's own implementation for everything it d
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
 from titan_recover.recover import RecoverConfig  # noqa: E402
-from titan_recover.recover import replica_step  # noqa: E402
-from titan_recover.recover.chaos import ChaosConfig  # noqa: E402
+from titan_recover.recover import replica_step, snapshot  # noqa: E402
+from titan_recover.recover.chaos import ChaosConfig, ChaosMonkey  # noqa: E402
+from titan_recover.recover.events import EventLog  # noqa: E402
+from titan_recover.recover.state_transfer import TrainingState  # noqa: E402
 
 
 def _placeholders() -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -51,19 +54,58 @@ class RecoverTrainer(Trainer):
 
     replica_sync = None  # ReplicaSync when [recover] replicas > 1
     replica_step = None  # its per-step state (replica_step.ReplicaStep)
+    snapshots = None  # snapshot.Snapshots when [recover.snapshot] interval > 0 (a job without replicas)
+    chaos = None  # ChaosMonkey when [chaos] schedules faults
 
     def __init__(self, config: Config):
         super().__init__(config)
         if config.recover.enabled:
             replica_step.attach_replica_sync(self)
+        else:
+            self._attach_single_job()
+
+    def _attach_single_job(self) -> None:
+        """A job without replicas: its fault injection, and its in-memory snapshots if configured."""
+        config = self.config
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        events = EventLog(os.path.join(config.dump_folder, "events.jsonl"), f"0/{rank}", replica=0, rank=rank)
+        schedule = config.chaos.schedule(1, world)
+        if schedule:
+            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+            self.chaos = ChaosMonkey(schedule, 0, rank, events, incarnation=restarts)
+            self.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
+        if config.recover.snapshot.interval:
+            self.snapshots = snapshot.attach_snapshots(self, events)
+
+    def training_state(self, get_extra=None, set_extra=None) -> TrainingState:
+        """Everything a step needs, as this rank holds it (state transfer and snapshots); ``get_extra`` /
+        ``set_extra`` add more JSON-able state to the trainer's token count."""
+        def extra() -> dict:
+            return {"ntokens_seen": self.ntokens_seen, **(get_extra() if get_extra else {})}
+
+        def load_extra(values: dict) -> None:
+            self.ntokens_seen = values["ntokens_seen"]
+            if set_extra:
+                set_extra(values)
+
+        def set_step(step: int) -> None:
+            self.step = step
+
+        return TrainingState(self.model_parts, list(self.optimizers), self.lr_schedulers, get_step=lambda: self.step,
+                             set_step=set_step, get_extra=extra, set_extra=load_extra)
 
     def train_step(self, data_iterator):
         if self.replica_step is not None:
             self.replica_step.begin_step()
-        return super().train_step(data_iterator)
+        result = super().train_step(data_iterator)
+        if self.snapshots is not None and self.step % self.config.recover.snapshot.interval == 0:
+            self.snapshots.take(self.step)
+        return result
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         if self.replica_step is None:
+            if self.chaos is not None:
+                self.chaos.maybe_inject(self.step, "forward")
             return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
@@ -81,6 +123,8 @@ class RecoverTrainer(Trainer):
         return replica_step.train_until_done_or_stopped(self, super().train)
 
     def close(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.wait()  # a send thread still inside the store client at exit would abort the process
         if self.replica_sync is not None:
             self.replica_sync.member.close()
         super().close()

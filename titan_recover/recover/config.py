@@ -50,6 +50,27 @@ class QuotaConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class SnapshotConfig:
+    """``[recover.snapshot]``: in-memory snapshots of a job without replicas (docs/phoenix.md)."""
+
+    interval: int = 0
+    """Every this many steps each rank's state goes to the host memory of its buddy node's keeper (0: off). For
+    ``[recover] replicas = 1`` (replicas restore from each other); with ``max_restarts > 0`` torchrun restarts the
+    job after a rank dies and every rank refills from the keepers instead of from disk."""
+
+    keepers: list[str] = field(default_factory=list)
+    """Keeper addresses ``HOST:PORT`` in node order for multi-node jobs (start ``python -m
+    titan_recover.recover.snapshot --port P`` on every node); empty: the launcher starts one on this node."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"recover.snapshot.interval must be >= 0 (0: off), got {self.interval}")
+        bad = [k for k in self.keepers if not k.rpartition(":")[2].isdigit() or not k.rpartition(":")[0]]
+        if bad:
+            raise ValueError(f"recover.snapshot.keepers must be HOST:PORT addresses, got {bad}")
+
+
+@dataclass(kw_only=True, slots=True)
 class RecoverConfig:
     """``[recover]``: resilience across replica groups."""
 
@@ -103,6 +124,7 @@ class RecoverConfig:
     """At the end, every rank writes its local parameter shards to ``<run>/final_parameters/`` (to compare runs)."""
 
     quota: QuotaConfig = field(default_factory=QuotaConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -112,6 +134,12 @@ class RecoverConfig:
         if self.spares < 0 or self.max_restarts < 0:
             raise ValueError(f"recover.spares and recover.max_restarts must be >= 0, got {self.spares} and "
                              f"{self.max_restarts}")
+        if self.snapshot.interval and self.replicas > 1:
+            raise ValueError("recover.snapshot.interval is for a job without replicas (recover.replicas = 1): with "
+                             "replicas, a restarted replica receives its state from a live one (docs/phoenix.md)")
+        if self.snapshot.interval and not self.snapshot.keepers and not self.max_restarts:
+            raise ValueError("recover.snapshot.interval needs recover.max_restarts > 0: snapshots refill a job that "
+                             "torchrun restarts after a rank died")
         if self.spares and self.replicas < 2:
             raise ValueError("recover.spares needs replica groups: set recover.replicas >= 2 (a single replica's "
                              "rank failures are covered by [recover.snapshot], not by spares)")

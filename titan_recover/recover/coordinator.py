@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from titan_recover.recover.config import QuotaConfig, RecoverConfig
+from titan_recover.recover.config import QuotaConfig, RecoverConfig, SnapshotConfig
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.ftpg import fault_time_and_reason, raise_fault_flag
 from titan_recover.recover.protocol import (
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[coordinator] %(asctime)s %(message)s")
     fields = json.loads(args.recover_json)
-    config = RecoverConfig(**{**fields, "quota": QuotaConfig(**fields.get("quota", {}))})
+    config = RecoverConfig(**{**fields, "quota": QuotaConfig(**fields.get("quota", {})),
+                              "snapshot": SnapshotConfig(**fields.get("snapshot", {}))})
     coordinator = Coordinator(config, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
                               run_dir=args.run_dir, host=args.host, port=args.port)
     signal.signal(signal.SIGTERM, coordinator.request_stop)

@@ -39,7 +39,7 @@ from titan_recover.recover.member import (  # noqa: E402
 )
 from titan_recover.recover.protocol import active_replicas  # noqa: E402
 from titan_recover.recover.replica_sync import ReplicaSync  # noqa: E402
-from titan_recover.recover.state_transfer import local_tensor, TrainingState  # noqa: E402
+from titan_recover.recover.state_transfer import local_tensor  # noqa: E402
 from titan_recover.recover.step_recovery import StepOutcome, StepRecovery  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -148,19 +148,12 @@ class ReplicaStep:
         self._calls = 0
         self._loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
         self._accumulator: torch.Tensor | None = None
-        self.state = TrainingState(
-            trainer.model_parts, list(trainer.optimizers), trainer.lr_schedulers,
-            get_step=lambda: trainer.step, set_step=self._set_step,
-            get_extra=lambda: {"ntokens_seen": trainer.ntokens_seen,
-                               "speeds": {str(r): v for r, v in self.recovery.speeds.items()}},
-            set_extra=self._set_extra,
+        self.state = trainer.training_state(
+            get_extra=lambda: {"speeds": {str(r): v for r, v in self.recovery.speeds.items()}},
+            set_extra=self._set_speeds,
         )
 
-    def _set_step(self, step: int) -> None:
-        self.trainer.step = step
-
-    def _set_extra(self, extra: dict) -> None:
-        self.trainer.ntokens_seen = extra["ntokens_seen"]
+    def _set_speeds(self, extra: dict) -> None:
         self.recovery.speeds = {int(r): v for r, v in extra["speeds"].items()}
 
     def begin_step(self) -> None:

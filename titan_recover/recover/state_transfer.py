@@ -121,11 +121,11 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
-def _spec(tensors: list[torch.Tensor]) -> list[list]:
+def tensor_spec(tensors: list[torch.Tensor]) -> list[list]:
     return [[list(t.shape), str(t.dtype)] for t in tensors]
 
 
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+def bytes_view(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise StateMismatch("state transfer needs contiguous tensors")
     return t.detach().reshape(-1).view(torch.uint8)
@@ -199,20 +199,20 @@ def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
     if not is_donor:
         state.ensure_optimizer_state()
     tensors = state.tensors()
-    views = [_bytes_view(t) for t in tensors]
+    views = [bytes_view(t) for t in tensors]
     sizes = [v.numel() for v in views]
     header = None
     if is_donor:
-        header = json.dumps({"meta": state.metadata(), "spec": _spec(tensors), "chunk_bytes": chunk_bytes,
+        header = json.dumps({"meta": state.metadata(), "spec": tensor_spec(tensors), "chunk_bytes": chunk_bytes,
                              "direct_bytes": direct_bytes})
     received = json.loads(_send_text(header, broadcast))
-    if received["spec"] != _spec(tensors):
-        mismatch = next(i for i, (a, b) in enumerate(zip(received["spec"], _spec(tensors))) if a != b) \
+    if received["spec"] != tensor_spec(tensors):
+        mismatch = next(i for i, (a, b) in enumerate(zip(received["spec"], tensor_spec(tensors))) if a != b) \
             if len(received["spec"]) == len(tensors) else None
         raise StateMismatch(
             f"donor state has {len(received['spec'])} tensors, this rank {len(tensors)}"
             + (f"; first difference at tensor {mismatch}: donor {received['spec'][mismatch]}, "
-               f"here {_spec(tensors)[mismatch]}" if mismatch is not None else "")
+               f"here {tensor_spec(tensors)[mismatch]}" if mismatch is not None else "")
             + ": the joining replica must be built from the same config as the running ones"
         )
     chunk_bytes, direct_bytes = received["chunk_bytes"], received["direct_bytes"]

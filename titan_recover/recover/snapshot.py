@@ -1,0 +1,284 @@
+"""In-memory snapshots for layouts without replicas (docs/phoenix.md "Buddy snapshots").
+
+With one replica (FSDP2 / TP / PP inside one torchrun) the training state exists once. torchrun's
+``--max-restarts`` restarts every worker of the job when one dies, so a snapshot cannot live in a worker: it lives
+in a **keeper**, a small process per node that holds bytes in host memory (a c10d ``TCPStore`` server, nothing
+else). Every ``[recover.snapshot] interval`` steps, each rank copies its shard's state (the same tensors and
+metadata a state transfer sends: parameters, optimizer state, schedule, step, RNG) into one host buffer, on the
+training thread (a memory copy: the state must be that of one step), and a background thread sends it to the
+keeper of its buddy node (``node + 1``); a snapshot still being sent when the next is due is skipped, never waited
+for. Each rank keeps two slots on its keeper and marks a slot complete (its ``meta``: step, size, xxHash3) only
+after the bytes are stored, having deleted the mark before overwriting: a rank dying mid-send leaves its previous
+snapshot intact.
+
+When the job starts (first start or a restart), after TorchTitan's checkpointer loaded whatever durable checkpoint
+exists, every rank reads every rank's complete slots and restores the newest step that every rank holds
+(:func:`restore_step`), if it is newer than the durable checkpoint's. Every rank decides from the same bytes, so all
+restore the same step or none. A job whose snapshots are gone (the keeper's node died) resumes from the newest
+durable checkpoint, as TorchTitan does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+from titan_recover.recover.state_transfer import bytes_view, tensor_spec, checksum, StateMismatch, TrainingState
+
+logger = logging.getLogger(__name__)
+
+KEEPERS_ENV = "TITAN_RECOVER_SNAPSHOT_KEEPERS"
+"""Comma-separated HOST:PORT of the keepers, one per node in node order (set by the launcher)."""
+
+
+def buddy_node(node: int, nodes: int) -> int:
+    """The node whose keeper holds ``node``'s snapshots: the next one (itself on a single node)."""
+    return (node + 1) % nodes
+
+
+def restore_step(complete: dict[int, set[int]], ranks: int, durable_step: int) -> int | None:
+    """The step to restore from memory: the newest one every rank holds a complete snapshot of, if newer than the
+    durable checkpoint's (``durable_step``, 0 for none). None: train on from the durable checkpoint (or from
+    scratch)."""
+    if sorted(complete) != list(range(ranks)):
+        return None
+    common = set.intersection(*complete.values()) if complete else set()
+    newest = max(common, default=None)
+    return newest if newest is not None and newest > durable_step else None
+
+
+class Keys:
+    @staticmethod
+    def data(rank: int, slot: int) -> str:
+        return f"snapshot/{rank}/{slot}/data"
+
+    @staticmethod
+    def meta(rank: int, slot: int) -> str:
+        return f"snapshot/{rank}/{slot}/meta"
+
+
+def _connect(address: str, timeout_s: float):
+    from torch.distributed import TCPStore
+
+    host, _, port = address.rpartition(":")
+    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+class Snapshots:
+    """One rank's snapshots: :meth:`take` after a step, :meth:`restore` at start."""
+
+    def __init__(self, state: TrainingState, *, keepers: list[str], rank: int, ranks: int, local_ranks: int,
+                 events=None, timeout_s: float = 60.0):
+        self.state, self.rank, self.ranks, self.events = state, rank, ranks, events
+        self.timeout_s = timeout_s
+        self.keepers = keepers
+        node = rank // local_ranks
+        self.store = _connect(keepers[buddy_node(node, len(keepers))], timeout_s)
+        self._peer_stores = {}
+        self._local_ranks = local_ranks
+        self._slot = 0
+        self._sender: threading.Thread | None = None
+        self.skipped = 0
+        self.taken = 0
+
+    def _store_of(self, rank: int):
+        node = buddy_node(rank // self._local_ranks, len(self.keepers))
+        if rank == self.rank:
+            return self.store
+        if node not in self._peer_stores:
+            self._peer_stores[node] = _connect(self.keepers[node], self.timeout_s)
+        return self._peer_stores[node]
+
+    # ---- taking ------------------------------------------------------------------------------------------
+    def take(self, step: int) -> bool:
+        """Copy this rank's state (training thread) and send it in the background. False: skipped, because the
+        previous snapshot is still being sent."""
+        if self._sender is not None and self._sender.is_alive():
+            self.skipped += 1
+            if self.events is not None:
+                self.events.emit("snapshot_skipped", step=step, reason="the previous snapshot is still being sent")
+            return False
+        started = time.perf_counter()
+        tensors = self.state.tensors()
+        views = [bytes_view(t) for t in tensors]
+        payload = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
+        at = 0
+        for v in views:
+            payload[at : at + v.numel()].copy_(v.reshape(-1))
+            at += v.numel()
+        meta = {"step": step, "meta": self.state.metadata(), "spec": tensor_spec(tensors), "bytes": at}
+        copied = time.perf_counter() - started
+        slot = self._slot
+        self._slot = 1 - self._slot
+        self._sender = threading.Thread(target=self._send, args=(slot, payload, meta, copied), daemon=True,
+                                        name="titan-recover-snapshot")
+        self._sender.start()
+        self.taken += 1
+        return True
+
+    def _send(self, slot: int, payload: torch.Tensor, meta: dict, copied_s: float) -> None:
+        started = time.perf_counter()
+        try:
+            meta["xxh3"] = checksum(payload)
+            self.store.delete_key(Keys.meta(self.rank, slot))  # the slot is not complete while it is rewritten
+            self.store.set(Keys.data(self.rank, slot), payload.numpy().tobytes())
+            self.store.set(Keys.meta(self.rank, slot), json.dumps(meta))
+        except Exception as error:  # the keeper is gone: training goes on, the durable checkpoint remains
+            logger.warning("rank %d: snapshot of step %d not stored: %s", self.rank, meta["step"], error)
+            return
+        if self.events is not None and self.rank == 0:
+            self.events.emit("snapshot_stored", step=meta["step"], bytes=meta["bytes"], copy_s=copied_s,
+                             send_s=time.perf_counter() - started)
+
+    def wait(self) -> None:
+        """Block until the snapshot being sent is stored (end of training)."""
+        if self._sender is not None:
+            self._sender.join(self.timeout_s)
+
+    # ---- restoring ---------------------------------------------------------------------------------------
+    def _complete(self, rank: int) -> dict[int, tuple[int, dict]]:
+        store = self._store_of(rank)
+        found = {}
+        for slot in (0, 1):
+            key = Keys.meta(rank, slot)
+            if store.check([key]):
+                meta = json.loads(store.get(key))
+                found[meta["step"]] = (slot, meta)
+        return found
+
+    def restore(self, durable_step: int) -> int | None:
+        """Load the newest snapshot every rank holds, if newer than ``durable_step``; returns its step or None."""
+        try:
+            complete = {r: self._complete(r) for r in range(self.ranks)}
+        except Exception as error:  # a keeper is unreachable: its snapshots are gone
+            logger.warning("rank %d: snapshots unreachable (%s); resuming from the durable checkpoint", self.rank, error)
+            return None
+        step = restore_step({r: set(c) for r, c in complete.items() if c}, self.ranks, durable_step)
+        if step is None:
+            return None
+        slot, meta = complete[self.rank][step]
+        started = time.perf_counter()
+        data = self.store.get(Keys.data(self.rank, slot))
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if payload.numel() != meta["bytes"] or checksum(payload) != meta["xxh3"]:
+            raise RuntimeError(f"rank {self.rank}: the snapshot of step {step} in the keeper is damaged "
+                               "(size or xxHash3 differs); remove it or restart the job from the durable checkpoint")
+        if not self.state.tensors():
+            raise StateMismatch("nothing to restore into")
+        self.state.ensure_optimizer_state()
+        tensors = self.state.tensors()
+        if meta["spec"] != tensor_spec(tensors):
+            raise StateMismatch(f"rank {self.rank}: the snapshot of step {step} has another layout than this job "
+                                "(a different model, sharding or optimizer config)")
+        at = 0
+        with torch.no_grad():
+            for t in tensors:
+                view = bytes_view(t)
+                view.copy_(payload[at : at + view.numel()].view_as(view))
+                at += view.numel()
+        self.state.load_metadata(meta["meta"])
+        if self.events is not None:
+            self.events.emit("snapshot_restored", step=step, rank=self.rank, bytes=meta["bytes"],
+                             durable_step=durable_step, seconds=time.perf_counter() - started)
+        return step
+
+
+def attach_snapshots(trainer, events) -> Snapshots:
+    """Snapshots of ``trainer`` every ``[recover.snapshot] interval`` steps, and their restore right after
+    TorchTitan's checkpointer has loaded (or not found) a durable checkpoint."""
+    config = trainer.config.recover.snapshot
+    keepers = config.keepers or [k for k in os.environ.get(KEEPERS_ENV, "").split(",") if k]
+    if not keepers:
+        raise RuntimeError(
+            f"[recover.snapshot] interval = {config.interval} but no snapshot keeper: start the job with "
+            f"./run_train.sh (it starts one per node) or list them in recover.snapshot.keepers"
+        )
+    world = torch.distributed.get_world_size()
+    snapshots = Snapshots(trainer.training_state(), keepers=keepers, rank=torch.distributed.get_rank(), ranks=world,
+                          local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)), events=events)
+    load = trainer.checkpointer.load
+
+    def load_then_restore(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        restored = snapshots.restore(durable_step=trainer.step)
+        return loaded or restored is not None
+
+    trainer.checkpointer.load = load_then_restore
+    return snapshots
+
+
+def run_with_keeper(cmd: list[str], env: dict, run_dir: str) -> int:
+    """Start this node's keeper, run ``cmd`` (torchrun) with its address, end the keeper when ``cmd`` ends."""
+    import subprocess
+
+    os.makedirs(run_dir, exist_ok=True)
+    address_file = os.path.join(run_dir, "snapshot_keeper.port")
+    if os.path.exists(address_file):
+        os.remove(address_file)
+    keeper = subprocess.Popen([sys.executable, "-m", "titan_recover.recover.snapshot", "--address-file", address_file],
+                              env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(address_file):
+            if keeper.poll() is not None or time.monotonic() > deadline:
+                print("titan_recover: the snapshot keeper did not start", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        with open(address_file) as fh:
+            env = dict(env, **{KEEPERS_ENV: f"127.0.0.1:{int(fh.read())}"})
+        job = subprocess.Popen(cmd, env=env)
+        previous = {s: signal.signal(s, lambda signum, _f: job.send_signal(signum))
+                    for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return job.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    finally:
+        keeper.terminate()
+        try:
+            keeper.wait(10)
+        except subprocess.TimeoutExpired:
+            keeper.kill()
+
+
+# ---- the keeper process ------------------------------------------------------------------------------------
+
+
+def serve(port: int, address_file: str | None) -> int:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    if address_file:
+        with open(address_file + ".tmp", "w") as fh:
+            fh.write(f"{store.port}\n")
+        os.replace(address_file + ".tmp", address_file)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logger.info("snapshot keeper on port %d", store.port)
+    while not stop.wait(1.0):
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A node's snapshot keeper: host memory for its buddy's snapshots.")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--address-file", help="write the port here once listening")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[snapshot keeper] %(asctime)s %(message)s")
+    return serve(args.port, args.address_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
