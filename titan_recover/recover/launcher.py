@@ -93,6 +93,19 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def wait_for_port(address_file: str, proc: subprocess.Popen, name: str, timeout_s: float = 60) -> int | None:
+    """The port a child server (coordinator, snapshot keeper) writes to ``address_file`` once it listens; None,
+    with a message, if it exited or did not listen within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(address_file):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            print(f"titan_recover: the {name} did not start", file=sys.stderr)
+            return None
+        time.sleep(0.05)
+    with open(address_file) as fh:
+        return int(fh.read())
+
+
 def cpu_threads_per_process(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, processes))
 
@@ -126,14 +139,10 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(address_file):
-            if coordinator.poll() is not None or time.monotonic() > deadline:
-                print("titan_recover: the coordinator did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.05)
-        with open(address_file) as fh:
-            address = f"127.0.0.1:{int(fh.read())}"
+        port = wait_for_port(address_file, coordinator, "coordinator")
+        if port is None:
+            return 1
+        address = f"127.0.0.1:{port}"
         groups = recover.groups
 
         def spawn(slot: ReplicaSlot) -> None:

@@ -3,13 +3,14 @@
 With one replica (FSDP2 / TP / PP inside one torchrun) the training state exists once. torchrun's
 ``--max-restarts`` restarts every worker of the job when one dies, so a snapshot cannot live in a worker: it lives
 in a **keeper**, a small process per node that holds bytes in host memory (a c10d ``TCPStore`` server, nothing
-else). Every ``[recover.snapshot] interval`` steps, each rank copies its shard's state (the same tensors and
-metadata a state transfer sends: parameters, optimizer state, schedule, step, RNG) into one host buffer, on the
-training thread (a memory copy: the state must be that of one step), and a background thread sends it to the
-keeper of its buddy node (``node + 1``); a snapshot still being sent when the next is due is skipped, never waited
-for. Each rank keeps two slots on its keeper and marks a slot complete (its ``meta``: step, size, xxHash3) only
-after the bytes are stored, having deleted the mark before overwriting: a rank dying mid-send leaves its previous
-snapshot intact.
+else). Every ``[recover.snapshot] interval`` steps, after the optimizer step, each rank records the small state
+(step, schedule, RNG) and a background thread copies its shard's tensors (parameters and optimizer state: what a
+state transfer sends) into one host buffer while the next step's forward and backward run, which only read them;
+the next optimizer step waits for that copy if it is not done (``blocked_s``). The thread then sends the copy to
+the keeper of its buddy node (``node + 1``); a snapshot still being sent when the next one is due is skipped, never
+waited for. Each rank keeps two slots on its keeper and marks a slot complete (its ``meta``: step, size, xxHash3)
+only after the bytes are stored, having deleted the mark before overwriting: a rank dying mid-send leaves its
+previous snapshot intact.
 
 When the job starts (first start or a restart), after TorchTitan's checkpointer loaded whatever durable checkpoint
 exists, every rank reads every rank's complete slots and restores the newest step that every rank holds
@@ -56,10 +57,14 @@ def restore_step(complete: dict[int, set[int]], ranks: int, durable_step: int) -
     return newest if newest is not None and newest > durable_step else None
 
 
+PIECE_BYTES = 4 * 2**20
+"""A snapshot is stored in values of at most this size (the store server refuses messages above 8 MB)."""
+
+
 class Keys:
     @staticmethod
-    def data(rank: int, slot: int) -> str:
-        return f"snapshot/{rank}/{slot}/data"
+    def data(rank: int, slot: int, piece: int) -> str:
+        return f"snapshot/{rank}/{slot}/data/{piece}"
 
     @staticmethod
     def meta(rank: int, slot: int) -> str:
@@ -87,6 +92,9 @@ class Snapshots:
         self._local_ranks = local_ranks
         self._slot = 0
         self._sender: threading.Thread | None = None
+        self._copied: threading.Event | None = None
+        self.blocked_s = 0.0
+        """Time optimizer steps waited for a snapshot's copy (the only cost on the training thread)."""
         self.skipped = 0
         self.taken = 0
 
@@ -107,37 +115,53 @@ class Snapshots:
             if self.events is not None:
                 self.events.emit("snapshot_skipped", step=step, reason="the previous snapshot is still being sent")
             return False
-        started = time.perf_counter()
         tensors = self.state.tensors()
-        views = [bytes_view(t) for t in tensors]
-        payload = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
-        at = 0
-        for v in views:
-            payload[at : at + v.numel()].copy_(v.reshape(-1))
-            at += v.numel()
-        meta = {"step": step, "meta": self.state.metadata(), "spec": tensor_spec(tensors), "bytes": at}
-        copied = time.perf_counter() - started
+        # the small state (step, schedule, RNG) now; the tensors are copied by the thread while the next step's
+        # forward and backward run, which only read them: the next optimizer step waits for that copy to finish
+        meta = {"step": step, "meta": self.state.metadata(), "spec": tensor_spec(tensors)}
         slot = self._slot
         self._slot = 1 - self._slot
-        self._sender = threading.Thread(target=self._send, args=(slot, payload, meta, copied), daemon=True,
-                                        name="titan-recover-snapshot")
+        self._copied = threading.Event()
+        self._sender = threading.Thread(target=self._copy_and_send, args=(slot, tensors, meta, self._copied),
+                                        daemon=True, name="titan-recover-snapshot")
         self._sender.start()
         self.taken += 1
         return True
 
-    def _send(self, slot: int, payload: torch.Tensor, meta: dict, copied_s: float) -> None:
+    def before_optimizer(self) -> None:
+        """Called before every optimizer step: the parameters and optimizer state may only change once the
+        snapshot being taken has copied them."""
+        if self._copied is not None and not self._copied.is_set():
+            started = time.perf_counter()
+            self._copied.wait()
+            self.blocked_s += time.perf_counter() - started
+
+    def _copy_and_send(self, slot: int, tensors: list[torch.Tensor], meta: dict, copied: threading.Event) -> None:
         started = time.perf_counter()
+        try:
+            views = [bytes_view(t) for t in tensors]
+            payload = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
+            at = 0
+            for v in views:
+                payload[at : at + v.numel()].copy_(v.reshape(-1))
+                at += v.numel()
+        finally:
+            copied.set()
+        meta["bytes"] = at
+        copy_s = time.perf_counter() - started
         try:
             meta["xxh3"] = checksum(payload)
             self.store.delete_key(Keys.meta(self.rank, slot))  # the slot is not complete while it is rewritten
-            self.store.set(Keys.data(self.rank, slot), payload.numpy().tobytes())
+            data = payload.numpy()
+            for piece, at in enumerate(range(0, len(data), PIECE_BYTES)):
+                self.store.set(Keys.data(self.rank, slot, piece), data[at : at + PIECE_BYTES].tobytes())
             self.store.set(Keys.meta(self.rank, slot), json.dumps(meta))
         except Exception as error:  # the keeper is gone: training goes on, the durable checkpoint remains
             logger.warning("rank %d: snapshot of step %d not stored: %s", self.rank, meta["step"], error)
             return
         if self.events is not None and self.rank == 0:
-            self.events.emit("snapshot_stored", step=meta["step"], bytes=meta["bytes"], copy_s=copied_s,
-                             send_s=time.perf_counter() - started)
+            self.events.emit("snapshot_stored", step=meta["step"], bytes=meta["bytes"], copy_s=copy_s,
+                             send_s=time.perf_counter() - started - copy_s, blocked_s=self.blocked_s)
 
     def wait(self) -> None:
         """Block until the snapshot being sent is stored (end of training)."""
@@ -167,8 +191,9 @@ class Snapshots:
             return None
         slot, meta = complete[self.rank][step]
         started = time.perf_counter()
-        data = self.store.get(Keys.data(self.rank, slot))
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        pieces = range((meta["bytes"] + PIECE_BYTES - 1) // PIECE_BYTES)
+        data = bytearray().join(self.store.get(Keys.data(self.rank, slot, piece)) for piece in pieces)
+        payload = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         if payload.numel() != meta["bytes"] or checksum(payload) != meta["xxh3"]:
             raise RuntimeError(f"rank {self.rank}: the snapshot of step {step} in the keeper is damaged "
                                "(size or xxHash3 differs); remove it or restart the job from the durable checkpoint")
@@ -213,12 +238,15 @@ def attach_snapshots(trainer, events) -> Snapshots:
         return loaded or restored is not None
 
     trainer.checkpointer.load = load_then_restore
+    trainer.optimizers.register_step_pre_hook(lambda *_args, **_kwargs: snapshots.before_optimizer())
     return snapshots
 
 
 def run_with_keeper(cmd: list[str], env: dict, run_dir: str) -> int:
     """Start this node's keeper, run ``cmd`` (torchrun) with its address, end the keeper when ``cmd`` ends."""
     import subprocess
+
+    from titan_recover.recover.launcher import wait_for_port
 
     os.makedirs(run_dir, exist_ok=True)
     address_file = os.path.join(run_dir, "snapshot_keeper.port")
@@ -227,14 +255,10 @@ def run_with_keeper(cmd: list[str], env: dict, run_dir: str) -> int:
     keeper = subprocess.Popen([sys.executable, "-m", "titan_recover.recover.snapshot", "--address-file", address_file],
                               env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(address_file):
-            if keeper.poll() is not None or time.monotonic() > deadline:
-                print("titan_recover: the snapshot keeper did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.05)
-        with open(address_file) as fh:
-            env = dict(env, **{KEEPERS_ENV: f"127.0.0.1:{int(fh.read())}"})
+        port = wait_for_port(address_file, keeper, "snapshot keeper")
+        if port is None:
+            return 1
+        env = dict(env, **{KEEPERS_ENV: f"127.0.0.1:{port}"})
         job = subprocess.Popen(cmd, env=env)
         previous = {s: signal.signal(s, lambda signum, _f: job.send_signal(signum))
                     for s in (signal.SIGINT, signal.SIGTERM)}
