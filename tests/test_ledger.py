@@ -37,12 +37,13 @@ def test_ledger_starts_from_the_policy_and_takes_over_lost_ids_in_epoch_order():
         book.advance(9, [0, 3])
 
 
-def test_a_spare_holds_no_ids_until_it_is_promoted():
+def test_a_spare_holds_no_ids_until_it_takes_over_a_lost_replicas():
     book = StepLedger("even", 2, 6, (0, 1, 2, 3), epoch=0, replicas=3, active=3)
     assert book.ids(3) == () and book.quota(3) == 0 and sorted(book.ids(0) + book.ids(1) + book.ids(2)) == \
         list(range(6, 12))
-    moved = book.advance(1, [0, 2, 3])  # replica 1 lost mid-step: its ids go to the survivors by the policy
-    assert moved.lost == (1,)
+    lost_ids = book.ids(1)
+    moved = book.advance(1, [0, 2, 3])  # replica 1 lost mid-step: the idle spare takes its ids (load-aware)
+    assert moved.lost == (1,) and moved.extra == {3: lost_ids}
     held = sorted(itertools.chain(*(book.ids(m) for m in (0, 2, 3))))
     assert held == list(range(6, 12))  # exactly once
     # the next step's plan starts from members without 1: the spare is one of the three holding quota

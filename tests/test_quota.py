@@ -48,3 +48,16 @@ def test_policy_registry_and_errors():
         deal([1, 2, 3], {0: 1, 1: 1})
     with pytest.raises(ValueError, match="no live replica"):
         assign("even", 1, 4, [])
+
+
+def test_orphans_go_where_the_load_is_lowest():
+    from titan_recover.recover.quota import Assignment
+
+    # replica 2 had already taken over more than its share: the lost ids go to the others first
+    current = Assignment({0: (0, 1), 1: (2, 3), 2: (4, 5, 6, 7)}, "")
+    after = reassign_orphans("even", current, survivors=[0, 2])
+    assert after.ids[2] == (4, 5, 6, 7) and after.ids[0] == (0, 1, 2, 3)
+    # towards measured speeds: the faster survivor ends with the larger share
+    current = Assignment({0: (0, 1, 2), 1: (3, 4, 5), 2: (6, 7, 8)}, "")
+    after = reassign_orphans("throughput", current, survivors=[0, 1], speeds={0: 3.0, 1: 1.0})
+    assert sorted(after.ids[0] + after.ids[1]) == list(range(9)) and len(after.ids[0]) > len(after.ids[1])

@@ -87,8 +87,8 @@ def test_killed_replica_rejoins_and_a_donor_and_a_joiner_dying_mid_transfer_are_
 
 def test_spare_is_promoted_after_a_kill(tmp_path, reference):
     """3 replicas and a spare: the spare holds no quota but applies every committed step; when replica 1 dies the
-    survivors complete its microbatch in the same step and the spare holds its share from the next step on, with
-    no state to move."""
+    spare computes its microbatch in the same step (the lowest load) and holds its share from the next step on,
+    with no state to move."""
     proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[fault(1, 2, "forward")],
                                 extra=(*EXACT, "--recover.spares", "1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -96,6 +96,7 @@ def test_spare_is_promoted_after_a_kill(tmp_path, reference):
     logged = metrics_by_replica(tmp_path)
     spare = REPLICAS
     assert logged[spare][1]["recover/quota/3"] == 0 and logged[spare][1]["recover/computed_here"] == 0
+    assert logged[spare][2]["recover/computed_here"] == 1 and logged[0][2]["recover/computed_here"] == 1
     promoted = of(events, "spare_promoted")
     assert promoted and {e["step"] for e in promoted} == {3} and all(e["spares"] == [spare] for e in promoted)
     assert logged[spare][3]["recover/quota/3"] == 1 and logged[spare][3]["recover/quota/1"] == 0

@@ -12,6 +12,32 @@ import os
 import sys
 
 
+def fresh_store_after_restart(environ=os.environ) -> None:
+    """torchrun's restarted workers connect to the agent's store, which outlives the failed round: the process-group
+    keys of the dead workers (their gloo addresses) are still there, and a restarted rank that reads a peer's old
+    address before the peer republished it connects to a dead port. After a restart, rank 0 hosts a fresh store
+    for this round on a new port, announced through the agent's store under a key of this round."""
+    attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    agent = TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(seconds=300))
+    key = f"titan_recover/restart_{attempt}/master_port"
+    if int(environ["RANK"]) == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            agent.set(key, str(probe.getsockname()[1]))
+    environ["MASTER_PORT"] = agent.get(key).decode()
+    environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts this round's store, the others join it
+    print(f"[titan_recover] restart {attempt}: rank {environ['RANK']} uses this round's store on port "
+          f"{environ['MASTER_PORT']}", file=sys.stderr, flush=True)
+
+
 def place_replica_outputs(config) -> None:
     """A replica group's own outputs go under ``<run>/replica_<i>/``; the per-step metrics of all replicas go to
     ``<run>/metrics.jsonl`` (tagged with the replica) and the events to ``<run>/events.jsonl``."""
@@ -41,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     if config.recover.enabled:
         place_replica_outputs(config)
 
+    fresh_store_after_restart()
     import torch
     from torchtitan.tools.logging import init_logger, logger
 

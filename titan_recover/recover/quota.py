@@ -152,15 +152,27 @@ def assign(policy: str, step: int, per_step: int, members: Sequence[int],
 def reassign_orphans(policy: str, current: Assignment, survivors: Sequence[int],
                      speeds: Mapping[int, float] | None = None) -> Assignment:
     """After losing replicas mid-step: survivors keep their ids (their accumulation holds them) and the ids of
-    the lost replicas are dealt among the survivors by the policy. Exactly-once: every id stays assigned once."""
+    the lost replicas are dealt among the survivors so that each one's whole load comes as close as it can to the
+    policy's share of the step (a survivor that held less, such as an idle spare, takes more). Exactly-once: every
+    id stays assigned once."""
     if not get_policy(policy).redistributes:
         raise ValueError(f"quota policy {policy!r} does not redistribute lost replicas' microbatches")
     survivors = tuple(sorted(survivors))
     orphans = sorted(i for m, ids in current.ids.items() if m not in survivors for i in ids)
     if not survivors:
         raise ValueError("no survivor to take the lost replicas' microbatches")
-    counts, reason = get_policy(policy)(QuotaInput(survivors, len(orphans), dict(speeds or {})))
+    held = {m: len(current.ids.get(m, ())) for m in survivors}
+    target, reason = get_policy(policy)(QuotaInput(survivors, sum(held.values()) + len(orphans), dict(speeds or {})))
+    counts = {m: max(0, target[m] - held[m]) for m in survivors}
+    # a survivor already above its share keeps what it holds: the others' deficits then exceed the orphans, and
+    # the excess is taken back from the highest ids (deterministic, the same on every rank)
+    for m in sorted(survivors, reverse=True):
+        excess = sum(counts.values()) - len(orphans)
+        if excess <= 0:
+            break
+        counts[m] -= min(counts[m], excess)
     extra = deal(orphans, counts)
     ids = {m: current.ids.get(m, ()) + extra.get(m, ()) for m in survivors}
     lost = sorted(m for m in current.ids if m not in survivors)
-    return Assignment(ids, f"replicas {lost} lost: their {len(orphans)} microbatches to survivors, {reason}")
+    return Assignment(ids, f"replicas {lost} lost: their {len(orphans)} microbatches to survivors towards "
+                           f"{reason}")
