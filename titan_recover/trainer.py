@@ -35,6 +35,7 @@ from titan_recover.recover import RecoverConfig  # noqa: E402
 from titan_recover.recover import replica_step, snapshot  # noqa: E402
 from titan_recover.recover.chaos import ChaosConfig, ChaosMonkey  # noqa: E402
 from titan_recover.recover.events import EventLog  # noqa: E402
+from titan_recover.recover.member import incarnation_from_env  # noqa: E402
 from titan_recover.recover.state_transfer import TrainingState  # noqa: E402
 
 
@@ -71,8 +72,7 @@ class RecoverTrainer(Trainer):
         events = EventLog(os.path.join(config.dump_folder, "events.jsonl"), f"0/{rank}", replica=0, rank=rank)
         schedule = config.chaos.schedule(1, world)
         if schedule:
-            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-            self.chaos = ChaosMonkey(schedule, 0, rank, events, incarnation=restarts)
+            self.chaos = ChaosMonkey(schedule, 0, rank, events, incarnation=incarnation_from_env())
             self.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
         if config.recover.snapshot.interval:
             self.snapshots = snapshot.attach_snapshots(self, events)

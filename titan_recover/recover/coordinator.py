@@ -25,6 +25,7 @@ from torch.distributed import TCPStore
 from titan_recover.recover.config import QuotaConfig, RecoverConfig, SnapshotConfig
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.ftpg import fault_time_and_reason, raise_fault_flag
+from titan_recover.recover.member import read_join_requests
 from titan_recover.recover.protocol import (
     all_joined,
     decide_members,
@@ -157,9 +158,9 @@ class Coordinator:
         step, requested = decode_admission(self.store.get(Keys.admission(self.epoch)))
         requests = {}
         for replica in requested:
-            keys = [Keys.join_request(replica, r) for r in range(self.ranks)]
-            if all(self.store.check([k]) for k in keys):
-                requests[replica] = {r: int(v) for r, v in enumerate(self.store.multi_get(keys))}
+            asked = read_join_requests(self.store, replica, self.ranks)
+            if asked is not None:
+                requests[replica] = asked
         admitted = ready_to_join(self.members, requests, self.ranks, self.dropped)
         for replica in admitted:
             self.incarnation[replica] = requests[replica][0]

@@ -16,7 +16,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from titan_recover.recover.member import connect, COORDINATOR_ENV, INCARNATION_ENV, REPLICA_ENV, RUN_DIR_ENV
+from titan_recover.recover.member import (
+    connect,
+    COORDINATOR_ENV,
+    INCARNATION_ENV,
+    read_dropped,
+    REPLICA_ENV,
+    RUN_DIR_ENV,
+)
 from titan_recover.recover.protocol import Keys
 
 GRACE_S = 10.0
@@ -66,9 +73,8 @@ def _kill_all(pids: list[int]) -> None:
 def _dropped_incarnation(store, replica: int) -> int | None:
     """The incarnation of ``replica`` the coordinator last removed from an epoch (it may be stopped or hung and
     unable to exit by itself), or None."""
-    if not store.check([Keys.dropped(replica)]):
-        return None
-    return int(store.get(Keys.dropped(replica)).decode().partition("|")[0])
+    dropped = read_dropped(store, replica)
+    return dropped[0] if dropped else None
 
 
 @dataclass

@@ -49,6 +49,22 @@ def incarnation_from_env(environ=os.environ) -> int:
     return int(environ.get(INCARNATION_ENV, 0)) + int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+def read_dropped(store: TCPStore, replica: int) -> tuple[int, float] | None:
+    """``(incarnation, time)`` of ``replica``'s start last removed from an epoch, or None (never dropped)."""
+    if not store.check([Keys.dropped(replica)]):
+        return None
+    incarnation, _, when = store.get(Keys.dropped(replica)).decode().partition("|")
+    return int(incarnation), float(when)
+
+
+def read_join_requests(store: TCPStore, replica: int, ranks: int) -> dict[int, int] | None:
+    """rank -> incarnation of ``replica``'s ranks that asked to join, or None until every rank has."""
+    keys = [Keys.join_request(replica, r) for r in range(ranks)]
+    if not all(store.check([k]) for k in keys):
+        return None
+    return {r: int(v) for r, v in enumerate(store.multi_get(keys))}
+
+
 def connect(address: str, timeout_s: float) -> TCPStore:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():

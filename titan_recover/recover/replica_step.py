@@ -69,7 +69,7 @@ def attach_replica_sync(trainer) -> None:
     chaos = ChaosMonkey(config.chaos.schedule(groups, world), replica, rank, events, incarnation=incarnation)
     member = ReplicaMember(config.recover, replica=replica, rank=rank, ranks_per_replica=world,
                            address=os.environ[COORDINATOR_ENV], incarnation=incarnation)
-    sync = ReplicaSync(config.recover, member, events, chaos, groups=groups, final_step=config.training.steps)
+    sync = ReplicaSync(config.recover, member, events, chaos, final_step=config.training.steps)
     trainer.replica_sync = sync
     trainer.chaos = chaos
     trainer.replica_step = ReplicaStep(trainer, sync, chaos)

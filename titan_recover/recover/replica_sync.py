@@ -20,7 +20,7 @@ import torch
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.ftpg import FaultDetected, FaultTolerantGroup, fault_time_and_reason, raise_fault_flag
-from titan_recover.recover.member import ReplicaMember
+from titan_recover.recover.member import read_dropped, read_join_requests, ReplicaMember
 from titan_recover.recover.protocol import (
     CommitDecision,
     decide_commit,
@@ -36,9 +36,9 @@ logger = logging.getLogger(__name__)
 
 class ReplicaSync:
     def __init__(self, config: RecoverConfig, member: ReplicaMember, events: EventLog, chaos=None, *,
-                 groups: int | None = None, final_step: int | None = None):
+                 final_step: int | None = None):
         self.config, self.member, self.events, self.chaos = config, member, events, chaos
-        self.groups = groups if groups is not None else config.groups
+        self.groups = config.groups
         """Replica groups of the job (active and spares): the ids a joiner can have."""
         self.final_step = final_step
         """No replica is admitted after this step's commit (the job ends with it)."""
@@ -223,22 +223,20 @@ class ReplicaSync:
             return  # no admission after the final step's commit: nothing to wait for
         store, ranks = self.member.store, self.member.ranks_per_replica
         for replica in range(self.groups):
-            if replica in self.members or not store.check([Keys.dropped(replica)]):
-                continue
-            incarnation, _, when = store.get(Keys.dropped(replica)).decode().partition("|")
-            if int(incarnation) >= self.config.max_restarts:
-                continue  # not restarted again
-            deadline = float(when) + self.config.rejoin_wait_s
+            dropped = None if replica in self.members else read_dropped(store, replica)
+            if dropped is None or dropped[0] >= self.config.max_restarts:
+                continue  # a member, never dropped, or not restarted again
+            incarnation, when = dropped
+            deadline = when + self.config.rejoin_wait_s
             started = time.time()
-            keys = [Keys.join_request(replica, r) for r in range(ranks)]
             while time.time() < deadline:
-                if all(store.check([k]) for k in keys) and \
-                        all(int(v) > int(incarnation) for v in store.multi_get(keys)):
+                asked = read_join_requests(store, replica, ranks)
+                if asked is not None and all(v > incarnation for v in asked.values()):
                     break
                 self.member.progress(step=step, phase="rejoin_wait")
                 time.sleep(0.05)
             if time.time() - started > 0.1:
-                self.events.emit("rejoin_wait", step=step, replica=replica, dropped_incarnation=int(incarnation),
+                self.events.emit("rejoin_wait", step=step, replica=replica, dropped_incarnation=incarnation,
                                  waited_s=time.time() - started, ready=time.time() < deadline)
 
     def _wait_until_admitted(self) -> tuple[int, tuple[int, ...]]:
@@ -297,13 +295,12 @@ class ReplicaSync:
         store, ranks = self.member.store, self.member.ranks_per_replica
         requests, dropped = {}, {}
         for replica in range(self.groups):
-            if replica in self.members:
-                continue
-            keys = [Keys.join_request(replica, r) for r in range(ranks)]
-            if all(store.check([k]) for k in keys):
-                requests[replica] = {r: int(v) for r, v in enumerate(store.multi_get(keys))}
-                if store.check([Keys.dropped(replica)]):
-                    dropped[replica] = int(store.get(Keys.dropped(replica)).decode().partition("|")[0])
+            asked = None if replica in self.members else read_join_requests(store, replica, ranks)
+            if asked is not None:
+                requests[replica] = asked
+                last = read_dropped(store, replica)
+                if last is not None:
+                    dropped[replica] = last[0]
         return ready_to_join(self.members, requests, ranks, dropped)
 
     def _commit_barrier(self, step: int | str, admit: bool = False) -> str:
