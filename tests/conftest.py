@@ -56,3 +56,19 @@ def launch(config: str, *overrides: str, timeout: float = 240, cwd: pathlib.Path
                 os.kill(pid, signal.SIGKILL)
         raise AssertionError(f"launch timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+EXACT_REFERENCE = {"replicas": 3, "steps": 8}
+
+
+@pytest.fixture(scope="session")
+def exact_reference(tmp_path_factory, default_data) -> pathlib.Path:
+    """The failure-free run that several modules compare with, run once: the tiny model, 3 replicas of 1 process,
+    8 steps, exact mode, every rank's final parameters saved."""
+    from replica_runs import run_replicas
+
+    folder = tmp_path_factory.mktemp("exact_reference")
+    proc, _ = run_replicas(folder, replicas=EXACT_REFERENCE["replicas"], ranks=1, steps=EXACT_REFERENCE["steps"],
+                           faults=[], extra=("--recover.quota.exact",))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder

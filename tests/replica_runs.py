@@ -112,3 +112,24 @@ def assert_same_trajectory(reference: pathlib.Path, run: pathlib.Path, *, surviv
                     scale = value.abs().max().clamp_min(1e-12)
                     error = float((actual[name] - value).abs().max() / scale)
                     assert error <= rtol, f"replica {replica} rank {rank} {name}: relative error {error:.3e}"
+
+
+def of(events, name, **where):
+    return [e for e in events if e["event"] == name and all(e.get(k) == v for k, v in where.items())]
+
+
+def assert_all_equal_reference(reference, folder, events, replicas):
+    """Every replica ended bitwise identical to the reference (1 rank per replica); every logged loss and token
+    count equals the reference's at that step (a replica that rejoined logged only the steps it trained)."""
+    finals = of(events, "final_parameters")
+    assert sorted(e["replica"] for e in finals) == list(replicas)
+    assert len({e["sha256"] for e in finals}) == 1, "replicas ended with different parameters"
+    for replica in replicas:
+        expected, actual = final_parameters(reference, 0, 0), final_parameters(folder, replica, 0)
+        assert expected.keys() == actual.keys()
+        assert all(torch.equal(actual[name], value) for name, value in expected.items()), replica
+    ref = metrics_by_replica(reference)[0]
+    for replica, logged in metrics_by_replica(folder).items():
+        for step, record in logged.items():
+            assert record[LOSS] == ref[step][LOSS], (replica, step)
+            assert record["recover/tokens"] == ref[step]["recover/tokens"], (replica, step)

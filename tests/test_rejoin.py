@@ -7,14 +7,14 @@ of every replica, the restarted and promoted ones included, equal the failure-fr
 from __future__ import annotations
 
 import pytest
-import torch
 
-from replica_runs import final_parameters, LOSS, metrics_by_replica, run_replicas
+from conftest import EXACT_REFERENCE
+from replica_runs import assert_all_equal_reference, metrics_by_replica, of, run_replicas
 from titan_recover.recover.launcher import processes_of_run
 
 pytestmark = pytest.mark.multiprocess
 
-REPLICAS, STEPS = 3, 8
+REPLICAS, STEPS = EXACT_REFERENCE["replicas"], EXACT_REFERENCE["steps"]
 EXACT = ("--recover.quota.exact",)
 # restarted groups are waited for at the step boundary after they were dropped, so that the step they are admitted
 # at does not depend on how fast this machine starts a process (the bound is far above a start, ~10-25 s here)
@@ -25,33 +25,9 @@ def fault(replica, step, phase, *, incarnation=0, kind="kill"):
     return {"kind": kind, "replica": replica, "rank": 0, "step": step, "phase": phase, "incarnation": incarnation}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, default_data):
-    folder = tmp_path_factory.mktemp("reference")
-    proc, _ = run_replicas(folder, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[], extra=EXACT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return folder
-
-
-def of(events, name, **where):
-    return [e for e in events if e["event"] == name and all(e.get(k) == v for k, v in where.items())]
-
-
-def assert_all_equal_reference(reference, folder, events, replicas):
-    """Every replica ended bitwise identical to the reference; replicas that trained every step also logged its
-    loss at every step; a replica that rejoined logged the reference's loss at every step it trained."""
-    finals = of(events, "final_parameters")
-    assert sorted(e["replica"] for e in finals) == list(replicas)
-    assert len({e["sha256"] for e in finals}) == 1, "replicas ended with different parameters"
-    for replica in replicas:
-        expected, actual = final_parameters(reference, 0, 0), final_parameters(folder, replica, 0)
-        assert expected.keys() == actual.keys()
-        assert all(torch.equal(actual[name], value) for name, value in expected.items()), replica
-    ref = metrics_by_replica(reference)[0]
-    for replica, logged in metrics_by_replica(folder).items():
-        for step, record in logged.items():
-            assert record[LOSS] == ref[step][LOSS], (replica, step)
-            assert record["recover/tokens"] == ref[step]["recover/tokens"], (replica, step)
+@pytest.fixture
+def reference(exact_reference):
+    return exact_reference
 
 
 def test_killed_replica_rejoins_and_a_donor_and_a_joiner_dying_mid_transfer_are_survived(tmp_path, reference):

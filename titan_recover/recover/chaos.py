@@ -6,11 +6,16 @@ so a test can assert that it fired. A seeded random schedule (``random_faults``)
 faults on every rank.
 
     [[chaos.faults]]
-    kind = "kill"          # kill | hang | stall | raise | slow
+    kind = "kill"          # kill | hang | stall | raise | slow | bitflip
     replica = 1
     rank = 0
     step = 3
     phase = "reduction"    # forward | backward | reduction | commit | rebuild | optimizer | transfer
+
+    [[chaos.faults]]       # silent data corruption: one bit of one element, at the phase or right after it
+    kind = "bitflip"
+    target = "gradient"    # parameter (at the phase) | gradient (after that microbatch's backward) | activation
+    bit = 22               # (the next forward's first layer output)
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from titan_recover.registry import Registry
 
 STEP_PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
+FLIP_TARGETS = ("parameter", "gradient", "activation")
 """Phases every step passes (a seeded random schedule draws from these)."""
 PHASES = (*STEP_PHASES, "transfer")
 
@@ -69,6 +77,26 @@ def _slow(monkey, spec) -> None:
     monkey.slowdown = spec.factor
 
 
+@register_fault("bitflip")
+def _bitflip(monkey, spec) -> None:
+    """Flip bit ``bit`` of element ``element`` of this rank's first local parameter (now), of its gradient (after
+    the current microbatch's backward) or of the next forward's first activation: silent data corruption."""
+    if spec.target == "parameter":
+        flip_bit(monkey.tensors["parameter"]()[0], spec.element, spec.bit)
+    else:
+        monkey.pending[spec.target] = spec
+
+
+def flip_bit(tensor: torch.Tensor, element: int, bit: int) -> None:
+    """Flip one bit of one element in place (the tensor's own storage)."""
+    width = 8 * tensor.element_size()
+    words = tensor.detach().view({16: torch.int16, 32: torch.int32, 64: torch.int64}[width]).reshape(-1)
+    if words.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        raise ValueError("bit flips need a contiguous tensor")
+    mask = -(1 << bit) if bit == width - 1 else 1 << bit  # the sign bit as a signed word
+    words[element % words.numel()] ^= mask
+
+
 @dataclass(kw_only=True, slots=True)
 class FaultSpec:
     """One scheduled fault."""
@@ -89,9 +117,19 @@ class FaultSpec:
     """``slow``: compute-time multiplier from ``step`` on (apply it to every rank of the replica)."""
     incarnation: int = 0
     """Which start of the replica group it hits (0: the first; a restarted replica is a later incarnation)."""
+    target: str = "parameter"
+    """``bitflip``: parameter | gradient | activation."""
+    bit: int = 22
+    """``bitflip``: which bit of the element (float32: 0-22 mantissa, 23-30 exponent, 31 sign)."""
+    element: int = 0
+    """``bitflip``: which element of the tensor (modulo its size)."""
 
     def __post_init__(self) -> None:
         FAULTS.get(self.kind)  # raises, naming the registered kinds
+        if self.target not in FLIP_TARGETS:
+            raise ValueError(f"chaos fault target {self.target!r} must be one of {', '.join(FLIP_TARGETS)}")
+        if not 0 <= self.bit < 64 or self.element < 0:
+            raise ValueError(f"chaos fault bit must be in [0, 64) and element >= 0, got {self.bit} and {self.element}")
         if self.phase not in PHASES:
             raise ValueError(f"chaos fault phase {self.phase!r} must be one of {', '.join(PHASES)}")
         if self.factor < 1:
@@ -154,6 +192,10 @@ class ChaosMonkey:
         self.events = events
         self.slowdown = 1.0
         self._fired: set[int] = set()
+        self.tensors: dict[str, Callable[[], list[torch.Tensor]]] = {}
+        """Where bit flips land: ``parameter`` / ``gradient`` -> this rank's local tensors (set by the trainer)."""
+        self.pending: dict[str, FaultSpec] = {}
+        """Bit flips waiting for their moment (a gradient after a backward, an activation in a forward)."""
 
     def maybe_inject(self, step: int, phase: str) -> None:
         """Fire the faults scheduled for (step, phase), each once (a phase recurs within a step: every
@@ -168,3 +210,16 @@ class ChaosMonkey:
         """Called after every microbatch: a ``slow`` rank sleeps so the microbatch took ``factor`` times as long."""
         if self.slowdown > 1:
             time.sleep(elapsed_s * (self.slowdown - 1))
+
+    def after_backward(self) -> None:
+        """Called after every microbatch's backward: a pending gradient flip lands now."""
+        spec = self.pending.pop("gradient", None)
+        if spec is not None:
+            flip_bit(next(g for g in self.tensors["gradient"]() if g is not None), spec.element, spec.bit)
+
+    def on_activation(self, output: torch.Tensor) -> None:
+        """Called with the first layer's output in every forward: a pending activation flip lands in it."""
+        spec = self.pending.pop("activation", None)
+        if spec is not None:
+            with torch.no_grad():
+                flip_bit(output, spec.element, spec.bit)

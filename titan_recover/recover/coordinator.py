@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from titan_recover.recover.config import QuotaConfig, RecoverConfig, SnapshotConfig
+from titan_recover.recover.config import LocalizeConfig, QuotaConfig, RecoverConfig, SnapshotConfig
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.ftpg import fault_time_and_reason, raise_fault_flag
 from titan_recover.recover.member import read_join_requests
@@ -139,6 +139,11 @@ class Coordinator:
         self.events.emit("fault_flag", epoch=self.epoch, reason=reason, raised_at=fault_time)
         target = self.epoch + 1
         deadline = time.monotonic() + self.config.join_window_s
+        for replica in self.members:  # members that voted a replica out (docs/scout.md)
+            if replica not in self.excluded and self.store.check([Keys.evicted(self.epoch, replica)]):
+                self.excluded.add(replica)
+                self.events.emit("replica_evicted", epoch=self.epoch, replica=replica,
+                                 reason=self.store.get(Keys.evicted(self.epoch, replica)).decode())
         candidates = [m for m in self.members if m not in self.excluded]
         while True:
             joined = {
@@ -205,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[coordinator] %(asctime)s %(message)s")
     fields = json.loads(args.recover_json)
     config = RecoverConfig(**{**fields, "quota": QuotaConfig(**fields.get("quota", {})),
-                              "snapshot": SnapshotConfig(**fields.get("snapshot", {}))})
+                              "snapshot": SnapshotConfig(**fields.get("snapshot", {})),
+                              "localize": LocalizeConfig(**fields.get("localize", {}))})
     coordinator = Coordinator(config, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
                               run_dir=args.run_dir, host=args.host, port=args.port)
     signal.signal(signal.SIGTERM, coordinator.request_stop)

@@ -73,6 +73,12 @@ class Keys:
         """Published with an epoch that admits replicas: ``"{step}|{replicas}"`` (the step they enter after)."""
         return f"admitted/e{epoch}"
 
+    @staticmethod
+    def evicted(epoch: int, replica: int) -> str:
+        """Members of ``epoch`` voted ``replica`` out (its state or computation is corrupt): the reason. The
+        coordinator leaves it out of the next epoch (docs/scout.md)."""
+        return f"evicted/e{epoch}/{replica}"
+
 
 @dataclass(frozen=True)
 class Heartbeat:

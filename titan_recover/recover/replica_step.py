@@ -25,7 +25,9 @@ platform.activate()  # before any TorchTitan module that copies the device globa
 
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
 from titan_recover.recover.chaos import ChaosMonkey  # noqa: E402
+from titan_recover.recover.consensus import fingerprint  # noqa: E402
 from titan_recover.recover.events import EventLog  # noqa: E402
+from titan_recover.recover.localize import DISAGREEMENT, Localizer  # noqa: E402
 from titan_recover.recover.member import (  # noqa: E402
     COORDINATOR_ENV,
     Excluded,
@@ -106,6 +108,16 @@ def attach_replica_sync(trainer) -> None:
             output.register_hook(on_backward)
 
     trainer.model_parts[-1].register_forward_hook(on_output)
+    chaos.tensors["parameter"] = lambda: local_parameters(trainer)
+    chaos.tensors["gradient"] = lambda: [local_tensor(p.grad) if p.grad is not None else None
+                                         for m in trainer.model_parts for p in m.parameters()]
+    first_layer = next(m for m in trainer.model_parts[0].children())
+
+    def on_first_output(_module, _inputs, output):
+        if isinstance(output, torch.Tensor):
+            chaos.on_activation(local_tensor(output))
+
+    first_layer.register_forward_hook(on_first_output)
 
 
 class ReplicaStep:
@@ -137,11 +149,17 @@ class ReplicaStep:
         self.params = [p for m in trainer.model_parts for p in m.parameters() if p.requires_grad]
         self.numel = sum(local_tensor(p).numel() for p in self.params)
         self.dtype = torch.float64 if self.exact else torch.float32
+        localize = config.recover.localize
+        self.localizer = None
+        if localize.witnesses:
+            self.localizer = Localizer(localize, replica=sync.member.replica, position=sync.member.rank,
+                                       groups=self.groups, events=sync.events)
         self.recovery = StepRecovery(
             quota, replica=sync.member.replica, replicas=self.groups, active=self.replicas, per_step=self.per_step,
             sync=sync,
             compute=self.compute, pack=self.pack, max_epochs_per_step=config.recover.max_epochs_per_step,
             agree_speed=self.agree_speed if torch.distributed.get_world_size() > 1 else None,
+            localizer=self.localizer, signature=lambda: fingerprint(local_parameters(trainer)),
         )
         self.outcome: StepOutcome | None = None
         self.discard = False
@@ -197,11 +215,15 @@ class ReplicaStep:
                                   microbatches=outcome.committed)
         return torch.tensor(float(summed[self.numel]) * scale, dtype=torch.float32, device=trainer.device)
 
-    def compute(self, g: int) -> None:
-        """Forward and backward of replica microbatch ``g`` (this rank's shard of it), accumulated locally."""
+    def compute(self, g: int, witness: str | None = None) -> int | None:
+        """Forward and backward of replica microbatch ``g`` (this rank's shard of it), accumulated locally.
+
+        ``witness``: called before anything was accumulated in this step; returns the signature of ``g``'s
+        gradient shards and loss. ``"holder"`` keeps the gradient, ``"replay"`` drops it (docs/scout.md)."""
         trainer, member = self.trainer, self.sync.member
         member.progress(step=trainer.step, phase="forward")
         self.chaos.maybe_inject(trainer.step, "forward")
+        replay = witness == "replay"
         start = time.perf_counter()
         input_dict, labels = trainer.dataloader.microbatch(
             g, self.shard_rank, shard_degree=self.shard_degree, batch_size=self.local_batch
@@ -213,18 +235,30 @@ class ReplicaStep:
             part = slice(c * self.local_batch // chunks, (c + 1) * self.local_batch // chunks)
             inputs.append({k: v[part].to(trainer.device) for k, v in input_dict.items()})
             targets.append(labels[part].to(trainer.device))
-            trainer.metrics_processor.ntokens_since_last_log += targets[-1].numel()
-            trainer.metrics_processor.data_loading_times.append((loaded - start) / chunks)
+            if not replay:
+                trainer.metrics_processor.ntokens_since_last_log += targets[-1].numel()
+                trainer.metrics_processor.data_loading_times.append((loaded - start) / chunks)
         pp = trainer.parallel_dims.pp_enabled
         loss = trainer.base_forward_backward_step(
             input_dict=inputs if pp else inputs[0], labels=targets if pp else targets[0],
             global_valid_tokens=self.global_tokens,
         )
-        if not pp or trainer.pp_has_last_stage:
+        self.chaos.after_backward()
+        last_stage = not pp or trainer.pp_has_last_stage
+        signature = None
+        if witness is not None:
+            grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+            signature = fingerprint(grads, extra=[float(loss.detach().sum())] if last_stage else [])
+        if replay:
+            for p in self.params:
+                p.grad = None
+            return signature
+        if last_stage:
             self._loss += loss.detach().to(torch.float64).sum()
         if self.exact:
             self._move_gradients_to_accumulator()
         self.chaos.after_compute(trainer.step, time.perf_counter() - loaded)
+        return signature
 
     def _move_gradients_to_accumulator(self) -> None:
         offset = 0
@@ -327,12 +361,14 @@ def train_until_done_or_stopped(trainer, train) -> None:
         committed = trainer.step - 1  # the current step was not committed: parameters are those of step - 1
         trainer.step = committed
         saved = False
-        if trainer.config.checkpoint.enable:
+        # replicas that disagree without a majority: no replica's state can be trusted, none is saved
+        if trainer.config.checkpoint.enable and not str(stop).startswith(DISAGREEMENT):
             trainer.checkpointer.save(curr_step=committed, last_step=True)
             saved = True
         folder = getattr(trainer.checkpointer, "folder", "checkpoint")
         where = (f"durable checkpoint of step {committed} in {folder}" if saved
-                 else "no checkpoint written ([checkpoint] enable = false)")
+                 else "no checkpoint written" + ("" if trainer.config.checkpoint.enable else
+                                                 " ([checkpoint] enable = false)"))
         trainer.replica_sync.member.finish()
         trainer.replica_sync.events.emit("stopped", step=committed, reason=str(stop), checkpoint_saved=saved)
         logger.error("titan_recover: %s; %s", stop, where)

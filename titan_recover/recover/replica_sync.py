@@ -53,6 +53,11 @@ class ReplicaSync:
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
         self.committed_epoch = -1  # epoch of the last commit (start-up broadcast or step): quotas start from it
         self.committed_members: tuple[int, ...] = ()
+        self.verify = None
+        """``verify(step, reduced_buffer) -> Refusal | None``: the witnesses' votes, judged between the reduction
+        and the commit barrier (docs/scout.md); set by the step recovery manager when localisation is on."""
+        self.disagreement: str | None = None
+        """Set when this rank stopped the job because replicas disagreed without a majority."""
 
     @property
     def epoch(self) -> int:
@@ -153,7 +158,11 @@ class ReplicaSync:
             self.member.progress(phase="commit")
             if self.chaos is not None:
                 self.chaos.maybe_inject(step, "commit")
-            decision = self._commit_barrier(step, admit=self.final_step is None or step < self.final_step)
+            refusal = self.verify(step, buffer) if self.verify is not None else None
+            if refusal is not None:
+                decision = self._refuse(step, refusal)
+            else:
+                decision = self._commit_barrier(step, admit=self.final_step is None or step < self.final_step)
         except FaultDetected as fault:
             logger.warning("step %d epoch %d: %s", step, self.epoch, fault.reason)
             decision = self._propose(step, "abort")
@@ -167,6 +176,19 @@ class ReplicaSync:
             return True
         self._next_epoch(step)
         return False
+
+    def _refuse(self, step: int, refusal) -> str:
+        """The votes found corruption: abort before this rank counts itself in the commit barrier (so the count
+        can never complete), name the replicas to evict to the coordinator, or stop the job (no majority)."""
+        store = self.member.store
+        for replica in refusal.evict:
+            store.set(Keys.evicted(self.epoch, replica), f"step {step}: {refusal.reason}")
+        if refusal.stop is not None:
+            self.disagreement = refusal.stop
+            store.set(Keys.STOP, refusal.stop)
+        raise_fault_flag(store, self.epoch, f"replica {self.member.replica} position {self.member.rank}: "
+                                            f"{refusal.reason}")
+        return self._propose(step, "abort")
 
     # ---- admission (docs/phoenix.md) -----------------------------------------------------------------------
     def admit_pending(self, step: int, state: TrainingState) -> None:

@@ -8,9 +8,12 @@ the new epoch. ``max_epochs_per_step`` bounds the loop. Whatever phase a failure
 id accumulated exactly once, which :meth:`StepLedger.check` verifies on the reduced ledger before the gradient is
 used.
 
-The manager does not know about models or tensors' meaning: the trainer gives it ``compute(g)`` (forward and
-backward of microbatch ``g``, accumulating locally) and ``pack(tail)`` (the flat buffer to reduce: the local
-accumulation followed by ``tail``), and it talks to a :class:`~titan_recover.recover.replica_sync.ReplicaSync`
+The manager does not know about models or tensors' meaning: the trainer gives it ``compute(g, witness=None)``
+(forward and backward of microbatch ``g``, accumulating locally; with ``witness`` it also returns the signature of
+that microbatch's gradient and loss, and ``"replay"`` leaves nothing accumulated) and ``pack(tail)`` (the flat
+buffer to reduce: the local accumulation followed by ``tail``). With a
+:class:`~titan_recover.recover.localize.Localizer` the tail carries the witnesses' signatures too and the sync
+judges them before the commit (docs/scout.md). It talks to a :class:`~titan_recover.recover.replica_sync.ReplicaSync`
 (``catch_up``, ``epoch``, ``members_of``, ``reduce_once``, ``committed_epoch``, ``committed_members``,
 ``recoveries``, ``events``), which tests replace with a fake.
 """
@@ -25,6 +28,7 @@ import torch
 
 from titan_recover.recover.config import QuotaConfig
 from titan_recover.recover.ledger import StepLedger
+from titan_recover.recover.localize import Localizer
 from titan_recover.recover.protocol import active_replicas
 from titan_recover.recover.quota import get_policy
 
@@ -62,7 +66,7 @@ class StepRecovery:
     replicas: int
     per_step: int
     sync: object
-    compute: Callable[[int], None]
+    compute: Callable[..., int | None]
     pack: Callable[[list[float]], torch.Tensor]
     max_epochs_per_step: int = 8
     active: int = 0
@@ -73,10 +77,19 @@ class StepRecovery:
     """Smoothed microbatches per second per replica, updated from every commit (identical on every rank)."""
     degraded: bool = False
     """Capacity was lost (a replica lost, or fewer than ``active`` replicas holding quota) and has not come back."""
+    localizer: Localizer | None = None
+    """Signatures, votes, replays and stragglers (docs/scout.md); None: none."""
+    signature: Callable[[], int] | None = None
+    """This rank's parameter signature (read just before each reduction: the state the step's update applies to)."""
 
     def __post_init__(self) -> None:
         self.policy = get_policy(self.config.policy)
         self._holding: tuple[int, ...] = ()
+        self.evidence_size = self.localizer.size if self.localizer is not None else 0
+        if self.evidence_size:
+            end = -1  # the evidence sits just before the failure flag
+            self.sync.verify = lambda step, buffer: self.localizer.judge(
+                step, self.sync.members, buffer[end - self.evidence_size : end].tolist())
 
     def plan(self, step: int) -> StepLedger:
         sync = self.sync
@@ -91,8 +104,9 @@ class StepRecovery:
                           dict(self.speeds), active=self.active)
 
     def tail_size(self) -> int:
-        """Entries after the local accumulation and loss: ledger (M), speeds (R), failures seen (1)."""
-        return self.per_step + self.replicas + 1
+        """Entries after the local accumulation and loss: ledger (M), speeds (R), evidence (signatures, see
+        :class:`~titan_recover.recover.localize.Localizer`), failures seen (1)."""
+        return self.per_step + self.replicas + self.evidence_size + 1
 
     def run(self, step: int) -> StepOutcome:
         sync = self.sync
@@ -101,8 +115,20 @@ class StepRecovery:
         quotas = {m: ledger.quota(m) for m in ledger.members}
         self._note_capacity(step, ledger)
         done: list[int] = []
+        own = list(ledger.ids(self.replica))
+        replay_signature = None
+        plan = None
+        if self.localizer is not None:
+            plan = self.localizer.replay_for(step, ledger.assignment.ids, ledger.members)
+        if plan is not None and self.replica in plan.replayers:
+            # first, while nothing is accumulated: the replayed gradient is signed and dropped
+            replay_signature = self.compute(plan.microbatch, witness="replay")
         start = time.perf_counter()
-        for g in ledger.ids(self.replica):
+        if plan is not None and plan.microbatch in own:  # the holder computes it first too, and keeps it
+            own.remove(plan.microbatch)
+            replay_signature = self.compute(plan.microbatch, witness="holder")
+            done.append(plan.microbatch)
+        for g in own:
             self.compute(g)
             done.append(g)
         compute_s = time.perf_counter() - start
@@ -131,14 +157,20 @@ class StepRecovery:
                     done.append(g)
             if changed or attempt > 1:
                 recovery_s += time.perf_counter() - recovering
-            buffer = self.pack(ledger.vector(done) + speeds + [1.0 if failed else 0.0])
+            evidence = []
+            if self.evidence_size:
+                evidence = self.localizer.evidence(self.signature() if self.signature else None, replay_signature)
+            buffer = self.pack(ledger.vector(done) + speeds + evidence + [1.0 if failed else 0.0])
             reducing = time.perf_counter()
             committed = sync.reduce_once(step, buffer, attempt)
             if committed:
                 wait_s = time.perf_counter() - reducing
                 tail = buffer[-self.tail_size():].tolist()
                 count = ledger.check(tail[: self.per_step])
-                self._update_speeds(tail[self.per_step : self.per_step + self.replicas])
+                measured = tail[self.per_step : self.per_step + self.replicas]
+                self._update_speeds(measured)
+                if self.localizer is not None:
+                    self.localizer.observe_speeds(step, measured)
                 # the reduced failure flag is the same for every member, so all discard or none (torchft's
                 # should_commit is such an all-reduce of errors too)
                 saw_failure = tail[-1] > 0
