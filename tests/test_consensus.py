@@ -244,3 +244,43 @@ def test_localize_config_errors_say_what_to_change():
     with pytest.raises(ValueError, match="straggler_confirm_steps >= 1"):
         LocalizeConfig(straggler_confirm_steps=0)
     assert not LocalizeConfig(vote=False).witnesses and LocalizeConfig(vote=False, replay_interval=5).witnesses
+
+
+def test_recovery_picks_the_newest_verified_complete_checkpoint(tmp_path):
+    from titan_recover.recover.verified import attach_verified_load, mark_verified, read_verified, step_to_load
+
+    folder = tmp_path / "checkpoint"
+    for step, complete in ((2, True), (4, True), (6, True), (8, False)):
+        (folder / f"step-{step}").mkdir(parents=True)
+        if complete:
+            (folder / f"step-{step}" / ".metadata").write_text("x")
+    assert step_to_load(str(folder)) == (None, "no verification record: TorchTitan's newest checkpoint")
+    mark_verified(str(folder), 2)
+    mark_verified(str(folder), 4)
+    mark_verified(str(folder), 8)  # verified, but its save never completed
+    mark_verified(str(folder), 4)
+    assert read_verified(str(folder)) == [2, 4, 8]
+    chosen, reason = step_to_load(str(folder))
+    assert chosen == 4 and "unverified newer: [6]" in reason
+
+    class Checkpointer:
+        enable, loaded = True, []
+
+        def load(self, step=-1):
+            self.loaded.append(step)
+            return True
+
+    checkpointer = Checkpointer()
+    checkpointer.folder = str(folder)
+    events = Events()
+    attach_verified_load(checkpointer, events)
+    assert checkpointer.load() and checkpointer.loaded == [4]
+    checkpointer.load(step=6)  # an explicit step is the user's choice
+    assert checkpointer.loaded == [4, 6]
+    assert events.records[0]["event"] == "checkpoint_choice" and events.records[0]["step"] == 4
+
+    bare = tmp_path / "bare"
+    (bare / "step-3").mkdir(parents=True)
+    (bare / "step-3" / ".metadata").write_text("x")
+    mark_verified(str(bare), 7)
+    assert step_to_load(str(bare)) == (None, "no verified checkpoint among [3]: loading the newest, unverified")

@@ -66,7 +66,7 @@ def test_chaos_schedule_is_seeded_and_checked():
     first, second = config.schedule(4, 2), config.schedule(4, 2)
     assert first == second and len(first) == 4 and first[0].replica == 1
     assert all(2 <= f.step <= 6 and f.kind in ("kill", "hang") for f in first[1:])
-    with pytest.raises(ValueError, match=r"kind 'explode' is not registered; registered: bitflip, hang, kill, raise, slow, stall"):
+    with pytest.raises(ValueError, match=r"kind 'explode' is not registered; registered: bitflip, desync, hang, kill, raise, slow, stall"):
         FaultSpec(kind="explode")
     with pytest.raises(ConfigError, match=r"phase 'loading' must be one of forward, backward, reduction, commit, rebuild"):
         build_config(None, ["--chaos.faults", '[{kind="kill", phase="loading"}]'])

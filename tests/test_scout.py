@@ -39,7 +39,8 @@ def test_parameter_flip_is_attributed_and_a_gradient_flip_is_caught_by_replay(tm
     faults = [flip(1, 3, "parameter"), flip(holder, 6, "gradient", incarnation=1 if holder == 1 else 0)]
     proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults,
                                 extra=("--recover.quota.exact", *RESTARTS,
-                                       "--recover.localize.replay_interval", str(REPLAY_INTERVAL)))
+                                       "--recover.localize.replay_interval", str(REPLAY_INTERVAL),
+                                       "--checkpoint.enable", "--checkpoint.interval", "2"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fired = sorted((e["replica"], e["step"], e["kind"]) for e in of(events, "fault_injected"))
     assert fired == sorted([(1, 3, "bitflip"), (holder, 6, "bitflip")])
@@ -59,6 +60,11 @@ def test_parameter_flip_is_attributed_and_a_gradient_flip_is_caught_by_replay(tm
     admitted = [(e["replica"], e["after_step"]) for e in of(events, "replica_admitted")]
     assert [r for r, _ in admitted] == [1, holder]
     assert not of(events, "vote_inconclusive")
+    # a checkpoint is verified by the clean vote of the next commit: a replica never evicted verified every one
+    # but the final step's; the evicted replica did not verify the state it had when it was corrupt
+    steady = min({0, 2} - {holder})
+    assert {e["step"] for e in of(events, "checkpoint_verified", replica=steady)} == {2, 4, 6}
+    assert 2 not in {e["step"] for e in of(events, "checkpoint_verified", replica=1)}
     # both came back, and every replica ended bitwise where the failure-free run ended
     assert_all_equal_reference(exact_reference, tmp_path, events, replicas=[0, 1, 2])
     assert processes_of_run(str(tmp_path)) == []

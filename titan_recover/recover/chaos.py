@@ -34,7 +34,7 @@ from titan_recover.registry import Registry
 STEP_PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
 FLIP_TARGETS = ("parameter", "gradient", "activation")
 """Phases every step passes (a seeded random schedule draws from these)."""
-PHASES = (*STEP_PHASES, "transfer")
+PHASES = (*STEP_PHASES, "transfer", "collective")
 
 FAULTS: Registry[Callable[["ChaosMonkey", "FaultSpec"], None]] = Registry("chaos fault kind")
 register_fault = FAULTS.register
@@ -64,6 +64,12 @@ def _stall(_monkey, _spec) -> None:
     """The main thread is stuck forever while the process (and its heartbeat thread) lives on."""
     while True:
         time.sleep(1.0)
+
+
+@register_fault("desync")
+def _desync(monkey, _spec) -> None:
+    """At phase ``collective``: this rank issues a different collective than its peers (another shape)."""
+    monkey.desync = True
 
 
 @register_fault("raise")
@@ -111,8 +117,9 @@ class FaultSpec:
     """Training step (1-based)."""
     phase: str = "forward"
     """forward | backward | reduction | commit | optimizer, rebuild: right after entering a new epoch (a failure
-    during recovery), or transfer: in the middle of a state transfer to a joining replica (the step is the one
-    the joiner enters)."""
+    during recovery), transfer: in the middle of a state transfer to a joining replica (the step is the one
+    the joiner enters), or collective: just before the rank issues its replica's own collective of the step (the
+    speed agreement of the ``throughput`` policy; ``stall`` there hangs in it, ``desync`` issues another one)."""
     factor: float = 2.0
     """``slow``: compute-time multiplier from ``step`` on (apply it to every rank of the replica)."""
     incarnation: int = 0
@@ -191,6 +198,7 @@ class ChaosMonkey:
         self.mine = [f for f in schedule if f.replica == replica and f.rank == rank and f.incarnation == incarnation]
         self.events = events
         self.slowdown = 1.0
+        self.desync = False
         self._fired: set[int] = set()
         self.tensors: dict[str, Callable[[], list[torch.Tensor]]] = {}
         """Where bit flips land: ``parameter`` / ``gradient`` -> this rank's local tensors (set by the trainer)."""

@@ -101,12 +101,23 @@ class LocalizeConfig:
     straggler_confirm_steps: int = 3
     """Consecutive slow steps that confirm a straggler (and fast ones that clear it)."""
 
+    hang_threshold_s: float = 0.0
+    """Start a hang observer process next to every replica group: when a rank's progress beacon has not moved for
+    this long it names the rank behind or the diverged collective and writes a report (0: no observer). Must
+    exceed the longest step phase (one microbatch's forward and backward, the optimizer step)."""
+
+    end_hung: bool = True
+    """The observer ends a hung replica's processes, so that the others treat it as failed (and the launcher may
+    restart it)."""
+
     def __post_init__(self) -> None:
         if self.replay_interval < 0:
             raise ValueError(f"recover.localize.replay_interval must be >= 0 (0: off), got {self.replay_interval}")
         if self.on_inconclusive not in INCONCLUSIVE_ACTIONS:
             raise ValueError(f"recover.localize.on_inconclusive must be one of {', '.join(INCONCLUSIVE_ACTIONS)}, "
                              f"got {self.on_inconclusive!r}")
+        if self.hang_threshold_s < 0:
+            raise ValueError(f"recover.localize.hang_threshold_s must be >= 0 (0: no observer), got {self.hang_threshold_s}")
         if self.straggler_threshold <= 0 or self.straggler_confirm_steps < 1:
             raise ValueError("recover.localize.straggler_threshold must be > 0 and straggler_confirm_steps >= 1, "
                              f"got {self.straggler_threshold} and {self.straggler_confirm_steps}")

@@ -86,6 +86,7 @@ class ReplicaSlot:
     incarnation: int = 0
     proc: subprocess.Popen | None = None
     ended_incarnation: int = -1  # the incarnation this launcher already ended after it was dropped
+    observer: subprocess.Popen | None = None  # its hang observer ([recover.localize] hang_threshold_s)
 
     @property
     def running(self) -> bool:
@@ -159,6 +160,16 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
                    "-m", "titan_recover.train", *([toml_path] if toml_path else []), *overrides]
             slot.proc = _spawn(cmd, env, f"[replica {slot.index}] ")
             children.append(slot.proc)
+            threshold = recover.localize.hang_threshold_s
+            if threshold > 0:  # the replica's hang observer, a process of its own (docs/scout.md)
+                if slot.observer is not None and slot.observer.poll() is None:
+                    _signal_group(slot.observer, signal.SIGTERM)
+                slot.observer = _spawn(
+                    [sys.executable, "-m", "titan_recover.recover.observer", "--run-dir", run_dir, "--replica",
+                     str(slot.index), "--incarnation", str(slot.incarnation), "--ranks", str(ranks_per_replica),
+                     "--threshold-s", str(threshold), *(["--end-hung"] if recover.localize.end_hung else [])],
+                    base_env, f"[observer {slot.index}] ")
+                children.append(slot.observer)
 
         store = connect(address, timeout_s=30)
         slots = [ReplicaSlot(i, recover.max_restarts) for i in range(groups)]

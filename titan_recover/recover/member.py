@@ -91,6 +91,8 @@ class ReplicaMember:
         self._phase = "startup"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.beacon = None
+        """A :class:`~titan_recover.recover.beacon.Beacon` for the hang observer, or None."""
 
     # ---- main thread -------------------------------------------------------------------------------------
     def progress(self, step: int | None = None, phase: str | None = None) -> None:
@@ -100,6 +102,8 @@ class ReplicaMember:
             self._step = step
         if phase is not None:
             self._phase = phase
+        if self.beacon is not None:
+            self.beacon.update(step, phase)
 
     def register(self) -> None:
         self.store.set(

@@ -24,6 +24,7 @@ from titan_recover import platform
 platform.activate()  # before any TorchTitan module that copies the device globals
 
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
+from titan_recover.recover.beacon import Beacon, beacon_path  # noqa: E402
 from titan_recover.recover.chaos import ChaosMonkey  # noqa: E402
 from titan_recover.recover.consensus import fingerprint  # noqa: E402
 from titan_recover.recover.events import EventLog  # noqa: E402
@@ -43,6 +44,7 @@ from titan_recover.recover.protocol import active_replicas  # noqa: E402
 from titan_recover.recover.replica_sync import ReplicaSync  # noqa: E402
 from titan_recover.recover.state_transfer import local_tensor  # noqa: E402
 from titan_recover.recover.step_recovery import StepOutcome, StepRecovery  # noqa: E402
+from titan_recover.recover.verified import attach_verified_load, mark_verified  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +73,12 @@ def attach_replica_sync(trainer) -> None:
     chaos = ChaosMonkey(config.chaos.schedule(groups, world), replica, rank, events, incarnation=incarnation)
     member = ReplicaMember(config.recover, replica=replica, rank=rank, ranks_per_replica=world,
                            address=os.environ[COORDINATOR_ENV], incarnation=incarnation)
+    if config.recover.localize.hang_threshold_s > 0:  # read by the replica's hang observer (docs/scout.md)
+        member.beacon = Beacon(beacon_path(run_dir, replica, rank, incarnation))
     sync = ReplicaSync(config.recover, member, events, chaos, final_step=config.training.steps)
     trainer.replica_sync = sync
+    if config.checkpoint.enable and config.recover.localize.vote:
+        attach_verified_load(trainer.checkpointer, events)  # recovery loads the newest verified checkpoint
     trainer.chaos = chaos
     trainer.replica_step = ReplicaStep(trainer, sync, chaos)
     trainer.metrics_processor.step_metrics_fn = trainer.replica_step.metrics
@@ -209,11 +215,22 @@ class ReplicaStep:
                 part = summed[offset : offset + g.numel()].view_as(g)
                 g.copy_((part * scale if scale != 1 else part).to(g.dtype))
                 offset += g.numel()
+        self._note_verified()
         self.discard = outcome.discarded
         if outcome.discarded:
             self.sync.events.emit("step_discarded", step=trainer.step, epoch=self.sync.epoch,
                                   microbatches=outcome.committed)
         return torch.tensor(float(summed[self.numel]) * scale, dtype=torch.float32, device=trainer.device)
+
+    def _note_verified(self) -> None:
+        """This step committed after a clean parameter vote, which read the state saved at the previous step:
+        that checkpoint is verified (docs/scout.md)."""
+        checkpoint, localizer = self.trainer.config.checkpoint, self.localizer
+        previous = self.trainer.step - 1
+        if (checkpoint.enable and localizer is not None and localizer.config.vote and localizer.clean
+                and self.sync.member.rank == 0 and previous > 0 and previous % checkpoint.interval == 0):
+            mark_verified(self.trainer.checkpointer.folder, previous)
+            self.sync.events.emit("checkpoint_verified", step=previous)
 
     def compute(self, g: int, witness: str | None = None) -> int | None:
         """Forward and backward of replica microbatch ``g`` (this rank's shard of it), accumulated locally.
@@ -288,9 +305,18 @@ class ReplicaStep:
 
     def agree_speed(self, speed: float) -> float:
         """The replica's speed as one number on all its ranks (their timings differ slightly)."""
+        self.chaos.maybe_inject(self.trainer.step, "collective")
         t = torch.tensor([speed], dtype=torch.float64, device=self.trainer.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return float(t.item())
+        if self.chaos.desync:  # injected: this rank issues another collective than its peers
+            self.chaos.desync = False
+            t = torch.zeros(2, dtype=torch.float64, device=self.trainer.device)
+        beacon = self.sync.member.beacon
+        if beacon is None:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        else:
+            with beacon.collective("all_reduce(max)", "replica", t.shape):
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t[0].item())
 
     def metrics(self) -> dict[str, float]:
         outcome, sync = self.outcome, self.sync
@@ -311,6 +337,10 @@ class ReplicaStep:
             "recover/active": len(active_replicas(outcome.quotas, self.replicas)),
             **{f"recover/quota/{r}": outcome.quotas.get(r, 0) for r in range(self.groups)},
         }
+        if self.localizer is not None:
+            metrics.update({"recover/votes_total": self.localizer.votes,
+                            "recover/refusals_total": self.localizer.refusals,
+                            "recover/stragglers": len(self.localizer.detector.stragglers)})
         if sync.recoveries:
             metrics.update({
                 "recover/epoch_changes": len(sync.recoveries),
@@ -347,6 +377,8 @@ def train_until_done_or_stopped(trainer, train) -> None:
             save_final_parameters(trainer, os.path.join(os.environ.get(RUN_DIR_ENV, trainer.config.dump_folder),
                                                         "final_parameters"))
         trainer.replica_sync.member.finish()
+        if trainer.replica_sync.member.beacon is not None:
+            trainer.replica_sync.member.beacon.close(done=True)
         trainer.replica_sync.events.emit("final_parameters", step=trainer.step, epoch=trainer.replica_sync.epoch,
                                          sha256=parameter_digest(trainer))
     except Excluded as excluded:

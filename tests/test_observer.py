@@ -1,0 +1,119 @@
+"""The hang observer's pure parts: beacons in shared memory and the diagnosis (docs/scout.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+
+from replica_runs import metrics_by_replica, of, run_replicas
+from titan_recover.recover.beacon import Beacon, beacon_path, BeaconRecord, collective_fingerprint, read_beacon
+from titan_recover.recover.launcher import processes_of_run
+from titan_recover.recover.observer import diagnose
+
+
+def record(step, phase, seq, op="", when=100.0):
+    fingerprint = collective_fingerprint(op, "replica", (1,))[0] if op else 0
+    return BeaconRecord(step=step, phase=phase, seq=seq, op_fingerprint=fingerprint, op=op, time=when, pid=1)
+
+
+def test_beacon_round_trip_through_the_file(tmp_path):
+    path = beacon_path(str(tmp_path), 2, 1, incarnation=3)
+    assert path.endswith(os.path.join("replica2", "start3", "rank1"))
+    assert read_beacon(path) is None
+    beacon = Beacon(path)
+    first = read_beacon(path)
+    assert first.phase == "startup" and first.seq == 0 and first.pid == os.getpid()
+    beacon.update(step=4, phase="forward")
+    with beacon.collective("all_reduce", "replica", (1,)):
+        inside = read_beacon(path)
+        assert (inside.step, inside.phase, inside.seq) == (4, "collective", 1)
+        assert inside.op.startswith("all_reduce|replica|(1,)")
+        assert inside.op_fingerprint == collective_fingerprint("all_reduce", "replica", (1,))[0]
+    after = read_beacon(path)
+    assert after.phase == "forward" and after.seq == 1 and after.time >= inside.time
+    beacon.update(phase="not-a-phase")  # unknown phases keep the last known one
+    assert read_beacon(path).phase == "forward"
+    beacon.close()
+    assert read_beacon(path).phase == "done"
+
+
+def test_nothing_to_report_while_ranks_move_or_build():
+    now = 200.0
+    assert diagnose({0: record(3, "forward", 5, when=199.0), 1: record(3, "backward", 5, when=198.0)}, now, 5) is None
+    # a rank still building its model, one that finished, and one without a beacon yet are not judged
+    assert diagnose({0: record(0, "startup", 0, when=1.0), 1: record(9, "done", 40, when=1.0), 2: None}, now, 5) is None
+
+
+def test_the_rank_that_never_entered_the_collective_is_named():
+    now = 200.0
+    beacons = {0: record(3, "collective", 6, "all_reduce", when=190.0),
+               1: record(3, "forward", 5, when=189.0),
+               2: record(3, "collective", 6, "all_reduce", when=190.5)}
+    found = diagnose(beacons, now, 5)
+    assert found.kind == "behind" and found.ranks == (1,)
+    assert "never entered" in found.reason and "rank 1: step 3 forward" in found.reason
+    assert found.stalled_s == 11.0
+
+
+def test_a_diverged_collective_names_the_minority_and_two_ranks_stay_unblamed():
+    now = 200.0
+    beacons = {0: record(3, "collective", 6, "all_reduce", when=190.0),
+               1: record(3, "collective", 6, "all_gather", when=190.0),
+               2: record(3, "collective", 6, "all_reduce", when=190.0)}
+    found = diagnose(beacons, now, 5)
+    assert found.kind == "diverged" and found.ranks == (1,)
+    assert "collective #6 diverged" in found.reason and "all_gather" in found.reason
+    pair = diagnose({0: beacons[0], 1: beacons[1]}, now, 5)
+    assert pair.kind == "diverged" and pair.ranks == (0, 1) and "no majority" in pair.reason
+
+
+def test_everyone_inside_the_same_collective_blames_nobody_in_the_group_and_a_plain_stall_is_named():
+    now = 200.0
+    same = {r: record(3, "collective", 6, "all_reduce", when=190.0) for r in range(2)}
+    found = diagnose(same, now, 5)
+    assert found.kind == "stuck_in_collective" and found.ranks == ()
+    stalled = diagnose({0: record(3, "optimizer", 6, when=150.0), 1: record(3, "forward", 6, when=199.0)}, now, 5)
+    assert stalled.kind == "stalled" and stalled.ranks == (0,)
+
+
+HANG = ("--recover.quota.policy", "throughput", "--recover.localize.hang_threshold_s", "4",
+        "--recover.max_restarts", "0")
+
+
+@pytest.mark.multiprocess
+def test_a_rank_hanging_in_a_collective_and_a_desynchronised_collective_are_named(tmp_path, default_data):
+    """Three replicas of two ranks, each with its observer (threshold 4 s). At step 3, replica 1's rank 1 stalls
+    (main thread stuck, heartbeat alive) where it should enter its replica's collective, so its peer waits inside
+    it; replica 2's rank 1 issues an all-reduce of another shape than its peer's (gloo waits forever on such a
+    pair). Within threshold + 2 s each observer names what happened, writes its report and ends its replica;
+    replica 0 trains on to the end, and its observer reports nothing."""
+    faults = [{"kind": "stall", "replica": 1, "rank": 1, "step": 3, "phase": "collective"},
+              {"kind": "desync", "replica": 2, "rank": 1, "step": 3, "phase": "collective"}]
+    proc, events = run_replicas(tmp_path, replicas=3, ranks=2, steps=5, faults=faults, extra=HANG)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    injected = {e["replica"]: e for e in of(events, "fault_injected")}
+    assert sorted(injected) == [1, 2]
+    hangs = {e["replica"]: e for e in of(events, "hang_detected")}
+    assert sorted(hangs) == [1, 2]  # and none from replica 0's observer
+    for replica, hang in hangs.items():
+        assert hang["ended"] and hang["time"] - injected[replica]["time"] <= 4 + 2, hang
+
+    behind = hangs[1]
+    assert behind["kind"] == "behind" and behind["ranks"] == [1]
+    assert "never entered" in behind["reason"] and "all_reduce(max)" in behind["reason"]
+    report = json.loads(pathlib.Path(behind["report"]).read_text())
+    assert report["ranks"] == [1] and report["beacons"]["0"]["phase"] == "collective"
+    assert report["beacons"]["1"]["seq"] == report["beacons"]["0"]["seq"] - 1
+
+    # two ranks have no majority: the collective and what each rank issued are named, neither rank singled out
+    diverged = hangs[2]
+    assert diverged["kind"] == "diverged" and diverged["ranks"] == [0, 1]
+    assert "(1,)" in diverged["reason"] and "(2,)" in diverged["reason"] and "no majority" in diverged["reason"]
+    assert pathlib.Path(diverged["report"]).exists()
+
+    assert sorted(r for e in of(events, "epoch_formed") for r in e["removed"]) == [1, 2]
+    assert sorted(metrics_by_replica(tmp_path)[0]) == list(range(1, 6))
+    assert processes_of_run(str(tmp_path)) == []

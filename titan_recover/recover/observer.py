@@ -1,0 +1,167 @@
+"""The hang observer: an out-of-band process per replica group that names who hangs (docs/scout.md).
+
+    python -m titan_recover.recover.observer --run-dir DIR --replica I --incarnation N --ranks W --threshold-s T
+        [--end-hung]
+
+Started by the launcher next to every start of a replica group's torchrun (``[recover.localize] hang_threshold_s
+> 0``). It is not a thread of the trainer, so it works while every trainer thread is blocked in a collective. It
+only reads the ranks' beacons (:mod:`titan_recover.recover.beacon`, shared memory on the node): a healthy run sends
+nothing beyond them. When some rank's beacon has not moved for ``T`` seconds, :func:`diagnose` names the rank
+that is behind or whose collective diverged; the observer writes ``hang_report_replica{I}_start{N}.json`` to the
+run folder, emits ``hang_detected``, and with ``--end-hung`` ends the replica's processes, so that the
+fault-tolerant group treats the replica as failed (and the launcher may restart it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from titan_recover.recover.beacon import beacon_path, BeaconRecord, read_beacon
+from titan_recover.recover.events import EventLog
+
+logger = logging.getLogger("titan_recover.observer")
+
+IGNORED_PHASES = ("startup", "done")
+"""A rank building its model (no beacon yet updated) or finished is not judged."""
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    kind: str
+    """``behind`` (some ranks never entered the collective the others wait in), ``diverged`` (ranks in the same
+    collective number issued different collectives), ``stuck_in_collective`` (every rank inside the same
+    collective: the hang is in the collective or a peer outside the group), ``stalled`` (no collective involved)."""
+    ranks: tuple[int, ...]
+    """The ranks named (empty when nobody in the group can be blamed)."""
+    reason: str
+    stalled_s: float
+
+
+def diagnose(beacons: dict[int, BeaconRecord | None], now: float, threshold_s: float) -> Diagnosis | None:
+    """Pure: who hangs, from the ranks' latest beacons; None while every judged rank moved within ``threshold_s``."""
+    live = {r: b for r, b in beacons.items() if b is not None and b.phase not in IGNORED_PHASES}
+    stale = {r: now - b.time for r, b in live.items() if now - b.time > threshold_s}
+    if not stale:
+        return None
+    stalled_s = max(stale.values())
+
+    def where(r: int) -> str:
+        b = live[r]
+        inside = f" inside collective #{b.seq} {b.op}" if b.phase == "collective" else f" after collective #{b.seq}"
+        return f"rank {r}: step {b.step} {b.phase}{inside}, {now - b.time:.1f} s ago"
+
+    inside = {r: b for r, b in live.items() if b.phase == "collective"}
+    if inside:
+        newest = max(b.seq for b in inside.values())
+        waiting = {r: b for r, b in inside.items() if b.seq == newest}
+        by_op = collections.defaultdict(list)
+        for r, b in waiting.items():
+            by_op[(b.op_fingerprint, b.op)].append(r)
+        if len(by_op) > 1:
+            (_, common), holders = max(by_op.items(), key=lambda item: len(item[1]))
+            strict = len(holders) > len(waiting) // 2
+            odd = tuple(sorted(r for r in waiting if r not in holders)) if strict else tuple(sorted(waiting))
+            issued = "; ".join(f"ranks {sorted(rs)} issued {op}" for (_, op), rs in sorted(by_op.items()))
+            reason = (f"collective #{newest} diverged: {issued}"
+                      + (f"; ranks {list(odd)} differ from the majority ({common})" if strict else
+                         "; no majority says which is wrong"))
+            return Diagnosis("diverged", odd, reason, stalled_s)
+        behind = tuple(sorted(r for r in live if r not in waiting))
+        if behind:
+            op = next(iter(by_op))[1]
+            reason = (f"ranks {sorted(waiting)} wait in collective #{newest} {op}; ranks {list(behind)} never entered "
+                      "it: " + "; ".join(where(r) for r in behind))
+            return Diagnosis("behind", behind, reason, stalled_s)
+        op = next(iter(by_op))[1]
+        return Diagnosis("stuck_in_collective", (), f"every rank is inside collective #{newest} {op} for "
+                         f"{stalled_s:.1f} s: the collective itself, or a peer outside this group, hangs", stalled_s)
+    ranks = tuple(sorted(stale))
+    return Diagnosis("stalled", ranks, "no progress: " + "; ".join(where(r) for r in ranks), stalled_s)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Observer:
+    def __init__(self, run_dir: str, replica: int, incarnation: int, ranks: int, threshold_s: float, end_hung: bool):
+        self.run_dir, self.replica, self.incarnation, self.ranks = run_dir, replica, incarnation, ranks
+        self.threshold_s, self.end_hung = threshold_s, end_hung
+        self.paths = {r: beacon_path(run_dir, replica, r, incarnation) for r in range(ranks)}
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), f"observer/{replica}", replica=replica)
+        self._stop = False
+
+    def request_stop(self, *_args) -> None:
+        self._stop = True
+
+    def run(self) -> int:
+        tick = min(0.25, self.threshold_s / 10)
+        while not self._stop:
+            beacons = {r: read_beacon(p) for r, p in self.paths.items()}
+            # a rank that exited is the fault-tolerant group's business, not a hang: no longer judged
+            beacons = {r: b for r, b in beacons.items() if b is None or b.phase == "done" or _alive(b.pid)}
+            if not beacons or all(b is not None and b.phase == "done" for b in beacons.values()):
+                return 0
+            diagnosis = diagnose(beacons, time.time(), self.threshold_s)
+            if diagnosis is not None:
+                self.report(diagnosis, beacons)
+                return 0
+            time.sleep(tick)
+        return 0
+
+    def report(self, diagnosis: Diagnosis, beacons: dict[int, BeaconRecord | None]) -> None:
+        path = os.path.join(self.run_dir, f"hang_report_replica{self.replica}_start{self.incarnation}.json")
+        body = {
+            "replica": self.replica, "incarnation": self.incarnation, "detected_at": time.time(),
+            "threshold_s": self.threshold_s, **asdict(diagnosis),
+            "beacons": {str(r): (asdict(b) if b is not None else None) for r, b in beacons.items()},
+            "action": "ended the replica" if self.end_hung else "reported only",
+        }
+        with open(path + ".tmp", "w") as fh:
+            json.dump(body, fh, indent=2)
+        os.replace(path + ".tmp", path)
+        self.events.emit("hang_detected", incarnation=self.incarnation, kind=diagnosis.kind,
+                         ranks=list(diagnosis.ranks), reason=diagnosis.reason, stalled_s=diagnosis.stalled_s,
+                         report=path, ended=self.end_hung)
+        logger.error("replica %d: %s (%s)", self.replica, diagnosis.reason, path)
+        if self.end_hung:
+            pids = {b.pid for b in beacons.values() if b is not None}
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--replica", type=int, required=True)
+    parser.add_argument("--incarnation", type=int, default=0)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--threshold-s", type=float, required=True)
+    parser.add_argument("--end-hung", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"[observer {args.replica}] %(asctime)s %(message)s")
+    observer = Observer(args.run_dir, args.replica, args.incarnation, args.ranks, args.threshold_s, args.end_hung)
+    signal.signal(signal.SIGTERM, observer.request_stop)
+    signal.signal(signal.SIGINT, observer.request_stop)
+    return observer.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

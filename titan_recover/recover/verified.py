@@ -1,0 +1,81 @@
+"""Verified durable checkpoints (docs/scout.md section 4).
+
+A checkpoint of step ``s`` holds the state after step ``s``'s optimizer step; the parameter vote of step ``s + 1``
+reads exactly that state on every member. When step ``s + 1`` commits with the vote on, every position's vote was
+clean (any refusal aborts the commit for every member), so rank 0 of the replica records ``s`` in
+``<checkpoint folder>/verified_steps.json``. On load, the newest checkpoint whose step is recorded there is the one
+loaded; a folder with checkpoints but no record (a run without votes) loads TorchTitan's newest, with a warning.
+The final step of a run has no next vote: its checkpoint stays unverified.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+logger = logging.getLogger(__name__)
+
+LEDGER = "verified_steps.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def read_verified(folder: str) -> list[int]:
+    try:
+        with open(os.path.join(folder, LEDGER)) as fh:
+            return sorted(json.load(fh)["steps"])
+    except FileNotFoundError:
+        return []
+
+
+def mark_verified(folder: str, step: int) -> None:
+    """Add ``step`` to the folder's record (written to a temporary file and renamed: never half-written)."""
+    os.makedirs(folder, exist_ok=True)
+    steps = sorted(set(read_verified(folder)) | {step})
+    path = os.path.join(folder, LEDGER)
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"steps": steps}, fh)
+    os.replace(path + ".tmp", path)
+
+
+def complete_checkpoints(folder: str) -> list[int]:
+    """Steps with a complete DCP checkpoint (its ``.metadata`` is written last), as TorchTitan loads them."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        match = _STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(folder, name, ".metadata")):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def step_to_load(folder: str) -> tuple[int | None, str]:
+    """The checkpoint step recovery should load (None: TorchTitan's own choice) and why."""
+    available = complete_checkpoints(folder)
+    verified = [s for s in read_verified(folder) if s in available]
+    if verified:
+        newer = [s for s in available if s > verified[-1]]
+        return verified[-1], (f"newest verified checkpoint, step {verified[-1]}"
+                              + (f" (unverified newer: {newer})" if newer else ""))
+    if available and os.path.exists(os.path.join(folder, LEDGER)):
+        return None, f"no verified checkpoint among {available}: loading the newest, unverified"
+    return None, "no verification record: TorchTitan's newest checkpoint"
+
+
+def attach_verified_load(checkpointer, events) -> None:
+    """Make ``checkpointer.load()`` (the newest) load the newest verified checkpoint instead."""
+    load = checkpointer.load
+
+    def load_verified(step: int = -1, **kwargs):
+        if step == -1 and getattr(checkpointer, "enable", True):
+            chosen, reason = step_to_load(checkpointer.folder)
+            if chosen is not None:
+                step = chosen
+            events.emit("checkpoint_choice", step=chosen, reason=reason)
+            if chosen is None and "unverified" in reason:
+                logger.warning("%s", reason)
+        return load(step=step, **kwargs)
+
+    checkpointer.load = load_verified
