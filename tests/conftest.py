@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import signal
@@ -29,6 +30,19 @@ def read_metrics(folder: pathlib.Path) -> list[dict]:
     path = folder / "metrics.jsonl"
     assert path.exists(), f"no metrics written to {path}"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_layout(output: str, folder, layout: tuple[int, ...], steps: int) -> None:
+    """The mesh really had this shape, every step was logged, losses are finite and start near log(vocab)."""
+    world, replicate, shard, tp, pp = layout
+    expected = f"Layout(world_size={world}, dp_replicate={replicate}, dp_shard={shard}, cp=1, tp={tp}, pp={pp})"
+    assert expected in output
+    records = read_metrics(folder)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    losses = [r["loss_metrics/global_avg_loss"] for r in records]
+    assert all(math.isfinite(x) for x in losses)
+    assert abs(losses[0] - math.log(2048)) < 1.5  # an untrained model over a 2048-token vocabulary
+    assert all(r["grad_norm"] > 0 for r in records)
 
 
 def launch(config: str, *overrides: str, timeout: float = 240, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
@@ -72,3 +86,17 @@ def exact_reference(tmp_path_factory, default_data) -> pathlib.Path:
                            faults=[], extra=("--recover.quota.exact",))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder
+
+
+TP_REFERENCE_STEPS = 6
+
+
+@pytest.fixture(scope="session")
+def tp_reference(tmp_path_factory, default_data):
+    """train_configs/tp.toml (TP 2) with the tiny model, failure-free, run once: the layout test of TP and the
+    reference of the snapshot refill test. Returns (folder, console output)."""
+    folder = tmp_path_factory.mktemp("tp_reference")
+    proc = launch("train_configs/tp.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb",
+                  "--training.steps", str(TP_REFERENCE_STEPS), "--dump_folder", str(folder), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return folder, proc.stdout + proc.stderr

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from conftest import launch, read_metrics
+from conftest import launch, read_metrics, TP_REFERENCE_STEPS
 from test_state_transfer import Replica
 from titan_recover.recover.events import read_events
 from titan_recover.recover.snapshot import buddy_node, restore_step, Snapshots
@@ -91,14 +91,11 @@ def test_a_snapshot_restores_a_fresh_replica_and_a_failed_send_keeps_the_previou
 
 
 @pytest.mark.multiprocess
-def test_killed_rank_of_a_tensor_parallel_job_refills_from_the_keeper(tmp_path, default_data):
-    common = ("--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps", "6",
-              "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2")
-    reference = tmp_path / "reference"
-    proc = launch("train_configs/debug_model.toml", *common, "--dump_folder", str(reference), timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_killed_rank_of_a_tensor_parallel_job_refills_from_the_keeper(tmp_path, tp_reference):
+    reference, _ = tp_reference  # train_configs/tp.toml, failure-free, TP_REFERENCE_STEPS steps
+    common = ("--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps", str(TP_REFERENCE_STEPS))
     run = tmp_path / "run"
-    proc = launch("train_configs/debug_model.toml", *common, "--dump_folder", str(run), "--recover.max_restarts", "1",
+    proc = launch("train_configs/tp.toml", *common, "--dump_folder", str(run), "--recover.max_restarts", "1",
                   "--recover.snapshot.interval", "1",
                   "--chaos.faults", '[{kind = "kill", replica = 0, rank = 1, step = 4, phase = "forward"}]',
                   timeout=280)
@@ -114,7 +111,7 @@ def test_killed_rank_of_a_tensor_parallel_job_refills_from_the_keeper(tmp_path, 
     logged = collections.defaultdict(list)
     for record in read_metrics(run):
         logged[record["step"]].append(record["loss_metrics/global_avg_loss"])
-    assert sorted(logged) == sorted(ref) == list(range(1, 7))
+    assert sorted(logged) == sorted(ref) == list(range(1, TP_REFERENCE_STEPS + 1))
     # steps after the restored one were trained twice (before the kill and after the restart): both times, and
     # every other step, with exactly the failure-free loss
     assert all(loss == ref[s] for s, losses in logged.items() for loss in losses), (dict(logged), ref)
