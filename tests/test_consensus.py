@@ -230,6 +230,14 @@ def test_chaos_bit_flips_land_where_and_when_they_are_told():
     monkey.after_backward()
     assert grad[2].item() == 2.0  # once
     assert [e["event"] for e in events.records] == ["fault_injected", "fault_injected"]
+    activation = FaultSpec(kind="bitflip", target="activation", step=4, phase="forward", element=1, bit=31)
+    monkey = ChaosMonkey([activation], 0, 0, events)
+    output = torch.ones(2, 2, requires_grad=True) * 1.0  # a non-leaf output, as a layer's
+    monkey.maybe_inject(4, "forward")
+    monkey.on_activation(output)
+    assert output.tolist() == [[1.0, -1.0], [1.0, 1.0]]
+    monkey.on_activation(output)  # once
+    assert output.tolist() == [[1.0, -1.0], [1.0, 1.0]]
     with pytest.raises(ValueError, match="target 'weights' must be one of parameter, gradient, activation"):
         FaultSpec(kind="bitflip", target="weights")
 
