@@ -343,5 +343,6 @@ class ReplicaSync:
                 proposal = CommitDecision("commit", self._ready_joiners()).encode()
             if proposal is not None:
                 return self._propose(step, proposal)
+            self.member.progress()  # waiting for the other members is progress (liveness, hang observer)
             time.sleep(0.002)
             count = store.add(key, 0)
