@@ -1,0 +1,131 @@
+"""Decoupled DiLoCo's pure rules (docs/diloco.md): fragments, their staggered schedule, the syncer's quorum,
+adaptive grace window and token-weighted merge, and the outer optimizer step.
+
+Nothing here talks to a process; the syncer and the learners apply these rules, and the tests check them alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+
+def split_fragments(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` ranges over the parameters (in model order) with near-equal element counts.
+
+    Every parameter is in exactly one fragment, each fragment holds at least one parameter."""
+    if fragments < 1 or fragments > len(sizes):
+        raise ValueError(f"fragments must be between 1 and the number of parameters ({len(sizes)}), got {fragments}")
+    total = sum(sizes)
+    ranges, start, acc = [], 0, 0
+    for f in range(fragments - 1):
+        target = total * (f + 1) / fragments
+        acc += sizes[start]
+        end = start + 1
+        # take the next parameter while that brings the running total closer to this fragment's end, leaving
+        # at least one parameter for every later fragment
+        while end < len(sizes) - (fragments - f - 1) and abs(acc + sizes[end] - target) <= abs(acc - target):
+            acc += sizes[end]
+            end += 1
+        ranges.append((start, end))
+        start = end
+    ranges.append((start, len(sizes)))
+    return ranges
+
+
+def fragment_offset(fragment: int, fragments: int, period: int) -> int:
+    """Inner step (1-based, within every ``period``) at which ``fragment`` is due: spread evenly over the period
+    so that the fragments' syncs are staggered (one fragment's traffic at a time)."""
+    return max(1, round((fragment + 1) * period / fragments))
+
+
+def due_fragments(step: int, fragments: int, period: int) -> list[int]:
+    """Fragments a learner sends after inner step ``step`` (each exactly once every ``period`` steps)."""
+    return [f for f in range(fragments) if step % period == fragment_offset(f, fragments, period) % period]
+
+
+def quorum_reached(delivered: Mapping[int, int], min_quorum: int) -> bool:
+    return len(delivered) >= min_quorum
+
+
+@dataclass(frozen=True)
+class GraceDecision:
+    deadline_s: float
+    """Seconds after the quorum was reached until which the syncer waits (0: merge now)."""
+    waiting_for: tuple[int, ...]
+    reason: str
+
+
+def grace_window(delivered: Mapping[int, int], pending: Mapping[int, tuple[float, int]], period_s: float,
+                 max_window_s: float) -> GraceDecision:
+    """How long to wait, once the quorum delivered, for learners still expected.
+
+    ``delivered``: learner -> tokens in its delta. ``pending``: learner -> (expected arrival in seconds after the
+    quorum, from its past lateness; its expected tokens). A late learner is worth waiting for while what it adds
+    exceeds what the wait costs: its share of the merged tokens ``n_j / (N + n_j)`` (otherwise its delta arrives one
+    period staler) against the merge's delay as a share of the fragment's sync period ``eta_j / period_s`` (every
+    learner trains that much longer on the older global fragment). Learners are considered in order of arrival; the
+    window ends at the last one worth it, never after ``max_window_s``; dead learners are simply not pending."""
+    tokens = sum(delivered.values())
+    deadline, waiting, notes = 0.0, [], []
+    for learner, (eta, expected) in sorted(pending.items(), key=lambda item: (item[1][0], item[0])):
+        if eta > max_window_s:
+            notes.append(f"{learner} beyond the {max_window_s:g} s cap")
+            continue
+        gain = expected / (tokens + expected) if tokens + expected > 0 else 0.0
+        cost = max(eta, 0.0) / period_s
+        if gain > cost:
+            tokens += expected
+            deadline = max(deadline, eta)
+            waiting.append(learner)
+        else:
+            notes.append(f"{learner}: gain {gain:.2f} <= cost {cost:.2f}")
+    reason = (f"wait {deadline:.2f} s for {waiting}" if waiting else "merge now") + (
+        f" ({'; '.join(notes)})" if notes else "")
+    return GraceDecision(deadline, tuple(waiting), reason)
+
+
+def token_weights(delivered: Mapping[int, int]) -> dict[int, float]:
+    """Each delivered delta weighs its learner's share of the tokens behind the merge."""
+    total = sum(delivered.values())
+    if total <= 0:
+        raise ValueError(f"a merge needs tokens, got {dict(delivered)}")
+    return {learner: n / total for learner, n in delivered.items()}
+
+
+def merge_deltas(deltas: Mapping[int, torch.Tensor], delivered: Mapping[int, int]) -> torch.Tensor:
+    """The outer gradient of a fragment: the token-weighted mean of the learners' deltas (``global - local``),
+    summed in float64 in learner order (the same bits whatever the arrival order)."""
+    weights = token_weights(delivered)
+    out = None
+    for learner in sorted(deltas):
+        term = deltas[learner].to(torch.float64) * weights[learner]
+        out = term if out is None else out + term
+    return out
+
+
+class OuterOptimizer:
+    """The syncer's outer optimizer over one fragment: SGD with Nesterov momentum (torch's), the outer gradient
+    being the merged delta."""
+
+    def __init__(self, fragment: torch.Tensor, lr: float, momentum: float):
+        self.parameter = torch.nn.Parameter(fragment.detach().clone(), requires_grad=False)
+        self.optimizer = torch.optim.SGD([self.parameter], lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    def step(self, outer_gradient: torch.Tensor) -> torch.Tensor:
+        self.parameter.grad = outer_gradient.to(self.parameter.dtype)
+        self.optimizer.step()
+        self.parameter.grad = None
+        return self.parameter.detach()
+
+    def state_dict(self) -> dict:
+        # a deep copy: torch's state_dict references the live momentum buffer, which the next step changes
+        return {"parameter": self.parameter.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            self.parameter.copy_(state["parameter"])
+        self.optimizer.load_state_dict(state["optimizer"])
