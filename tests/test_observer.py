@@ -45,6 +45,8 @@ def test_nothing_to_report_while_ranks_move_or_build():
     assert diagnose({0: record(3, "forward", 5, when=199.0), 1: record(3, "backward", 5, when=198.0)}, now, 5) is None
     # a rank still building its model, one that finished, and one without a beacon yet are not judged
     assert diagnose({0: record(0, "startup", 0, when=1.0), 1: record(9, "done", 40, when=1.0), 2: None}, now, 5) is None
+    # waiting for other replicas (the reduction across them, its commit, a transfer) is not this group's hang
+    assert diagnose({0: record(3, "reduction", 6, when=1.0), 1: record(3, "commit", 6, when=1.0)}, now, 5) is None
 
 
 def test_the_rank_that_never_entered_the_collective_is_named():

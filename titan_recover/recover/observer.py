@@ -29,8 +29,10 @@ from titan_recover.recover.events import EventLog
 
 logger = logging.getLogger("titan_recover.observer")
 
-IGNORED_PHASES = ("startup", "done")
-"""A rank building its model (no beacon yet updated) or finished is not judged."""
+IGNORED_PHASES = ("startup", "done", "reduction", "commit", "rebuild", "transfer", "rejoin_wait")
+"""Not judged: a rank building its model (no beacon yet updated), finished, or waiting for other replicas (the
+cross-replica phases: the fault-tolerant group's deadlines and the coordinator cover those, and a wait there can
+block without a beacon update, e.g. while a new epoch's gloo group connects to a peer that hangs elsewhere)."""
 
 
 @dataclass(frozen=True)
