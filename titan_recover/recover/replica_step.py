@@ -117,13 +117,15 @@ def attach_replica_sync(trainer) -> None:
     chaos.tensors["parameter"] = lambda: local_parameters(trainer)
     chaos.tensors["gradient"] = lambda: [local_tensor(p.grad) if p.grad is not None else None
                                          for m in trainer.model_parts for p in m.parameters()]
-    first_layer = next(m for m in trainer.model_parts[0].children())
+    if any(f.kind == "bitflip" and f.target == "activation" for f in chaos.mine):
+        # only when scheduled: no hook on every forward of a run without activation flips
+        first_layer = next(m for m in trainer.model_parts[0].children())
 
-    def on_first_output(_module, _inputs, output):
-        if isinstance(output, torch.Tensor):
-            chaos.on_activation(local_tensor(output))
+        def on_first_output(_module, _inputs, output):
+            if isinstance(output, torch.Tensor):
+                chaos.on_activation(local_tensor(output))
 
-    first_layer.register_forward_hook(on_first_output)
+        first_layer.register_forward_hook(on_first_output)
 
 
 class ReplicaStep:
