@@ -64,6 +64,8 @@ def test_grace_window_waits_only_while_the_late_tokens_outweigh_the_delay():
     assert both.waiting_for == (1,) and both.deadline_s == 0.5
     # nobody pending (a dead learner is not pending): merge at once
     assert grace_window(delivered, {}, period_s=10, max_window_s=5).deadline_s == 0
+    overdue = grace_window(delivered, {2: (-0.5, 1000)}, period_s=10, max_window_s=5)
+    assert (overdue.deadline_s, overdue.waiting_for) == (0.0, ()) and "overdue" in overdue.reason
 
 
 def test_outer_optimizer_is_nesterov_sgd_on_the_merged_delta_and_round_trips():

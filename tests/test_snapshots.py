@@ -49,9 +49,9 @@ def keeper():
 
 
 def test_a_snapshot_restores_a_fresh_replica_and_a_failed_send_keeps_the_previous(keeper, monkeypatch):
-    from titan_recover.recover import snapshot
+    from titan_recover.recover import blobs
 
-    monkeypatch.setattr(snapshot, "PIECE_BYTES", 1000)  # several pieces per snapshot, as large states are stored
+    monkeypatch.setattr(blobs, "PIECE_BYTES", 1000)  # several pieces per snapshot, as large states are stored
     trained = Replica(seed=0)
     snapshots = Snapshots(trained.state(), keepers=[keeper], rank=0, ranks=1, local_ranks=1, timeout_s=10)
     for batch in range(3):
@@ -72,7 +72,7 @@ def test_a_snapshot_restores_a_fresh_replica_and_a_failed_send_keeps_the_previou
 
         def set(self, key, value):
             self.store.set(key, value)
-            if "/data/" in key:
+            if "/data/" in key:  # a piece of the payload
                 sent_data.append(key)
                 raise ConnectionError("killed mid-send")
 

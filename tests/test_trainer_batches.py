@@ -11,7 +11,8 @@ from titan_recover.trainer import RecoverTrainer
 
 
 def fake_trainer(dp: int, rank: int, accumulation: int, **extra) -> SimpleNamespace:
-    fake = SimpleNamespace(gradient_accumulation_steps=accumulation, batch_layout=lambda: (dp, rank), **extra)
+    fake = SimpleNamespace(gradient_accumulation_steps=accumulation, batch_layout=lambda: (dp, rank), learner=None,
+                           **extra)
     fake.microbatch_order = lambda step: RecoverTrainer.microbatch_order(fake, step)
     return fake
 

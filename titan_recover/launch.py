@@ -89,6 +89,12 @@ def check_replica_layout(config, layout, nnodes: int) -> None:
             f"parallelism.data_parallel_replicate_degree = 1 (got {layout.dp_replicate}); each replica group is "
             "sharded by the remaining degrees"
         )
+    if config.recover.diloco_mode and config.checkpoint.enable:
+        raise ConfigError(
+            "[recover] mode = \"diloco\" keeps the job's state in the syncer (its checkpoint every "
+            "recover.diloco.checkpoint_interval_s) and a restarted learner pulls the global model: set "
+            "checkpoint.enable = false"
+        )
     if nnodes != 1:
         raise ConfigError(
             "./run_train.sh starts replica groups on this node only; for multi-node replica groups start the "
@@ -166,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if config.recover.enabled:
         if options.get("--dry-run"):
             spares = f" + {config.recover.spares} spare(s)" if config.recover.spares else ""
-            print(f"coordinator + {config.recover.replicas} replica groups{spares} x {nproc} processes")
+            if config.recover.diloco_mode:
+                print(f"coordinator + syncer + {config.recover.replicas} learners x {nproc} processes")
+            else:
+                print(f"coordinator + {config.recover.replicas} replica groups{spares} x {nproc} processes")
             return 0
         from titan_recover.recover.launcher import launch_replicas
 

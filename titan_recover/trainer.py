@@ -12,7 +12,10 @@ Hooks overridden (each calls TorchTitan's own implementation for everything it d
   of a step runs the whole step's share of this replica (its quota of global microbatch ids, fetched by address,
   the ids of replicas lost during the step, the reduction across replicas and its commit) and the later calls of
   TorchTitan's accumulation loop add nothing (their batches are placeholders); ``train`` turns "too few replicas
-  left" into a durable checkpoint and a clear error.
+  left" into a durable checkpoint and a clear error;
+* with ``[recover] mode = "diloco"`` (docs/diloco.md): the replica group is a learner; ``should_continue_training``
+  claims data blocks from the job's counter, the batches are the block's microbatch ids, and after every
+  ``train_step`` the learner sends its due fragments and mixes in newer global ones.
 """
 
 from __future__ import annotations
@@ -57,13 +60,36 @@ class RecoverTrainer(Trainer):
     replica_step = None  # its per-step state (replica_step.ReplicaStep)
     snapshots = None  # snapshot.Snapshots when [recover.snapshot] interval > 0 (a job without replicas)
     chaos = None  # ChaosMonkey when [chaos] schedules faults
+    learner = None  # learner.Learner with [recover] mode = "diloco"
 
     def __init__(self, config: Config):
         super().__init__(config)
-        if config.recover.enabled:
+        if config.recover.diloco_mode:
+            self._attach_learner()
+        elif config.recover.enabled:
             replica_step.attach_replica_sync(self)
         else:
             self._attach_single_job()
+
+    def _attach_learner(self) -> None:
+        from titan_recover.recover.learner import attach_learner
+        from titan_recover.recover.member import REPLICA_ENV, RUN_DIR_ENV
+
+        config = self.config
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        replica = int(os.environ.get(REPLICA_ENV, 0))
+        run_dir = os.environ.get(RUN_DIR_ENV, config.dump_folder)
+        events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{replica}/{rank}", replica=replica, rank=rank)
+        self.chaos = ChaosMonkey(config.chaos.schedule(config.recover.groups, world), replica, rank, events,
+                                 incarnation=incarnation_from_env())
+        self.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
+        self.learner = attach_learner(self, events=events, chaos=self.chaos)
+        self.metrics_processor.step_metrics_fn = self.learner.metrics
+
+    def should_continue_training(self) -> bool:
+        if self.learner is not None:
+            return self.learner.has_work()
+        return super().should_continue_training()
 
     def _attach_single_job(self) -> None:
         """A job without replicas: its fault injection, and its in-memory snapshots if configured."""
@@ -98,17 +124,25 @@ class RecoverTrainer(Trainer):
         if self.replica_step is not None:
             self.replica_step.begin_step()
         result = super().train_step(data_iterator)
+        if self.learner is not None:
+            self.learner.after_inner_step(self.step)
         if self.snapshots is not None and self.step % self.config.recover.snapshot.interval == 0:
             self.snapshots.take(self.step)
         return result
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         if self.replica_step is None:
-            if self.chaos is not None:
-                self.chaos.maybe_inject(self.step, "forward")
-            return super().forward_backward_step(
+            if self.chaos is None:
+                return super().forward_backward_step(
+                    input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+                )
+            self.chaos.maybe_inject(self.step, "forward")
+            start = time.perf_counter()
+            loss = super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
+            self.chaos.after_compute(self.step, time.perf_counter() - start)  # a ``slow`` rank sleeps here
+            return loss
         return self.replica_step.forward_backward()
 
     def base_forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
@@ -118,6 +152,11 @@ class RecoverTrainer(Trainer):
         )
 
     def train(self):
+        if self.learner is not None:
+            super().train()
+            self.learner.finish(timeout_s=self.config.recover.agree_timeout_s)
+            self.learner.member.finish()
+            return None
         if self.replica_sync is None:
             return super().train()
         return replica_step.train_until_done_or_stopped(self, super().train)
@@ -127,6 +166,9 @@ class RecoverTrainer(Trainer):
             self.snapshots.wait()  # a send thread still inside the store client at exit would abort the process
         if self.replica_sync is not None:
             self.replica_sync.member.close()
+        if self.learner is not None:
+            self.learner.close()
+            self.learner.member.close()
         super().close()
 
     def batch_layout(self) -> tuple[int, int]:
@@ -142,6 +184,9 @@ class RecoverTrainer(Trainer):
         step: ``n = ((step - 1) * A + a) * dp + r``. In HSDP terms (``r = replica * shard_degree + shard``),
         ``n`` is replica microbatch ``g = ((step - 1) * A + a) * replicas + replica`` at shard rank ``shard``,
         the id the ``even`` quota gives that replica in replica mode (which fetches ``n = g * S + shard``)."""
+        if self.learner is not None:  # the learner's current data block (docs/diloco.md)
+            yield from self.learner.local_batch_indices()
+            return
         dp, r = self.batch_layout()
         accumulation = self.gradient_accumulation_steps
         for a in range(accumulation):
@@ -152,7 +197,7 @@ class RecoverTrainer(Trainer):
     ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         if not isinstance(self.dataloader, AddressableDataLoader):
             return super().batch_generator(data_iterable)
-        if self.config.recover.enabled:
+        if self.config.recover.enabled and not self.config.recover.diloco_mode:
             return _placeholders()
         # Read the step now: TorchTitan creates this iterator before the loop and advances ``self.step``
         # before the first ``next()``, when a generator body would only start running.

@@ -34,7 +34,8 @@ from titan_recover.registry import Registry
 STEP_PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
 FLIP_TARGETS = ("parameter", "gradient", "activation")
 """Phases every step passes (a seeded random schedule draws from these)."""
-PHASES = (*STEP_PHASES, "transfer", "collective")
+PHASES = (*STEP_PHASES, "transfer", "collective", "merge")
+PROCESSES = ("trainer", "syncer")
 
 FAULTS: Registry[Callable[["ChaosMonkey", "FaultSpec"], None]] = Registry("chaos fault kind")
 register_fault = FAULTS.register
@@ -130,6 +131,10 @@ class FaultSpec:
     """``bitflip``: which bit of the element (float32: 0-22 mantissa, 23-30 exponent, 31 sign)."""
     element: int = 0
     """``bitflip``: which element of the tensor (modulo its size)."""
+    process: str = "trainer"
+    """``trainer``: a rank of a replica group (or learner). ``syncer``: the diloco syncer (``replica`` and
+    ``rank`` ignored); ``step`` counts its merges and ``phase`` is ``merge``: the fault fires right after that
+    merge was published."""
 
     def __post_init__(self) -> None:
         FAULTS.get(self.kind)  # raises, naming the registered kinds
@@ -137,6 +142,10 @@ class FaultSpec:
             raise ValueError(f"chaos fault target {self.target!r} must be one of {', '.join(FLIP_TARGETS)}")
         if not 0 <= self.bit < 64 or self.element < 0:
             raise ValueError(f"chaos fault bit must be in [0, 64) and element >= 0, got {self.bit} and {self.element}")
+        if self.process not in PROCESSES:
+            raise ValueError(f"chaos fault process {self.process!r} must be one of {', '.join(PROCESSES)}")
+        if (self.process == "syncer") != (self.phase == "merge"):
+            raise ValueError("chaos fault phase \"merge\" goes with process = \"syncer\" and only with it")
         if self.phase not in PHASES:
             raise ValueError(f"chaos fault phase {self.phase!r} must be one of {', '.join(PHASES)}")
         if self.factor < 1:
@@ -195,7 +204,8 @@ class ChaosMonkey:
     """The faults of one rank; :meth:`maybe_inject` is called at every phase of every step."""
 
     def __init__(self, schedule: list[FaultSpec], replica: int, rank: int, events, incarnation: int = 0):
-        self.mine = [f for f in schedule if f.replica == replica and f.rank == rank and f.incarnation == incarnation]
+        self.mine = [f for f in schedule if f.process == "trainer" and f.replica == replica and f.rank == rank
+                     and f.incarnation == incarnation]
         self.events = events
         self.slowdown = 1.0
         self.desync = False

@@ -128,12 +128,74 @@ class LocalizeConfig:
         return self.vote or self.replay_interval > 0
 
 
+MODES = ("sync", "diloco")
+
+
+@dataclass(kw_only=True, slots=True)
+class DilocoConfig:
+    """``[recover.diloco]``: Decoupled DiLoCo, learners that never wait for each other (docs/diloco.md)."""
+
+    inner_steps: int = 50
+    """H: every fragment is sent to the syncer once every H inner steps of a learner."""
+
+    fragments: int = 4
+    """F: the parameters are split into F contiguous fragments whose syncs are staggered over the H steps."""
+
+    outer_lr: float = 0.7
+    """Learning rate of the syncer's outer optimizer (SGD with Nesterov momentum)."""
+
+    outer_momentum: float = 0.9
+    """Nesterov momentum of the outer optimizer (0: plain SGD)."""
+
+    min_quorum: int = 2
+    """A fragment's round merges once this many learners delivered a delta (fewer when fewer are alive)."""
+
+    max_window_s: float = 30.0
+    """Longest grace window after the quorum: a later learner is never waited for longer than this."""
+
+    checkpoint_interval_s: float = 60.0
+    """The syncer writes its state (global fragments, outer optimizer, versions, progress) this often: a syncer
+    crash costs at most this much of merged progress."""
+
+    eval_interval_s: float = 30.0
+    """The syncer evaluates the global model on the validation slice this often (0: only at start and end)."""
+
+    eval_microbatches: int = 4
+    """Size of the validation slice, in replica microbatches: the ids right after the job's training budget."""
+
+    syncer_max_restarts: int = 3
+    """How often the launcher restarts a syncer that crashed (it resumes from its checkpoint)."""
+
+    syncer_port: int = 0
+    """TCP port of the syncer's store; 0 picks a free one (its address is published through the coordinator)."""
+
+    def __post_init__(self) -> None:
+        for name in ("inner_steps", "fragments", "min_quorum", "eval_microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"recover.diloco.{name} must be >= 1, got {getattr(self, name)}")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError("recover.diloco.outer_lr must be > 0 and outer_momentum in [0, 1), got "
+                             f"{self.outer_lr} and {self.outer_momentum}")
+        for name in ("max_window_s", "checkpoint_interval_s", "eval_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"recover.diloco.{name} must be >= 0, got {getattr(self, name)}")
+        if self.checkpoint_interval_s == 0:
+            raise ValueError("recover.diloco.checkpoint_interval_s must be > 0: it bounds what a syncer crash costs")
+        if self.syncer_max_restarts < 0:
+            raise ValueError(f"recover.diloco.syncer_max_restarts must be >= 0, got {self.syncer_max_restarts}")
+
+
 @dataclass(kw_only=True, slots=True)
 class RecoverConfig:
     """``[recover]``: resilience across replica groups."""
 
     replicas: int = 1
     """Replica groups, each a full model copy sharded inside by TorchTitan (its own torchrun). 1: plain run."""
+
+    mode: str = "sync"
+    """``sync``: every step commits the same global batch across replica groups (docs/invariant.md). ``diloco``:
+    each replica group is a learner with its own optimizer and a syncer merges their deltas without ever waiting
+    for all of them (docs/diloco.md, ``[recover.diloco]``)."""
 
     min_replicas: int = 1
     """Below this many live replicas the job stops with a durable checkpoint and a clear message."""
@@ -184,10 +246,22 @@ class RecoverConfig:
     quota: QuotaConfig = field(default_factory=QuotaConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     localize: LocalizeConfig = field(default_factory=LocalizeConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"recover.replicas must be >= 1, got {self.replicas}")
+        if self.mode not in MODES:
+            raise ValueError(f"recover.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "diloco":
+            if self.replicas < 2:
+                raise ValueError("recover.mode = \"diloco\" needs learners: set recover.replicas >= 2")
+            if self.spares:
+                raise ValueError("recover.spares is for the synchronous mode: a diloco learner never waits for "
+                                 "another, so there is no share to take over; set recover.spares = 0")
+            if self.diloco.min_quorum > self.replicas:
+                raise ValueError(f"recover.diloco.min_quorum ({self.diloco.min_quorum}) cannot exceed "
+                                 f"recover.replicas ({self.replicas})")
         if self.rejoin_wait_s < 0:
             raise ValueError(f"recover.rejoin_wait_s must be >= 0, got {self.rejoin_wait_s}")
         if self.spares < 0 or self.max_restarts < 0:
@@ -225,6 +299,18 @@ class RecoverConfig:
     @property
     def enabled(self) -> bool:
         return self.replicas > 1
+
+    @property
+    def diloco_mode(self) -> bool:
+        return self.enabled and self.mode == "diloco"
+
+    @staticmethod
+    def from_dict(fields: dict) -> "RecoverConfig":
+        """The inverse of ``dataclasses.asdict`` (how the launcher hands the section to its child processes)."""
+        return RecoverConfig(**{**fields, "quota": QuotaConfig(**fields.get("quota", {})),
+                                "snapshot": SnapshotConfig(**fields.get("snapshot", {})),
+                                "localize": LocalizeConfig(**fields.get("localize", {})),
+                                "diloco": DilocoConfig(**fields.get("diloco", {}))})
 
     @property
     def groups(self) -> int:

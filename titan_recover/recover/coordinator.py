@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from titan_recover.recover.config import LocalizeConfig, QuotaConfig, RecoverConfig, SnapshotConfig
+from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.ftpg import fault_time_and_reason, raise_fault_flag
 from titan_recover.recover.member import read_join_requests
@@ -66,6 +66,8 @@ class Coordinator:
         self._terminate = True
 
     def run(self) -> int:
+        if self.config.mode == "diloco":
+            return self._serve_learners()
         if not self._form_first_epoch():
             return 1
         while not self._terminate:
@@ -82,6 +84,17 @@ class Coordinator:
                 elif self.store.check([Keys.admission(self.epoch)]):
                     self._admit()
             time.sleep(TICK_S)
+        return 0
+
+    def _serve_learners(self) -> int:
+        """Diloco mode: learners never form epochs; this store is the job's stable meeting point (the syncer's
+        address, the data-block counter, heartbeats) until the syncer reports the job finished."""
+        while not self._terminate:
+            if self.store.check([Keys.FINISHED]):
+                self.events.emit("job_finished", mode="diloco")
+                time.sleep(FINISH_LINGER_S)
+                return 0
+            time.sleep(TICK_S * 5)
         return 0
 
     def _done(self, replica: int, rank: int) -> bool:
@@ -209,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[coordinator] %(asctime)s %(message)s")
     fields = json.loads(args.recover_json)
-    config = RecoverConfig(**{**fields, "quota": QuotaConfig(**fields.get("quota", {})),
-                              "snapshot": SnapshotConfig(**fields.get("snapshot", {})),
-                              "localize": LocalizeConfig(**fields.get("localize", {}))})
+    config = RecoverConfig.from_dict(fields)
     coordinator = Coordinator(config, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
                               run_dir=args.run_dir, host=args.host, port=args.port)
     signal.signal(signal.SIGTERM, coordinator.request_stop)

@@ -68,15 +68,19 @@ def grace_window(delivered: Mapping[int, int], pending: Mapping[int, tuple[float
     exceeds what the wait costs: its share of the merged tokens ``n_j / (N + n_j)`` (otherwise its delta arrives one
     period staler) against the merge's delay as a share of the fragment's sync period ``eta_j / period_s`` (every
     learner trains that much longer on the older global fragment). Learners are considered in order of arrival; the
-    window ends at the last one worth it, never after ``max_window_s``; dead learners are simply not pending."""
+    window ends at the last one worth it, never after ``max_window_s``; dead learners are simply not pending, and
+    one whose expected arrival has already passed (``eta <= 0``) is not waited for."""
     tokens = sum(delivered.values())
     deadline, waiting, notes = 0.0, [], []
     for learner, (eta, expected) in sorted(pending.items(), key=lambda item: (item[1][0], item[0])):
+        if eta <= 0:  # its expected arrival has passed: the estimate failed, there is nothing to wait until
+            notes.append(f"{learner} overdue")
+            continue
         if eta > max_window_s:
             notes.append(f"{learner} beyond the {max_window_s:g} s cap")
             continue
         gain = expected / (tokens + expected) if tokens + expected > 0 else 0.0
-        cost = max(eta, 0.0) / period_s
+        cost = eta / period_s
         if gain > cost:
             tokens += expected
             deadline = max(deadline, eta)
@@ -129,3 +133,69 @@ class OuterOptimizer:
         with torch.no_grad():
             self.parameter.copy_(state["parameter"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def schedule_step(block: int, inner: int, learners: int, period: int) -> int:
+    """The learning-rate step of a learner's ``inner``-th step (0-based) of data block ``block``: blocks are
+    claimed in order, ``learners`` at a time, so block ``b`` starts about ``(b // learners) * period`` steps into
+    the job (1-based, as TorchTitan's schedulers count)."""
+    return (block // learners) * period + inner + 1
+
+
+def total_blocks(steps: int, learners: int, period: int) -> int:
+    """Data blocks of ``period`` inner steps in the job's budget: the microbatches of ``steps`` synchronous steps of
+    ``learners`` replicas (rounded up to whole blocks)."""
+    return -(-steps * learners // period)
+
+
+Version = tuple[int, int]
+"""(syncer generation, fragment version): a restarted syncer's versions are newer than any of its predecessor's."""
+
+
+class DilocoKeys:
+    """Store keys of the diloco mode. The coordinator's store (stable for the whole job) holds the syncer's address,
+    the data-block counter and each learner's current block; the syncer's store (gone with the syncer) holds deltas
+    and global fragments."""
+
+    SYNCER = "diloco/syncer"  # coordinator: "HOST:PORT GENERATION"
+    GENERATION = "diloco/generation"  # coordinator: counter of syncer starts
+    NEXT_BLOCK = "diloco/next_block"  # coordinator: counter of claimed data blocks
+    LEARNERS_OVER = "diloco/learners_over"  # coordinator: the launcher saw every learner end
+    VERSIONS = "global/versions"  # syncer: "GENERATION V_0 ... V_{F-1}"
+
+    @staticmethod
+    def block(learner: int) -> str:
+        return f"diloco/block/{learner}"  # coordinator: "BLOCK STEP" (the block being trained, from inner step)
+
+    @staticmethod
+    def claim(learner: int, incarnation: int, count: int) -> str:
+        return f"diloco/claim/{learner}/{incarnation}/{count}"  # coordinator: rank 0's claim, for the other ranks
+
+    @staticmethod
+    def hello(learner: int, position: int) -> str:
+        return f"hello/{learner}/{position}"  # syncer: the incarnation sending from this position
+
+    @staticmethod
+    def init(learner: int, position: int) -> str:
+        return f"init/{learner}/{position}"
+
+    @staticmethod
+    def delta(learner: int, incarnation: int, position: int, number: int) -> str:
+        return f"delta/{learner}/{incarnation}/{position}/{number}"
+
+    @staticmethod
+    def fragment(fragment: int, position: int, version: int) -> str:
+        return f"global/{fragment}/{position}/{version}"
+
+    @staticmethod
+    def meta(prefix: str) -> str:
+        return prefix + "/meta"
+
+
+def encode_versions(generation: int, versions: Sequence[int]) -> str:
+    return " ".join(str(v) for v in (generation, *versions))
+
+
+def decode_versions(raw: bytes | str) -> tuple[int, list[int]]:
+    generation, *versions = (int(v) for v in (raw.decode() if isinstance(raw, bytes) else raw).split())
+    return generation, versions

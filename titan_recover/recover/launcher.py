@@ -1,4 +1,5 @@
-"""Start a replica-group job on one node: the coordinator, then one torchrun per replica group.
+"""Start a replica-group job on one node: the coordinator, then one torchrun per replica group (and, in diloco
+mode, the syncer).
 
 Each child runs in its own session; the launcher forwards Ctrl-C / SIGTERM to all of them, kills what is left
 after a grace period, and finally kills any process that still carries this run's marker in its environment, so
@@ -24,6 +25,7 @@ from titan_recover.recover.member import (
     REPLICA_ENV,
     RUN_DIR_ENV,
 )
+from titan_recover.recover.diloco import DilocoKeys
 from titan_recover.recover.protocol import Keys
 
 GRACE_S = 10.0
@@ -172,6 +174,28 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
                 children.append(slot.observer)
 
         store = connect(address, timeout_s=30)
+        syncer = None
+        if recover.diloco_mode:  # docs/diloco.md: the syncer, restarted from its checkpoint if it crashes
+            syncer = ReplicaSlot(-1, recover.diloco.syncer_max_restarts)
+
+            def spawn_syncer() -> None:
+                syncer.proc = _spawn(
+                    [sys.executable, "-m", "titan_recover.recover.syncer", "--coordinator", address, "--run-dir",
+                     run_dir, "--positions", str(ranks_per_replica), "--start", str(syncer.incarnation),
+                     *([toml_path] if toml_path else []), *overrides],
+                    dict(base_env, OMP_NUM_THREADS="1"), "[syncer] ")
+                children.append(syncer.proc)
+
+            def restart_syncer_if_crashed() -> None:
+                if syncer.proc.poll() not in (None, 0) and syncer.restarts_left > 0 and stopping["signal"] is None:
+                    syncer.restarts_left -= 1
+                    syncer.incarnation += 1
+                    print(f"[titan_recover] the syncer exited with {syncer.proc.returncode}: restarting it from its "
+                          f"checkpoint (start {syncer.incarnation}, {syncer.restarts_left} restart(s) left)",
+                          file=sys.stderr, flush=True)
+                    spawn_syncer()
+
+            spawn_syncer()
         slots = [ReplicaSlot(i, recover.max_restarts) for i in range(groups)]
         for slot in slots:
             spawn(slot)
@@ -179,6 +203,8 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
         coordinator_ended = None
         while any(slot.running for slot in slots):
             time.sleep(0.1)
+            if syncer is not None:
+                restart_syncer_if_crashed()
             if coordinator.poll() is not None:
                 # the job is over: members exit by themselves; a restarted group still waiting for admission
                 # (or anything stuck) is ended after the grace period
@@ -218,6 +244,17 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
               file=sys.stderr, flush=True)
         if stopping["signal"] is not None:
             return 128 + stopping["signal"]
+        if syncer is not None:  # the learners are over: the syncer merges what is left and saves the global model
+            store.set(DilocoKeys.LEARNERS_OVER, "1")
+            deadline = time.monotonic() + recover.agree_timeout_s
+            while syncer.proc.poll() != 0 and time.monotonic() < deadline:
+                restart_syncer_if_crashed()
+                if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0:
+                    break
+                time.sleep(0.1)
+            print(f"[titan_recover] syncer exit code {syncer.proc.poll()}", file=sys.stderr, flush=True)
+            if syncer.proc.poll() != 0:
+                return 1
         return 0 if finished >= recover.min_replicas else 1
     finally:
         for child in children:

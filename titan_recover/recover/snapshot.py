@@ -33,6 +33,7 @@ from datetime import timedelta
 
 import torch
 
+from titan_recover.recover.blobs import get_blob, put_blob
 from titan_recover.recover.state_transfer import bytes_view, tensor_spec, checksum, StateMismatch, TrainingState
 
 logger = logging.getLogger(__name__)
@@ -57,14 +58,10 @@ def restore_step(complete: dict[int, set[int]], ranks: int, durable_step: int) -
     return newest if newest is not None and newest > durable_step else None
 
 
-PIECE_BYTES = 4 * 2**20
-"""A snapshot is stored in values of at most this size (the store server refuses messages above 8 MB)."""
-
-
 class Keys:
     @staticmethod
-    def data(rank: int, slot: int, piece: int) -> str:
-        return f"snapshot/{rank}/{slot}/data/{piece}"
+    def data(rank: int, slot: int) -> str:
+        return f"snapshot/{rank}/{slot}/data"
 
     @staticmethod
     def meta(rank: int, slot: int) -> str:
@@ -152,9 +149,7 @@ class Snapshots:
         try:
             meta["xxh3"] = checksum(payload)
             self.store.delete_key(Keys.meta(self.rank, slot))  # the slot is not complete while it is rewritten
-            data = payload.numpy()
-            for piece, at in enumerate(range(0, len(data), PIECE_BYTES)):
-                self.store.set(Keys.data(self.rank, slot, piece), data[at : at + PIECE_BYTES].tobytes())
+            put_blob(self.store, Keys.data(self.rank, slot), payload)
             self.store.set(Keys.meta(self.rank, slot), json.dumps(meta))
         except Exception as error:  # the keeper is gone: training goes on, the durable checkpoint remains
             logger.warning("rank %d: snapshot of step %d not stored: %s", self.rank, meta["step"], error)
@@ -191,10 +186,11 @@ class Snapshots:
             return None
         slot, meta = complete[self.rank][step]
         started = time.perf_counter()
-        pieces = range((meta["bytes"] + PIECE_BYTES - 1) // PIECE_BYTES)
-        data = bytearray().join(self.store.get(Keys.data(self.rank, slot, piece)) for piece in pieces)
-        payload = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        if payload.numel() != meta["bytes"] or checksum(payload) != meta["xxh3"]:
+        try:
+            payload = get_blob(self.store, Keys.data(self.rank, slot), meta["bytes"])
+        except ValueError:
+            payload = None
+        if payload is None or checksum(payload) != meta["xxh3"]:
             raise RuntimeError(f"rank {self.rank}: the snapshot of step {step} in the keeper is damaged "
                                "(size or xxHash3 differs); remove it or restart the job from the durable checkpoint")
         if not self.state.tensors():

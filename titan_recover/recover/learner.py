@@ -1,0 +1,461 @@
+"""A Decoupled DiLoCo learner (docs/diloco.md): one replica group training on its own, sending fragment deltas to
+the syncer without waiting and mixing in the global fragments it publishes.
+
+Called from :class:`titan_recover.trainer.RecoverTrainer`'s hooks with ``[recover] mode = "diloco"``; TorchTitan's
+loop, inner optimizer (AdamW), parallelisms and logging are untouched. Per rank (a *position*: the same rank of every
+learner holds the same shards):
+
+* data: the learner claims blocks of ``H`` inner steps from the job's counter (the coordinator's store) and trains
+  block ``b``'s replica microbatch ids ``(b H + k) A + a``; no id is trained twice while the learner lives, and the
+  counter ends the job when the budget (``training.steps`` synchronous steps of ``replicas`` groups) is claimed;
+* after inner step ``t`` the fragments due (``due_fragments``) go to a send thread as ``mark_f - local_f`` (the
+  progress since the fragment was last sent or adopted) with the tokens behind it;
+* a pull thread fetches every newer global fragment; at the next step boundary, once every rank of the learner
+  holds the same version, ``local_f <- global_f + (local_f - mark_f)`` (what was trained since the last send is
+  kept, what was sent comes back through the global fragment).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from titan_recover.recover.blobs import get_blob, put_blob, tensor_bytes
+from titan_recover.recover.diloco import (
+    decode_versions,
+    DilocoKeys,
+    due_fragments,
+    schedule_step,
+    split_fragments,
+    total_blocks,
+    Version,
+)
+from titan_recover.recover.member import connect
+from titan_recover.recover.state_transfer import local_tensor
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05
+RETRY_S = 0.5
+STORE_TIMEOUT_S = 10.0
+
+
+def parameter_names(model_parts) -> list[str]:
+    """Parameter names as a plain model has them (activation-checkpoint and compile wrappers removed)."""
+    names = []
+    for part in model_parts:
+        for name, _ in part.named_parameters():
+            names.append(name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""))
+    return names
+
+
+def read_syncer(coordinator) -> tuple[str, int] | None:
+    """The syncer's ``(HOST:PORT, generation)`` as published in the coordinator's store, or None."""
+    if not coordinator.check([DilocoKeys.SYNCER]):
+        return None
+    address, generation = coordinator.get(DilocoKeys.SYNCER).decode().split()
+    return address, int(generation)
+
+
+class SyncerLink:
+    """One thread's connection to the current syncer, re-established when a restarted syncer publishes itself."""
+
+    def __init__(self, coordinator_address: str, on_connect=None):
+        self.coordinator = connect(coordinator_address, STORE_TIMEOUT_S)
+        self.store = None
+        self.generation = -1
+        self.on_connect = on_connect
+
+    def current(self):
+        """The store of the newest syncer (reconnecting if it changed); None while none is published."""
+        published = read_syncer(self.coordinator)
+        if published is None:
+            return None
+        address, generation = published
+        if generation != self.generation or self.store is None:
+            self.store = connect(address, STORE_TIMEOUT_S)
+            self.generation = generation
+            if self.on_connect is not None:
+                self.on_connect(self.store)
+        return self.store
+
+    def drop(self) -> None:
+        self.store = None
+
+
+@dataclass
+class Delta:
+    fragment: int
+    step: int
+    tokens: int
+    base: Version
+    data: torch.Tensor  # float32, CPU, flat
+
+    def absorb(self, newer: "Delta") -> None:
+        """A later delta of the same fragment queued behind this one: progress adds up, nothing is dropped."""
+        self.data += newer.data
+        self.tokens += newer.tokens
+        self.step = newer.step
+
+
+class DeltaSender:
+    """The send thread: deltas leave the training thread as CPU copies and reach the syncer in pieces. While the
+    syncer is unreachable, deltas of a fragment queue up as one (summed), so the queue holds at most F entries."""
+
+    def __init__(self, coordinator_address: str, *, learner: int, incarnation: int, position: int):
+        self.learner, self.incarnation, self.position = learner, incarnation, position
+        self.link = SyncerLink(coordinator_address, on_connect=self._hello)
+        self.queue: dict[int, Delta] = {}
+        self.sending = False
+        self.sent = 0
+        self.number = 0
+        self.cond = threading.Condition()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="titan-recover-diloco-send", daemon=True)
+        self.thread.start()
+
+    def _hello(self, store) -> None:
+        self.number = 0  # a new syncer store: numbering restarts
+        store.set(DilocoKeys.hello(self.learner, self.position), str(self.incarnation))
+
+    def submit(self, delta: Delta) -> None:
+        with self.cond:
+            queued = self.queue.get(delta.fragment)
+            if queued is None:
+                self.queue[delta.fragment] = delta
+            else:
+                queued.absorb(delta)
+            self.cond.notify_all()
+
+    def pending(self) -> int:
+        with self.cond:
+            return len(self.queue) + int(self.sending)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.stopped:
+                    self.cond.wait()
+                if self.stopped:
+                    return
+                fragment = next(iter(self.queue))  # the oldest fragment first
+                delta = self.queue.pop(fragment)
+                self.sending = True
+            try:
+                self._send(delta)
+                with self.cond:
+                    self.sent += 1
+            except Exception as error:  # the syncer is down or restarting: keep the delta, try again
+                logger.warning("learner %d position %d: delta of fragment %d not sent (%s); retrying", self.learner,
+                               self.position, fragment, error)
+                self.link.drop()
+                with self.cond:
+                    newer = self.queue.pop(fragment, None)
+                    if newer is not None:
+                        delta.absorb(newer)
+                    self.queue = {fragment: delta, **self.queue}
+                time.sleep(RETRY_S)
+            finally:
+                with self.cond:
+                    self.sending = False
+                    self.cond.notify_all()
+
+    def _send(self, delta: Delta) -> None:
+        store = self.link.current()
+        if store is None:
+            raise ConnectionError("no syncer published yet")
+        prefix = DilocoKeys.delta(self.learner, self.incarnation, self.position, self.number)
+        nbytes = put_blob(store, prefix, tensor_bytes(delta.data))
+        store.set(DilocoKeys.meta(prefix), json.dumps({
+            "fragment": delta.fragment, "step": delta.step, "tokens": delta.tokens, "base": list(delta.base),
+            "bytes": nbytes, "sent_at": time.time()}))
+        self.number += 1
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued delta is sent; False if that did not happen within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while self.queue or self.sending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.1))
+        return True
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.thread.join(timeout=STORE_TIMEOUT_S)
+
+
+class GlobalPuller:
+    """The pull thread: fetches every newer global fragment of this position into ``ready``."""
+
+    def __init__(self, coordinator_address: str, *, position: int, fragments: int):
+        self.position = position
+        self.link = SyncerLink(coordinator_address)
+        self.fetched: list[Version] = [(-1, -1)] * fragments
+        self.ready: dict[int, tuple[Version, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="titan-recover-diloco-pull", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self._poll()
+            except Exception as error:  # the syncer is down or a version was replaced while read: try again
+                logger.debug("position %d: pull failed (%s)", self.position, error)
+                self.link.drop()
+                self._stop.wait(RETRY_S)
+
+    def _poll(self) -> None:
+        store = self.link.current()
+        if store is None or not store.check([DilocoKeys.VERSIONS]):
+            return
+        generation, versions = decode_versions(store.get(DilocoKeys.VERSIONS))
+        for fragment, version in enumerate(versions):
+            if (generation, version) <= self.fetched[fragment]:
+                continue
+            prefix = DilocoKeys.fragment(fragment, self.position, version)
+            nbytes = int(store.get(DilocoKeys.meta(prefix)))
+            data = get_blob(store, prefix, nbytes).view(torch.float32).clone()
+            with self.lock:
+                self.ready[fragment] = ((generation, version), data)
+                self.fetched[fragment] = (generation, version)
+
+    def newest(self) -> dict[int, tuple[Version, torch.Tensor]]:
+        with self.lock:
+            return dict(self.ready)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=STORE_TIMEOUT_S)
+
+
+def _encode(version: Version) -> int:
+    return -1 if version[1] < 0 else version[0] * (1 << 32) + version[1]
+
+
+class Learner:
+    """One rank of a learner: its fragments, marks, data blocks, and the two threads."""
+
+    def __init__(self, trainer, member, events, *, learner: int, learners: int, incarnation: int,
+                 coordinator_address: str):
+        config = trainer.config
+        self.config = config.recover.diloco
+        self.trainer, self.member, self.events = trainer, member, events
+        self.learner, self.learners, self.incarnation = learner, learners, incarnation
+        self.position = torch.distributed.get_rank()
+        self.positions = torch.distributed.get_world_size()
+        self.period = self.config.inner_steps
+        self.params = [p for m in trainer.model_parts for p in m.parameters()]
+        self.names = parameter_names(trainer.model_parts)
+        local = [local_tensor(p.data) for p in self.params]
+        self.ranges = split_fragments([t.numel() for t in local], self.config.fragments)
+        self.fragments = len(self.ranges)
+        self.marks = [self._flat(f).clone() for f in range(self.fragments)]
+        self.adopted: list[Version] = [(-1, -1)] * self.fragments
+        self.batch_degree, self.batch_rank = trainer.batch_layout()
+        self.accumulation = trainer.gradient_accumulation_steps
+        self.tokens_per_step = (self.accumulation * self.batch_degree * config.training.local_batch_size
+                                * config.training.seq_len)
+        self.tokens_since = [0] * self.fragments
+        self.blocks = total_blocks(config.training.steps, learners, self.period)
+        self.block: int | None = None
+        self.inner = 0  # inner steps done in the current block
+        self.claims = 0
+        self.resume: tuple[int, int] | None = None
+        self.adoptions = 0
+        self.coordinator = member.store
+        self.coordinator_address = coordinator_address
+        self.sender = DeltaSender(coordinator_address, learner=learner, incarnation=incarnation, position=self.position)
+        self.puller = GlobalPuller(coordinator_address, position=self.position, fragments=self.fragments)
+
+    # ---- tensors -----------------------------------------------------------------------------------------
+    def _locals(self, fragment: int) -> list[torch.Tensor]:
+        start, end = self.ranges[fragment]
+        return [local_tensor(p.data) for p in self.params[start:end]]
+
+    def _flat(self, fragment: int) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).float() for t in self._locals(fragment)])
+
+    def _write(self, fragment: int, flat: torch.Tensor) -> None:
+        at = 0
+        with torch.no_grad():
+            for t in self._locals(fragment):
+                t.copy_(flat[at : at + t.numel()].view_as(t).to(t.dtype))
+                at += t.numel()
+
+    # ---- start -------------------------------------------------------------------------------------------
+    def start(self, timeout_s: float) -> None:
+        """Offer this rank's parameters as the initial global model (the syncer takes the first complete offer
+        unless it resumed from its checkpoint), adopt every global fragment, and find the block to resume."""
+        deadline = time.monotonic() + timeout_s
+        link = SyncerLink(self.coordinator_address)
+        while (store := link.current()) is None:
+            self._wait(deadline, "the syncer to publish its address")
+        if not store.check([DilocoKeys.VERSIONS]):
+            local = [local_tensor(p.data) for p in self.params]
+            payload = torch.cat([t.detach().reshape(-1).float().cpu() for t in local])
+            prefix = DilocoKeys.init(self.learner, self.position)
+            nbytes = put_blob(store, prefix, tensor_bytes(payload))
+            store.set(DilocoKeys.meta(prefix), json.dumps({
+                "bytes": nbytes, "names": self.names, "shapes": [list(t.shape) for t in local],
+                "ranges": self.ranges}))
+        while not all(v[1] >= 0 for v in self.adopted):
+            self.adopt_ready()
+            if not all(v[1] >= 0 for v in self.adopted):
+                self._wait(deadline, "the global model from the syncer")
+        if self.coordinator.check([DilocoKeys.block(self.learner)]):
+            block, step = (int(v) for v in self.coordinator.get(DilocoKeys.block(self.learner)).split())
+            self.resume = (block, step)  # the block this learner's previous start was training
+            self.trainer.step = step
+        if self.positions > 1:
+            torch.distributed.barrier()  # every rank read the block before rank 0 may claim the next
+        if self.position == 0:
+            self.events.emit("learner_started", incarnation=self.incarnation, versions=[list(v) for v in self.adopted],
+                             resume_block=self.resume[0] if self.resume else None, step=self.trainer.step,
+                             fragments=self.fragments, blocks=self.blocks)
+
+    def _wait(self, deadline: float, what: str) -> None:
+        self.member.progress(phase="startup")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"learner {self.learner} position {self.position}: no {what} within the startup "
+                               "timeout (recover.startup_timeout_s); is the syncer running?")
+        time.sleep(POLL_S)
+
+    # ---- data blocks -------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """Called before every inner step: claims the next block when the current one is done."""
+        if self.block is None or self.inner >= self.period:
+            self.block, self.inner = self._claim(), 0
+            if self.block is None:
+                return False
+        self._set_learning_rate(schedule_step(self.block, self.inner, self.learners, self.period))
+        return True
+
+    def _claim(self) -> int | None:
+        if self.position == 0:
+            if self.resume is not None:
+                block = self.resume[0]
+                self.resume = None
+            else:
+                block = self.coordinator.add(DilocoKeys.NEXT_BLOCK, 1) - 1
+            if block < self.blocks:
+                self.coordinator.set(DilocoKeys.block(self.learner), f"{block} {self.trainer.step}")
+            self.coordinator.set(DilocoKeys.claim(self.learner, self.incarnation, self.claims), str(block))
+        else:
+            block = int(self.coordinator.get(DilocoKeys.claim(self.learner, self.incarnation, self.claims)))
+        self.claims += 1
+        return block if block < self.blocks else None
+
+    def local_batch_indices(self) -> list[int]:
+        """Indices ``n`` of this rank's local batches in the current inner step (``n = g * dp + r``)."""
+        first = (self.block * self.period + self.inner) * self.accumulation
+        return [(first + a) * self.batch_degree + self.batch_rank for a in range(self.accumulation)]
+
+    def _set_learning_rate(self, step: int) -> None:
+        """The inner schedule follows the job's progress (the block), not this learner's own step count."""
+        for scheduler in self.trainer.lr_schedulers.schedulers:
+            scheduler.last_epoch = step - 1
+            for group, base, lr_lambda in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                              scheduler.lr_lambdas):
+                group["lr"] = base * lr_lambda(step - 1)
+
+    # ---- after every inner step --------------------------------------------------------------------------
+    def after_inner_step(self, step: int) -> None:
+        self.member.progress(step=step, phase="sync")
+        self.inner += 1
+        for f in range(self.fragments):
+            self.tokens_since[f] += self.tokens_per_step
+        for f in due_fragments(step, self.fragments, self.period):
+            self.send(f, step)
+        self.adopt_ready()
+
+    def send(self, fragment: int, step: int) -> None:
+        flat = self._flat(fragment)
+        delta = (self.marks[fragment] - flat).cpu()
+        self.marks[fragment].copy_(flat)
+        self.sender.submit(Delta(fragment, step, self.tokens_since[fragment], self.adopted[fragment], delta))
+        self.tokens_since[fragment] = 0
+
+    def adopt_ready(self) -> None:
+        ready = self.puller.newest()
+        codes = [_encode(ready[f][0]) if f in ready else -1 for f in range(self.fragments)]
+        if self.positions > 1:  # adopt a version only once every rank of the learner holds it
+            agreed = torch.tensor(codes + [-c for c in codes], dtype=torch.int64, device=self.trainer.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+            highest, lowest = agreed[: self.fragments].tolist(), [-c for c in agreed[self.fragments :].tolist()]
+            same = [hi == lo for hi, lo in zip(highest, lowest)]
+        else:
+            same = [True] * self.fragments
+        for f in range(self.fragments):
+            if not same[f] or codes[f] <= _encode(self.adopted[f]):
+                continue
+            version, global_flat = ready[f]
+            global_flat = global_flat.to(self.trainer.device)
+            if global_flat.numel() != self.marks[f].numel():
+                raise RuntimeError(f"learner {self.learner} position {self.position}: global fragment {f} has "
+                                   f"{global_flat.numel()} elements, this rank holds {self.marks[f].numel()} "
+                                   "(a different model or sharding than the syncer's)")
+            self._write(f, global_flat + (self._flat(f) - self.marks[f]))
+            self.marks[f].copy_(global_flat)
+            self.adopted[f] = version
+            self.adoptions += 1
+
+    # ---- end ---------------------------------------------------------------------------------------------
+    def finish(self, timeout_s: float) -> None:
+        """The budget is claimed and this learner's last block trained: send what every fragment gained since its
+        last send and wait until it left."""
+        for f in range(self.fragments):
+            if self.tokens_since[f]:
+                self.send(f, self.trainer.step)
+        drained = self.sender.drain(timeout_s)
+        if self.position == 0:
+            self.events.emit("learner_finished", step=self.trainer.step, sent=self.sender.sent, drained=drained,
+                             adoptions=self.adoptions)
+        self.close()
+
+    def close(self) -> None:
+        self.sender.stop()
+        self.puller.stop()
+
+    def metrics(self) -> dict:
+        return {
+            "diloco/block": self.block if self.block is not None else -1,
+            "diloco/deltas_sent": self.sender.sent,
+            "diloco/deltas_queued": self.sender.pending(),
+            "diloco/adoptions": self.adoptions,
+            "diloco/oldest_version": min(v[1] for v in self.adopted),
+        }
+
+
+def attach_learner(trainer, *, events, chaos) -> Learner:
+    """Join the job as a learner: heartbeats to the coordinator (the syncer reads them), then :meth:`Learner.start`."""
+    from titan_recover.recover.member import (COORDINATOR_ENV, incarnation_from_env, REPLICA_ENV,
+                                              ReplicaMember)
+
+    config = trainer.config
+    for name in (REPLICA_ENV, COORDINATOR_ENV):
+        if name not in os.environ:
+            raise RuntimeError(f"[recover] mode = \"diloco\" but {name} is not set: start learners with "
+                               "./run_train.sh (docs/diloco.md)")
+    learner = int(os.environ[REPLICA_ENV])
+    incarnation = incarnation_from_env()
+    member = ReplicaMember(config.recover, replica=learner, rank=torch.distributed.get_rank(),
+                           ranks_per_replica=torch.distributed.get_world_size(),
+                           address=os.environ[COORDINATOR_ENV], incarnation=incarnation)
+    member.register()
+    this = Learner(trainer, member, events, learner=learner, learners=config.recover.replicas,
+                   incarnation=incarnation, coordinator_address=os.environ[COORDINATOR_ENV])
+    this.start(config.recover.startup_timeout_s)
+    return this
