@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,7 +19,7 @@ from torchtitan.components.metrics import _get_metrics_rank, BaseLogger, LoggerC
 
 
 class JsonlLogger(BaseLogger):
-    """Appends ``{"step": step, **metrics}`` per call; flushed per line so a crash loses nothing logged."""
+    """Appends ``{"step": step, "time": wall time, **metrics}`` per call; flushed per line so a crash loses nothing logged."""
 
     def __init__(self, path: str, tags: dict[str, Any] | None = None):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -26,7 +27,7 @@ class JsonlLogger(BaseLogger):
         self.tags = tags or {}
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        record = {"step": step, **self.tags, **{k: _plain(v) for k, v in metrics.items()}}
+        record = {"step": step, **self.tags, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         # one write per line on an O_APPEND descriptor: several replicas may share the file
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.05
 RETRY_S = 0.5
 STORE_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 1.0
 
 
 def parameter_names(model_parts) -> list[str]:
@@ -64,7 +66,10 @@ def read_syncer(coordinator) -> tuple[str, int] | None:
 
 
 class SyncerLink:
-    """One thread's connection to the current syncer, re-established when a restarted syncer publishes itself."""
+    """One thread's connection to the current syncer, re-established when a restarted syncer publishes itself.
+
+    After a failed call the link probes the published address once per call with a short timeout: a syncer that
+    died stays unreachable until its restart publishes a new generation, and no thread blocks on it meanwhile."""
 
     def __init__(self, coordinator_address: str, on_connect=None):
         self.coordinator = connect(coordinator_address, STORE_TIMEOUT_S)
@@ -73,14 +78,20 @@ class SyncerLink:
         self.on_connect = on_connect
 
     def current(self):
-        """The store of the newest syncer (reconnecting if it changed); None while none is published."""
+        """The store of the newest syncer (reconnecting if it changed); None while none is reachable."""
         published = read_syncer(self.coordinator)
         if published is None:
             return None
         address, generation = published
         if generation != self.generation or self.store is None:
-            self.store = connect(address, STORE_TIMEOUT_S)
-            self.generation = generation
+            failed_before = generation == self.generation
+            try:
+                store = connect(address, PROBE_TIMEOUT_S if failed_before else STORE_TIMEOUT_S)
+            except Exception:  # not listening (yet, or any more)
+                return None
+            if failed_before:
+                store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+            self.store, self.generation = store, generation
             if self.on_connect is not None:
                 self.on_connect(self.store)
         return self.store
@@ -115,13 +126,15 @@ class DeltaSender:
         self.sending = False
         self.sent = 0
         self.number = 0
+        self.numbered_for = -1  # the syncer generation ``number`` counts for
         self.cond = threading.Condition()
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="titan-recover-diloco-send", daemon=True)
         self.thread.start()
 
     def _hello(self, store) -> None:
-        self.number = 0  # a new syncer store: numbering restarts
+        if self.link.generation != self.numbered_for:  # a new syncer store: numbering restarts
+            self.number, self.numbered_for = 0, self.link.generation
         store.set(DilocoKeys.hello(self.learner, self.position), str(self.incarnation))
 
     def submit(self, delta: Delta) -> None:
@@ -226,6 +239,8 @@ class GlobalPuller:
             if (generation, version) <= self.fetched[fragment]:
                 continue
             prefix = DilocoKeys.fragment(fragment, self.position, version)
+            if not store.check([DilocoKeys.meta(prefix)]):  # already replaced by a newer one: next poll
+                continue
             nbytes = int(store.get(DilocoKeys.meta(prefix)))
             data = get_blob(store, prefix, nbytes).view(torch.float32).clone()
             with self.lock:
@@ -239,6 +254,17 @@ class GlobalPuller:
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(timeout=STORE_TIMEOUT_S)
+
+
+def offer_parameters(store, learner: int, position: int, names: list[str], tensors: list[torch.Tensor],
+                     ranges: list[tuple[int, int]]) -> None:
+    """Offer this position's parameters as the initial global model (the syncer takes the first learner whose
+    every position offered)."""
+    payload = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
+    prefix = DilocoKeys.init(learner, position)
+    nbytes = put_blob(store, prefix, tensor_bytes(payload))
+    store.set(DilocoKeys.meta(prefix), json.dumps({
+        "bytes": nbytes, "names": names, "shapes": [list(t.shape) for t in tensors], "ranges": ranges}))
 
 
 def _encode(version: Version) -> int:
@@ -304,13 +330,8 @@ class Learner:
         while (store := link.current()) is None:
             self._wait(deadline, "the syncer to publish its address")
         if not store.check([DilocoKeys.VERSIONS]):
-            local = [local_tensor(p.data) for p in self.params]
-            payload = torch.cat([t.detach().reshape(-1).float().cpu() for t in local])
-            prefix = DilocoKeys.init(self.learner, self.position)
-            nbytes = put_blob(store, prefix, tensor_bytes(payload))
-            store.set(DilocoKeys.meta(prefix), json.dumps({
-                "bytes": nbytes, "names": self.names, "shapes": [list(t.shape) for t in local],
-                "ranges": self.ranges}))
+            offer_parameters(store, self.learner, self.position, self.names,
+                             [local_tensor(p.data) for p in self.params], self.ranges)
         while not all(v[1] >= 0 for v in self.adopted):
             self.adopt_ready()
             if not all(v[1] >= 0 for v in self.adopted):
@@ -352,6 +373,7 @@ class Learner:
                 block = self.coordinator.add(DilocoKeys.NEXT_BLOCK, 1) - 1
             if block < self.blocks:
                 self.coordinator.set(DilocoKeys.block(self.learner), f"{block} {self.trainer.step}")
+                self.events.emit("block_claimed", block=block, step=self.trainer.step, incarnation=self.incarnation)
             self.coordinator.set(DilocoKeys.claim(self.learner, self.incarnation, self.claims), str(block))
         else:
             block = int(self.coordinator.get(DilocoKeys.claim(self.learner, self.incarnation, self.claims)))

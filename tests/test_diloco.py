@@ -1,0 +1,190 @@
+"""Decoupled DiLoCo (docs/diloco.md): the syncer's rounds over real stores and threads, then a whole job with a
+learner killed and restarted, a 3x straggler and a syncer crash."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from conftest import launch
+from titan_recover.recover.diloco import decode_versions, DilocoKeys, token_weights
+from titan_recover.recover.events import read_events
+from titan_recover.recover.launcher import processes_of_run
+from titan_recover.recover.protocol import Heartbeat, Keys
+
+
+def _config(*overrides: str):
+    from titan_recover.config.loader import build_config
+
+    return build_config("train_configs/diloco.toml", ["--model.flavor", "tiny", "--metrics.no_enable_wandb",
+                                                      *overrides])
+
+
+def _wait(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learner(tmp_path):
+    """Three learners' send threads deliver to a real syncer store; learner 2 has been slow (3x the sync period)
+    and is not waited for; the published global fragment is the Nesterov outer step on the token-weighted mean
+    of the two deltas, bit for bit, and a pull thread fetches it."""
+    from titan_recover.recover.learner import Delta, DeltaSender, GlobalPuller, offer_parameters
+    from titan_recover.recover.syncer import Arrivals, Syncer
+
+    config = _config("--recover.diloco.outer_lr", "0.5", "--recover.diloco.outer_momentum", "0.9")
+    coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    address = f"127.0.0.1:{coordinator.port}"
+    syncer = Syncer(config, coordinator_address=address, run_dir=str(tmp_path), positions=1)
+    syncer.publish_address()
+    weights = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4)]
+    offer_parameters(syncer.store, 0, 0, ["a", "b"], weights, [(0, 1), (1, 2)])
+    syncer.initialize(timeout_s=10)
+    assert syncer.versions == [0, 0] and decode_versions(syncer.store.get(DilocoKeys.VERSIONS))[1] == [0, 0]
+
+    now = time.time()
+    for learner in range(3):  # every learner is alive
+        coordinator.set(Keys.heartbeat(learner, 0), Heartbeat(now + 60, now + 60, 1, "inner").encode())
+    syncer._judge_liveness(time.time())
+    assert syncer.alive == {0, 1, 2}
+    # what the syncer learned before: fragment 0's period is 1 s; learner 2 sends every 3 s, last 0.5 s ago
+    syncer.period_s[0] = 1.0
+    syncer.arrivals[(2, 0)] = Arrivals(last_at=now - 0.5, interval_s=3.0, tokens=1024)
+
+    deltas = {0: torch.tensor([1.0, -2.0, 0.5, 0.0, 4.0, 1.0]), 1: torch.tensor([3.0, 0.0, -1.0, 2.0, 0.0, 1.0])}
+    tokens = {0: 3072, 1: 1024}  # learner 0 trained three times the tokens since its last send
+    senders = [DeltaSender(address, learner=i, incarnation=0, position=0) for i in deltas]
+    try:
+        for sender, (i, d) in zip(senders, deltas.items()):
+            sender.submit(Delta(0, 4, tokens[i], (syncer.generation, 0), d.clone()))
+            assert sender.drain(timeout_s=10)
+        _wait(lambda: syncer._receive(time.time()) >= 0 and len(syncer.rounds[0].deltas) == 2)
+        syncer._maybe_merge(0, time.time())
+    finally:
+        for sender in senders:
+            sender.stop()
+
+    merged = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "fragment_merged"]
+    assert len(merged) == 1, merged
+    record = merged[0]
+    assert record["learners"] == [0, 1] and record["version"] == 1
+    assert record["weights"] == {"0": 0.75, "1": 0.25}
+    assert record["waited_for"] == [] and "gain" in record["window_reason"]  # 2.5 s away: not worth the wait
+    assert record["window_s"] == 0.0
+    assert record["staleness"] == {"0": 0, "1": 0}
+    # the outer step, by hand: Nesterov SGD's first step is p - lr * (1 + momentum) * g
+    g = (deltas[0].double() * 0.75 + deltas[1].double() * 0.25).float()
+    expected = weights[0].reshape(-1) - 0.5 * (g + 0.9 * g)
+    puller = GlobalPuller(address, position=0, fragments=2)
+    try:
+        _wait(lambda: puller.newest().get(0, ((0, 0),))[0] == (syncer.generation, 1))
+        assert torch.equal(puller.newest()[0][1], expected)
+        assert torch.equal(puller.newest()[1][1], weights[1])  # fragment 1 untouched, version 0
+    finally:
+        puller.stop()
+
+
+def test_a_delta_queued_while_the_syncer_is_away_absorbs_the_next_one():
+    from titan_recover.recover.learner import Delta
+
+    first = Delta(1, 4, 100, (1, 3), torch.tensor([1.0, 2.0]))
+    first.absorb(Delta(1, 8, 50, (1, 4), torch.tensor([0.5, -2.0])))
+    assert (first.step, first.tokens, first.base) == (8, 150, (1, 3))  # the older base: the staleness is its
+    assert first.data.tolist() == [1.5, 0.0]
+
+
+def test_learner_blocks_and_schedule():
+    from titan_recover.recover.diloco import schedule_step, total_blocks
+
+    assert total_blocks(steps=16, learners=3, period=4) == 12
+    assert total_blocks(steps=10, learners=3, period=4) == 8  # rounded up to whole blocks
+    # blocks are claimed learners-at-a-time: block 4 of 3 learners starts one period (4 steps) into the job
+    assert [schedule_step(b, 0, 3, 4) for b in (0, 2, 3, 5, 6)] == [1, 1, 5, 5, 9]
+    assert schedule_step(3, 2, 3, 4) == 7
+
+
+@pytest.mark.multiprocess
+def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
+    """3 learners of the tiny model, H = 4, 2 fragments. Learner 1 is killed at its step 6 and restarted; learner 2
+    is 3x slower from step 2; the syncer is killed right after its 12th merge and restarted from its checkpoint."""
+    steps, period, learners = 96, 4, 3  # 72 blocks: ~12 s of training, longer than a syncer restart
+    faults = [
+        {"kind": "kill", "replica": 1, "rank": 0, "step": 6, "phase": "forward"},
+        {"kind": "slow", "replica": 2, "rank": 0, "step": 2, "factor": 3.0},
+        {"kind": "kill", "process": "syncer", "step": 12, "phase": "merge"},
+    ]
+    fault_toml = "[" + ", ".join(
+        "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.items()) + "}" for f in faults) + "]"
+    max_window_s = 2.0
+    proc = launch(
+        "train_configs/diloco.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb",
+        "--training.steps", str(steps), "--recover.diloco.inner_steps", str(period),
+        "--recover.diloco.max_window_s", str(max_window_s), "--recover.diloco.checkpoint_interval_s", "1",
+        "--recover.diloco.eval_interval_s", "0", "--recover.heartbeat_timeout_s", "2.0",
+        "--dump_folder", str(tmp_path), "--chaos.faults", fault_toml, timeout=300,
+    )
+    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, output
+    events = read_events(tmp_path / "events.jsonl")
+    by_kind = collections.defaultdict(list)
+    for e in events:
+        by_kind[e["event"]].append(e)
+
+    # every fault fired
+    fired = {(e.get("process", "trainer"), e["kind"], e["step"]) for e in by_kind["fault_injected"]}
+    assert fired == {("trainer", "kill", 6), ("trainer", "slow", 2), ("syncer", "kill", 12)}, fired
+
+    # the killed learner was restarted, pulled the global model and retrained the block it was in
+    starts = {(e["replica"], e["incarnation"]): e for e in by_kind["learner_started"]}
+    assert set(starts) == {(0, 0), (1, 0), (2, 0), (1, 1)}
+    restart = starts[(1, 1)]
+    killed_block = max(e["block"] for e in by_kind["block_claimed"] if e["replica"] == 1 and e["incarnation"] == 0)
+    assert restart["resume_block"] == killed_block
+    assert all(v[1] >= 0 for v in restart["versions"])  # it adopted every global fragment before training
+
+    # data: every block of the budget was trained, each by one learner, except the one a dead learner retrained
+    claims = collections.Counter(e["block"] for e in by_kind["block_claimed"])
+    blocks = steps * learners // period
+    assert sorted(claims) == list(range(blocks))
+    assert {b: n for b, n in claims.items() if n > 1} == {killed_block: 2}
+
+    # the syncer crashed and resumed from its checkpoint, and merged again after that
+    started = by_kind["syncer_started"]
+    assert [e["resumed"] for e in started] == [False, True]
+    assert started[1]["merges"] >= 1 and started[1]["generation"] > started[0]["generation"]
+    merges = by_kind["fragment_merged"]
+    assert any(e["generation"] == started[1]["generation"] for e in merges)
+
+    # nobody waited: every merge closed within its grace window (never beyond max_window_s), and rounds closed
+    # without the slow learner and without the dead one
+    slack = 0.5  # the syncer's poll interval and scheduling on 2 busy cores
+    for e in merges:
+        assert e["window_s"] <= min(e["window_deadline_s"], max_window_s) + slack, e
+        expected = token_weights({int(i): n for i, n in e["tokens"].items()})
+        assert e["weights"] == {str(i): w for i, w in expected.items()}, e  # token-weighted, as logged
+        assert abs(sum(e["weights"].values()) - 1) < 1e-12
+    assert any(2 not in e["learners"] and 2 in e["alive"] for e in merges)  # the straggler was not waited for
+    assert any(2 in e["learners"] for e in merges)  # ... and its deltas count when they arrive
+    lost = [e for e in by_kind["learner_lost"] if e["learner"] == 1]
+    assert lost and any(1 not in e["learners"] and e["time"] > lost[0]["time"] for e in merges)
+
+    # the learners kept training while the syncer was down: learner 0 logged steps in between
+    kill_time = next(e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer")
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    down = [m for m in metrics if m["replica"] == 0 and kill_time < m["time"] < started[1]["time"]]
+    assert down, "learner 0 logged no step while the syncer was down"
+
+    # the global model improved
+    evaluated = by_kind["global_evaluated"]
+    finished = by_kind["syncer_finished"]
+    assert len(finished) == 1
+    assert finished[0]["val_loss"] < evaluated[0]["val_loss"] - 0.1, (evaluated[0], finished[0])
+    assert processes_of_run(str(tmp_path)) == []  # nothing left behind
