@@ -115,7 +115,8 @@ def test_learner_blocks_and_schedule():
 def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
     """3 learners of the tiny model, H = 4, 2 fragments. Learner 1 is killed at its step 6 and restarted; learner 2
     is 3x slower from step 2; the syncer is killed right after its 12th merge and restarted from its checkpoint."""
-    steps, period, learners = 96, 4, 3  # 72 blocks: ~12 s of training, longer than a syncer restart
+    # 108 blocks: ~30 s of training, longer than a learner's restart (process start-up on 2 busy cores)
+    steps, period, learners = 144, 4, 3
     faults = [
         {"kind": "kill", "replica": 1, "rank": 0, "step": 6, "phase": "forward"},
         {"kind": "slow", "replica": 2, "rank": 0, "step": 2, "factor": 3.0},
@@ -142,19 +143,27 @@ def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
     fired = {(e.get("process", "trainer"), e["kind"], e["step"]) for e in by_kind["fault_injected"]}
     assert fired == {("trainer", "kill", 6), ("trainer", "slow", 2), ("syncer", "kill", 12)}, fired
 
-    # the killed learner was restarted, pulled the global model and retrained the block it was in
+    # the killed learner was restarted; its block was given back and trained by a learner alive. Whether its
+    # restart (process start-up: 20-30 s on 2 busy cores) comes back before the budget is trained depends on the
+    # machine; when it does, it adopted every global fragment before training
+    assert "replica 1 exited with" in proc.stderr and "restarting it" in proc.stderr
     starts = {(e["replica"], e["incarnation"]): e for e in by_kind["learner_started"]}
-    assert set(starts) == {(0, 0), (1, 0), (2, 0), (1, 1)}
-    restart = starts[(1, 1)]
+    assert {(0, 0), (1, 0), (2, 0)} <= set(starts) <= {(0, 0), (1, 0), (2, 0), (1, 1)}
+    if (1, 1) in starts:
+        assert all(v[1] >= 0 for v in starts[(1, 1)]["versions"])
+        assert starts[(1, 1)]["step"] > 0  # its step count continues from its previous start's
     killed_block = max(e["block"] for e in by_kind["block_claimed"] if e["replica"] == 1 and e["incarnation"] == 0)
-    assert restart["resume_block"] == killed_block
-    assert all(v[1] >= 0 for v in restart["versions"])  # it adopted every global fragment before training
+    given_back = [e["requeued_block"] for e in by_kind["learner_lost"] + list(starts.values())
+                  if e.get("requeued_block") is not None]
+    assert given_back == [killed_block]  # given back once, by the syncer or by the restart
 
-    # data: every block of the budget was trained, each by one learner, except the one a dead learner retrained
+    # data: every block of the budget was trained, each by one learner, except the one the dead learner held,
+    # which a learner alive trained again
     claims = collections.Counter(e["block"] for e in by_kind["block_claimed"])
-    blocks = steps * learners // period
-    assert sorted(claims) == list(range(blocks))
+    assert sorted(claims) == list(range(steps * learners // period))
     assert {b: n for b, n in claims.items() if n > 1} == {killed_block: 2}
+    retrained = [e for e in by_kind["block_claimed"] if e["block"] == killed_block][1]
+    assert (retrained["replica"], retrained["incarnation"]) != (1, 0)
 
     # the syncer crashed and resumed from its checkpoint, and merged again after that
     started = by_kind["syncer_started"]
@@ -188,3 +197,18 @@ def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
     assert len(finished) == 1
     assert finished[0]["val_loss"] < evaluated[0]["val_loss"] - 0.1, (evaluated[0], finished[0])
     assert processes_of_run(str(tmp_path)) == []  # nothing left behind
+
+
+def test_a_block_given_back_is_taken_once_and_given_back_once():
+    from titan_recover.recover.learner import claim_requeued, requeue_block
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(DilocoKeys.block(1), "7 24")  # learner 1 died training block 7
+    assert requeue_block(store, 1, "syncer.1") == 7
+    assert requeue_block(store, 1, "1.1") is None  # its restart finds it given back already
+    assert requeue_block(store, 1, "syncer.1") is None  # and so does the syncer, again
+    assert claim_requeued(store, "0.0") == 7
+    assert claim_requeued(store, "0.0") is None  # taken once, even by the same learner asking again
+    assert claim_requeued(store, "2.0") is None
+    store.set(DilocoKeys.block(2), "done 40")  # a learner that died between blocks gives nothing back
+    assert requeue_block(store, 2, "syncer.1") is None

@@ -161,11 +161,29 @@ class DilocoKeys:
     GENERATION = "diloco/generation"  # coordinator: counter of syncer starts
     NEXT_BLOCK = "diloco/next_block"  # coordinator: counter of claimed data blocks
     LEARNERS_OVER = "diloco/learners_over"  # coordinator: the launcher saw every learner end
+    REQUEUED = "diloco/requeued"  # coordinator: counter of blocks given back (their learner died)
+    BLOCKS_DONE = "diloco/blocks_done"  # coordinator: counter of blocks trained to the end (each counted once)
     VERSIONS = "global/versions"  # syncer: "GENERATION V_0 ... V_{F-1}"
 
     @staticmethod
     def block(learner: int) -> str:
-        return f"diloco/block/{learner}"  # coordinator: "BLOCK STEP" (the block being trained, from inner step)
+        return f"diloco/block/{learner}"  # coordinator: "BLOCK STEP" (being trained since inner step STEP) or "done STEP"
+
+    @staticmethod
+    def requeue(number: int) -> str:
+        return f"diloco/requeue/{number}"  # coordinator: the block given back as the number-th
+
+    @staticmethod
+    def requeue_owner(number: int) -> str:
+        return f"diloco/requeue_owner/{number}"  # coordinator: who took it (set once, by compare-and-set)
+
+    @staticmethod
+    def requeued_of(block: int) -> str:
+        return f"diloco/requeued_of/{block}"  # coordinator: who gave the block back (set once)
+
+    @staticmethod
+    def done_of(block: int) -> str:
+        return f"diloco/done_of/{block}"  # coordinator: who finished the block first (set once)
 
     @staticmethod
     def claim(learner: int, incarnation: int, count: int) -> str:

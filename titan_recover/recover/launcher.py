@@ -204,6 +204,8 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
         while any(slot.running for slot in slots):
             time.sleep(0.1)
             if syncer is not None:
+                if syncer.proc.poll() == 0:  # the budget is trained: learners still restarting are not needed
+                    break
                 restart_syncer_if_crashed()
             if coordinator.poll() is not None:
                 # the job is over: members exit by themselves; a restarted group still waiting for admission
@@ -245,7 +247,8 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
         if stopping["signal"] is not None:
             return 128 + stopping["signal"]
         if syncer is not None:  # the learners are over: the syncer merges what is left and saves the global model
-            store.set(DilocoKeys.LEARNERS_OVER, "1")
+            if syncer.proc.poll() is None:
+                store.set(DilocoKeys.LEARNERS_OVER, "1")
             deadline = time.monotonic() + recover.agree_timeout_s
             while syncer.proc.poll() != 0 and time.monotonic() < deadline:
                 restart_syncer_if_crashed()

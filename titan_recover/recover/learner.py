@@ -7,7 +7,9 @@ learner holds the same shards):
 
 * data: the learner claims blocks of ``H`` inner steps from the job's counter (the coordinator's store) and trains
   block ``b``'s replica microbatch ids ``(b H + k) A + a``; no id is trained twice while the learner lives, and the
-  counter ends the job when the budget (``training.steps`` synchronous steps of ``replicas`` groups) is claimed;
+  counter ends the job when the budget (``training.steps`` synchronous steps of ``replicas`` groups) is claimed. The
+  block a dead learner was training is given back (by the syncer, or by the learner's restart) and the next claim
+  of any learner takes it first;
 * after inner step ``t`` the fragments due (``due_fragments``) go to a send thread as ``mark_f - local_f`` (the
   progress since the fragment was last sent or adopted) with the tokens behind it;
 * a pull thread fetches every newer global fragment; at the next step boundary, once every rank of the learner
@@ -22,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -267,6 +270,35 @@ def offer_parameters(store, learner: int, position: int, names: list[str], tenso
         "bytes": nbytes, "names": names, "shapes": [list(t.shape) for t in tensors], "ranges": ranges}))
 
 
+def _set_once(store, key: str, who: str) -> bool:
+    """Compare-and-set on an absent key: True for the one call whose value landed (each call writes a value of
+    its own, so a caller that already holds the key does not take it again)."""
+    token = f"{who}/{uuid.uuid4().hex}"
+    return store.compare_set(key, "", token) == token.encode()
+
+
+def requeue_block(coordinator, learner: int, who: str) -> int | None:
+    """Give back the block a dead learner was training, unless it finished it or someone gave it back already;
+    returns the block given back. The syncer (on losing the learner) and the learner's restart both try."""
+    if not coordinator.check([DilocoKeys.block(learner)]):
+        return None
+    block, _ = coordinator.get(DilocoKeys.block(learner)).decode().split()
+    if block == "done" or not _set_once(coordinator, DilocoKeys.requeued_of(int(block)), who):
+        return None
+    number = coordinator.add(DilocoKeys.REQUEUED, 1) - 1
+    coordinator.set(DilocoKeys.requeue(number), block)
+    return int(block)
+
+
+def claim_requeued(coordinator, who: str) -> int | None:
+    """Take a block given back by a dead learner, if any is free."""
+    for number in range(coordinator.add(DilocoKeys.REQUEUED, 0)):
+        key = DilocoKeys.requeue(number)
+        if coordinator.check([key]) and _set_once(coordinator, DilocoKeys.requeue_owner(number), who):
+            return int(coordinator.get(key))
+    return None
+
+
 def _encode(version: Version) -> int:
     return -1 if version[1] < 0 else version[0] * (1 << 32) + version[1]
 
@@ -299,7 +331,7 @@ class Learner:
         self.block: int | None = None
         self.inner = 0  # inner steps done in the current block
         self.claims = 0
-        self.resume: tuple[int, int] | None = None
+        self.who = f"{learner}.{incarnation}"
         self.adoptions = 0
         self.coordinator = member.store
         self.coordinator_address = coordinator_address
@@ -324,7 +356,8 @@ class Learner:
     # ---- start -------------------------------------------------------------------------------------------
     def start(self, timeout_s: float) -> None:
         """Offer this rank's parameters as the initial global model (the syncer takes the first complete offer
-        unless it resumed from its checkpoint), adopt every global fragment, and find the block to resume."""
+        unless it resumed from its checkpoint), adopt every global fragment, and give back the block this learner's
+        previous start was training (a restart)."""
         deadline = time.monotonic() + timeout_s
         link = SyncerLink(self.coordinator_address)
         while (store := link.current()) is None:
@@ -336,16 +369,17 @@ class Learner:
             self.adopt_ready()
             if not all(v[1] >= 0 for v in self.adopted):
                 self._wait(deadline, "the global model from the syncer")
-        if self.coordinator.check([DilocoKeys.block(self.learner)]):
-            block, step = (int(v) for v in self.coordinator.get(DilocoKeys.block(self.learner)).split())
-            self.resume = (block, step)  # the block this learner's previous start was training
-            self.trainer.step = step
+        given_back = None
+        if self.coordinator.check([DilocoKeys.block(self.learner)]):  # a restart: continue the step count
+            self.trainer.step = int(self.coordinator.get(DilocoKeys.block(self.learner)).split()[1])
+            if self.position == 0:  # the block the previous start was training goes back to the pool
+                given_back = requeue_block(self.coordinator, self.learner, self.who)
         if self.positions > 1:
-            torch.distributed.barrier()  # every rank read the block before rank 0 may claim the next
+            torch.distributed.barrier()  # every rank read the step before rank 0 may claim a block
         if self.position == 0:
             self.events.emit("learner_started", incarnation=self.incarnation, versions=[list(v) for v in self.adopted],
-                             resume_block=self.resume[0] if self.resume else None, step=self.trainer.step,
-                             fragments=self.fragments, blocks=self.blocks)
+                             requeued_block=given_back, step=self.trainer.step, fragments=self.fragments,
+                             blocks=self.blocks)
 
     def _wait(self, deadline: float, what: str) -> None:
         self.member.progress(phase="startup")
@@ -366,10 +400,8 @@ class Learner:
 
     def _claim(self) -> int | None:
         if self.position == 0:
-            if self.resume is not None:
-                block = self.resume[0]
-                self.resume = None
-            else:
+            block = claim_requeued(self.coordinator, self.who)
+            if block is None:
                 block = self.coordinator.add(DilocoKeys.NEXT_BLOCK, 1) - 1
             if block < self.blocks:
                 self.coordinator.set(DilocoKeys.block(self.learner), f"{block} {self.trainer.step}")
@@ -402,6 +434,10 @@ class Learner:
         for f in due_fragments(step, self.fragments, self.period):
             self.send(f, step)
         self.adopt_ready()
+        if self.inner == self.period and self.position == 0:  # the block is trained
+            self.coordinator.set(DilocoKeys.block(self.learner), f"done {step}")
+            if _set_once(self.coordinator, DilocoKeys.done_of(self.block), self.who):
+                self.coordinator.add(DilocoKeys.BLOCKS_DONE, 1)
 
     def send(self, fragment: int, step: int) -> None:
         flat = self._flat(fragment)

@@ -33,9 +33,11 @@ from titan_recover.recover.diloco import (
     merge_deltas,
     OuterOptimizer,
     token_weights,
+    total_blocks,
     Version,
 )
 from titan_recover.recover.events import EventLog
+from titan_recover.recover.learner import requeue_block
 from titan_recover.recover.member import connect
 from titan_recover.recover.protocol import Heartbeat, Keys
 
@@ -85,6 +87,7 @@ class Syncer:
         self.config = config
         self.cfg = config.recover.diloco
         self.learners, self.positions = config.recover.replicas, positions
+        self.blocks = total_blocks(config.training.steps, self.learners, self.cfg.inner_steps)
         self.run_dir = run_dir
         self.coordinator = connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
         self.store = TCPStoreServer(host, port)
@@ -226,7 +229,8 @@ class Syncer:
             if all(now - b.time < self.config.recover.heartbeat_timeout_s for b in beats):
                 alive.add(learner)
         for learner in sorted(self.alive - alive - done):
-            self.events.emit("learner_lost", learner=learner, reason="no heartbeat")
+            given_back = requeue_block(self.coordinator, learner, f"syncer.{self.generation}")
+            self.events.emit("learner_lost", learner=learner, reason="no heartbeat", requeued_block=given_back)
         self.alive, self.done = alive, done
 
     def _receive(self, now: float) -> int:
@@ -419,11 +423,19 @@ class Syncer:
                 self._checkpoint()
             if self.cfg.eval_interval_s and time.monotonic() - self._eval_at > self.cfg.eval_interval_s:
                 self.evaluate(now)
-            if self.coordinator.check([DilocoKeys.LEARNERS_OVER]):
+            if self._over():
                 quiet_since = None if received else (quiet_since or time.monotonic())
                 if quiet_since is not None and time.monotonic() - quiet_since > FINAL_QUIET_S:
                     return self.finish()
             time.sleep(POLL_S)
+
+    def _over(self) -> bool:
+        """Every learner ended, or the budget is trained and every live learner has sent its last deltas (a learner
+        still restarting is not waited for: the blocks it held were given back and trained by others)."""
+        if self.coordinator.check([DilocoKeys.LEARNERS_OVER]):
+            return True
+        trained = int(self.coordinator.add(DilocoKeys.BLOCKS_DONE, 0))
+        return trained >= self.blocks and not self.alive
 
     def finish(self) -> int:
         """Every learner ended: merge what is left, evaluate, save the global model and the checkpoint."""
