@@ -104,18 +104,16 @@ def test_a_delta_queued_while_the_syncer_is_away_absorbs_the_next_one():
 def test_learner_blocks_and_schedule():
     from titan_recover.recover.diloco import schedule_step, total_blocks
 
-    assert total_blocks(steps=16, learners=3, period=4) == 12
-    assert total_blocks(steps=10, learners=3, period=4) == 8  # rounded up to whole blocks
-    # blocks are claimed learners-at-a-time: block 4 of 3 learners starts one period (4 steps) into the job
-    assert [schedule_step(b, 0, 3, 4) for b in (0, 2, 3, 5, 6)] == [1, 1, 5, 5, 9]
-    assert schedule_step(3, 2, 3, 4) == 7
+    assert total_blocks(steps=16, learners=3) == 48  # one inner step's microbatches per block
+    # blocks are claimed in order, learners at a time: the schedule follows the job's progress
+    assert [schedule_step(b, 3) for b in (0, 2, 3, 5, 6, 47)] == [1, 1, 2, 2, 3, 16]
 
 
 @pytest.mark.multiprocess
 def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
     """3 learners of the tiny model, H = 4, 2 fragments. Learner 1 is killed at its step 6 and restarted; learner 2
     is 3x slower from step 2; the syncer is killed right after its 12th merge and restarted from its checkpoint."""
-    # 108 blocks: ~30 s of training, longer than a learner's restart (process start-up on 2 busy cores)
+    # 432 blocks (one inner step each): ~30 s of training
     steps, period, learners = 144, 4, 3
     faults = [
         {"kind": "kill", "replica": 1, "rank": 0, "step": 6, "phase": "forward"},
@@ -160,7 +158,7 @@ def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
     # data: every block of the budget was trained, each by one learner, except the one the dead learner held,
     # which a learner alive trained again
     claims = collections.Counter(e["block"] for e in by_kind["block_claimed"])
-    assert sorted(claims) == list(range(steps * learners // period))
+    assert sorted(claims) == list(range(steps * learners))
     assert {b: n for b, n in claims.items() if n > 1} == {killed_block: 2}
     retrained = [e for e in by_kind["block_claimed"] if e["block"] == killed_block][1]
     assert (retrained["replica"], retrained["incarnation"]) != (1, 0)

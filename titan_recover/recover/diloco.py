@@ -135,17 +135,16 @@ class OuterOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def schedule_step(block: int, inner: int, learners: int, period: int) -> int:
-    """The learning-rate step of a learner's ``inner``-th step (0-based) of data block ``block``: blocks are
-    claimed in order, ``learners`` at a time, so block ``b`` starts about ``(b // learners) * period`` steps into
-    the job (1-based, as TorchTitan's schedulers count)."""
-    return (block // learners) * period + inner + 1
+def schedule_step(block: int, learners: int) -> int:
+    """The learning-rate step (1-based, as TorchTitan's schedulers count) of the inner step that trains data block
+    ``block``: blocks are claimed in order, about ``learners`` per synchronous step of the same budget."""
+    return block // learners + 1
 
 
-def total_blocks(steps: int, learners: int, period: int) -> int:
-    """Data blocks of ``period`` inner steps in the job's budget: the microbatches of ``steps`` synchronous steps of
-    ``learners`` replicas (rounded up to whole blocks)."""
-    return -(-steps * learners // period)
+def total_blocks(steps: int, learners: int) -> int:
+    """Data blocks (one inner step's microbatches each) in the job's budget: the microbatches of ``steps``
+    synchronous steps of ``learners`` replica groups."""
+    return steps * learners
 
 
 Version = tuple[int, int]
@@ -167,7 +166,7 @@ class DilocoKeys:
 
     @staticmethod
     def block(learner: int) -> str:
-        return f"diloco/block/{learner}"  # coordinator: "BLOCK STEP" (being trained since inner step STEP) or "done STEP"
+        return f"diloco/block/{learner}"  # coordinator: "BLOCK STEP" (trained at inner step STEP) or "done STEP"
 
     @staticmethod
     def requeue(number: int) -> str:

@@ -5,11 +5,11 @@ Called from :class:`titan_recover.trainer.RecoverTrainer`'s hooks with ``[recove
 loop, inner optimizer (AdamW), parallelisms and logging are untouched. Per rank (a *position*: the same rank of every
 learner holds the same shards):
 
-* data: the learner claims blocks of ``H`` inner steps from the job's counter (the coordinator's store) and trains
-  block ``b``'s replica microbatch ids ``(b H + k) A + a``; no id is trained twice while the learner lives, and the
-  counter ends the job when the budget (``training.steps`` synchronous steps of ``replicas`` groups) is claimed. The
-  block a dead learner was training is given back (by the syncer, or by the learner's restart) and the next claim
-  of any learner takes it first;
+* data: before every inner step the learner claims the next data block from the job's counter (the coordinator's
+  store) and trains its replica microbatch ids ``b A + a``: a learner trains as many blocks as its speed allows,
+  no id is trained twice while the learner lives, and the counter ends the job when the budget (``training.steps``
+  synchronous steps of ``replicas`` groups) is claimed. The block a dead learner was training is given back (by the
+  syncer, or by the learner's restart) and the next claim of any learner takes it first;
 * after inner step ``t`` the fragments due (``due_fragments``) go to a send thread as ``mark_f - local_f`` (the
   progress since the fragment was last sent or adopted) with the tokens behind it;
 * a pull thread fetches every newer global fragment; at the next step boundary, once every rank of the learner
@@ -327,9 +327,8 @@ class Learner:
         self.tokens_per_step = (self.accumulation * self.batch_degree * config.training.local_batch_size
                                 * config.training.seq_len)
         self.tokens_since = [0] * self.fragments
-        self.blocks = total_blocks(config.training.steps, learners, self.period)
+        self.blocks = total_blocks(config.training.steps, learners)
         self.block: int | None = None
-        self.inner = 0  # inner steps done in the current block
         self.claims = 0
         self.who = f"{learner}.{incarnation}"
         self.adoptions = 0
@@ -390,12 +389,11 @@ class Learner:
 
     # ---- data blocks -------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        """Called before every inner step: claims the next block when the current one is done."""
-        if self.block is None or self.inner >= self.period:
-            self.block, self.inner = self._claim(), 0
-            if self.block is None:
-                return False
-        self._set_learning_rate(schedule_step(self.block, self.inner, self.learners, self.period))
+        """Called before every inner step: claims the step's data block; False once the budget is claimed."""
+        self.block = self._claim()
+        if self.block is None:
+            return False
+        self._set_learning_rate(schedule_step(self.block, self.learners))
         return True
 
     def _claim(self) -> int | None:
@@ -406,7 +404,8 @@ class Learner:
             if block < self.blocks:
                 self.coordinator.set(DilocoKeys.block(self.learner), f"{block} {self.trainer.step}")
                 self.events.emit("block_claimed", block=block, step=self.trainer.step, incarnation=self.incarnation)
-            self.coordinator.set(DilocoKeys.claim(self.learner, self.incarnation, self.claims), str(block))
+            if self.positions > 1:
+                self.coordinator.set(DilocoKeys.claim(self.learner, self.incarnation, self.claims), str(block))
         else:
             block = int(self.coordinator.get(DilocoKeys.claim(self.learner, self.incarnation, self.claims)))
         self.claims += 1
@@ -414,7 +413,7 @@ class Learner:
 
     def local_batch_indices(self) -> list[int]:
         """Indices ``n`` of this rank's local batches in the current inner step (``n = g * dp + r``)."""
-        first = (self.block * self.period + self.inner) * self.accumulation
+        first = self.block * self.accumulation
         return [(first + a) * self.batch_degree + self.batch_rank for a in range(self.accumulation)]
 
     def _set_learning_rate(self, step: int) -> None:
@@ -428,13 +427,12 @@ class Learner:
     # ---- after every inner step --------------------------------------------------------------------------
     def after_inner_step(self, step: int) -> None:
         self.member.progress(step=step, phase="sync")
-        self.inner += 1
         for f in range(self.fragments):
             self.tokens_since[f] += self.tokens_per_step
         for f in due_fragments(step, self.fragments, self.period):
             self.send(f, step)
         self.adopt_ready()
-        if self.inner == self.period and self.position == 0:  # the block is trained
+        if self.position == 0:  # the block is trained
             self.coordinator.set(DilocoKeys.block(self.learner), f"done {step}")
             if _set_once(self.coordinator, DilocoKeys.done_of(self.block), self.who):
                 self.coordinator.add(DilocoKeys.BLOCKS_DONE, 1)

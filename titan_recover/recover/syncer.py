@@ -87,7 +87,7 @@ class Syncer:
         self.config = config
         self.cfg = config.recover.diloco
         self.learners, self.positions = config.recover.replicas, positions
-        self.blocks = total_blocks(config.training.steps, self.learners, self.cfg.inner_steps)
+        self.blocks = total_blocks(config.training.steps, self.learners)
         self.run_dir = run_dir
         self.coordinator = connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
         self.store = TCPStoreServer(host, port)
