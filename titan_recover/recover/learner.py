@@ -392,6 +392,7 @@ class Learner:
         """Called before every inner step: claims the step's data block; False once the budget is claimed."""
         self.block = self._claim()
         if self.block is None:
+            self.flush()  # at once: the syncer's last merges need not wait for the end of TorchTitan's loop
             return False
         self._set_learning_rate(schedule_step(self.block, self.learners))
         return True
@@ -469,12 +470,15 @@ class Learner:
             self.adoptions += 1
 
     # ---- end ---------------------------------------------------------------------------------------------
-    def finish(self, timeout_s: float) -> None:
-        """The budget is claimed and this learner's last block trained: send what every fragment gained since its
-        last send and wait until it left."""
+    def flush(self) -> None:
+        """Send what every fragment gained since its last send."""
         for f in range(self.fragments):
             if self.tokens_since[f]:
                 self.send(f, self.trainer.step)
+
+    def finish(self, timeout_s: float) -> None:
+        """The budget is claimed and this learner's last block trained: flush, and wait until every delta left."""
+        self.flush()
         drained = self.sender.drain(timeout_s)
         if self.position == 0:
             self.events.emit("learner_finished", step=self.trainer.step, sent=self.sender.sent, drained=drained,
