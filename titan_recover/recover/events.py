@@ -24,9 +24,11 @@ class EventLog:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, event: str, *, console: bool = True, **fields: Any) -> dict[str, Any]:
+        """Append the event to the log (and print it unless ``console`` is false: events of every step)."""
         record = {"time": time.time(), "event": event, "source": self.source, **self.context, **fields}
-        logger.info("[%s] %s %s", self.source, event, {k: v for k, v in fields.items()})
+        if console:
+            logger.info("[%s] %s %s", self.source, event, {k: v for k, v in fields.items()})
         if self.path:
             line = (json.dumps(record, default=str) + "\n").encode()
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

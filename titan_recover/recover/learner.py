@@ -260,14 +260,16 @@ class GlobalPuller:
 
 
 def offer_parameters(store, learner: int, position: int, names: list[str], tensors: list[torch.Tensor],
-                     ranges: list[tuple[int, int]]) -> None:
-    """Offer this position's parameters as the initial global model (the syncer takes the first learner whose
-    every position offered)."""
+                     ranges: list[tuple[int, int]], global_shapes: list[list[int]] | None = None) -> None:
+    """Offer this position's parameters (its local shards) as the initial global model (the syncer takes the first
+    learner whose every position offered). ``global_shapes``: the whole parameters' shapes, if sharded."""
     payload = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
     prefix = DilocoKeys.init(learner, position)
     nbytes = put_blob(store, prefix, tensor_bytes(payload))
+    shapes = [list(t.shape) for t in tensors]
     store.set(DilocoKeys.meta(prefix), json.dumps({
-        "bytes": nbytes, "names": names, "shapes": [list(t.shape) for t in tensors], "ranges": ranges}))
+        "bytes": nbytes, "names": names, "shapes": shapes, "ranges": ranges,
+        "global_shapes": global_shapes or shapes}))
 
 
 def _set_once(store, key: str, who: str) -> bool:
@@ -363,7 +365,8 @@ class Learner:
             self._wait(deadline, "the syncer to publish its address")
         if not store.check([DilocoKeys.VERSIONS]):
             offer_parameters(store, self.learner, self.position, self.names,
-                             [local_tensor(p.data) for p in self.params], self.ranges)
+                             [local_tensor(p.data) for p in self.params], self.ranges,
+                             global_shapes=[list(p.shape) for p in self.params])
         while not all(v[1] >= 0 for v in self.adopted):
             self.adopt_ready()
             if not all(v[1] >= 0 for v in self.adopted):
@@ -404,7 +407,8 @@ class Learner:
                 block = self.coordinator.add(DilocoKeys.NEXT_BLOCK, 1) - 1
             if block < self.blocks:
                 self.coordinator.set(DilocoKeys.block(self.learner), f"{block} {self.trainer.step}")
-                self.events.emit("block_claimed", block=block, step=self.trainer.step, incarnation=self.incarnation)
+                self.events.emit("block_claimed", console=False, block=block, step=self.trainer.step,
+                                 incarnation=self.incarnation)
             if self.positions > 1:
                 self.coordinator.set(DilocoKeys.claim(self.learner, self.incarnation, self.claims), str(block))
         else:

@@ -119,6 +119,23 @@ class Syncer:
         self._eval_at = time.monotonic()
         self.validator = None
         self.val_loss: float | None = None
+        self.wandb = self._wandb(start) if config.metrics.enable_wandb else None
+
+    def _wandb(self, start: int):
+        """TorchTitan's wandb logger, named like the learners' runs (docs/diloco.md): ``<run>-syncer``."""
+        metrics = self.config.metrics
+        run_name = metrics.wandb_run_name or os.path.basename(self.run_dir)
+        for key, value in (("WANDB_MODE", metrics.wandb_mode), ("WANDB_PROJECT", metrics.wandb_project),
+                           ("WANDB_RUN_NAME", f"{run_name}-syncer" + (f"-start{start}" if start else "")),
+                           ("WANDB_RUN_GROUP", metrics.wandb_group or run_name)):
+            os.environ.setdefault(key, value)
+        try:
+            from torchtitan.components.metrics import WandBLogger
+
+            return WandBLogger(os.path.join(self.run_dir, "syncer"), tag="diloco")
+        except Exception as error:  # metrics must never stop the syncer
+            logger.warning("wandb unavailable for the syncer: %s", error)
+            return None
 
     # ---- start -------------------------------------------------------------------------------------------
     def publish_address(self) -> None:
@@ -159,7 +176,8 @@ class Syncer:
             time.sleep(POLL_S)
 
     def _build(self, metas: list[dict], flats: list[torch.Tensor]) -> None:
-        self.layout = [{"names": m["names"], "shapes": m["shapes"], "ranges": m["ranges"]} for m in metas]
+        self.layout = [{"names": m["names"], "shapes": m["shapes"], "ranges": m["ranges"],
+                        "global_shapes": m["global_shapes"]} for m in metas]
         fragments = len(metas[0]["ranges"])
         for p, (meta, flat) in enumerate(zip(metas, flats)):
             sizes = [int(torch.Size(s).numel()) for s in meta["shapes"]]
@@ -371,6 +389,9 @@ class Syncer:
                            "staleness_mean": sum(staleness) / len(staleness) if staleness else None})
         if val_loss is not None:
             record["val_loss"] = val_loss
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "time"},
+                           step=self.merges)
         fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, (json.dumps(record) + "\n").encode())
@@ -378,16 +399,28 @@ class Syncer:
             os.close(fd)
 
     def global_parameters(self) -> dict[str, torch.Tensor] | None:
-        """The global model by name, when the learners are single-process (every position holds whole tensors)."""
-        if self.positions != 1:
-            return None
-        layout = self.layout[0]
-        flat = torch.cat([self.optimizers[(f, 0)].parameter.detach().reshape(-1) for f in range(len(self.versions))])
-        out, at = {}, 0
-        for name, shape in zip(layout["names"], layout["shapes"]):
-            n = int(torch.Size(shape).numel())
-            out[name] = flat[at : at + n].view(shape).clone()
-            at += n
+        """The global model by name: each position's shards in order, concatenated along dim 0 when they are row
+        shards of the whole parameter (single-process learners, FSDP2); None for other layouts (TP, PP)."""
+        per_position = []
+        for p, layout in enumerate(self.layout):
+            flat = torch.cat([self.optimizers[(f, p)].parameter.detach().reshape(-1)
+                              for f in range(len(self.versions))])
+            shards, at = {}, 0
+            for name, shape in zip(layout["names"], layout["shapes"]):
+                n = int(torch.Size(shape).numel())
+                shards[name] = flat[at : at + n].view(shape)
+                at += n
+            per_position.append(shards)
+        first = self.layout[0]
+        out = {}
+        for name, whole in zip(first["names"], first.get("global_shapes", first["shapes"])):
+            if any(name not in shards for shards in per_position):
+                return None
+            parts = [shards[name] for shards in per_position]
+            joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0) if parts[0].dim() else None
+            if joined is None or list(joined.shape) != list(whole):
+                return None
+            out[name] = joined.clone()
         return out
 
     def evaluate(self, now: float) -> float | None:
@@ -397,7 +430,10 @@ class Syncer:
         if self.validator is None:
             from titan_recover.evaluate import Validator
 
-            self.validator = Validator(self.config, self.cfg.eval_microbatches)
+            from titan_recover.config.validate import resolve_layout
+
+            layout = resolve_layout(self.config.parallelism, self.positions)  # a learner's mesh
+            self.validator = Validator(self.config, self.cfg.eval_microbatches, shard_degree=layout.dp_shard)
         self.val_loss = self.validator.loss(parameters)
         self._eval_at = time.monotonic()
         self._log_metrics(now, val_loss=self.val_loss)
@@ -452,6 +488,8 @@ class Syncer:
         self.events.emit("syncer_finished", merges=self.merges, merged_tokens=self.merged_tokens,
                          goodput_tokens_per_s=self.goodput(now), elapsed_s=now - self.started_at, val_loss=val_loss,
                          versions=list(self.versions))
+        if self.wandb is not None:
+            self.wandb.close()
         self.coordinator.set(Keys.FINISHED, "1")
         return 0
 
