@@ -1,0 +1,86 @@
+"""The goodput simulator's invariants (titan_recover/sim, docs/simulator.md)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from titan_recover.sim.model import Cluster, Costs, DAY_S, draw_trace, HOUR_S
+from titan_recover.sim.policies import down_intervals, integrate, POLICIES, simulate
+
+POLICY_NAMES = POLICIES.names()
+
+
+def test_without_failures_goodput_is_the_compute_fraction():
+    cluster = Cluster(devices=4096, mtbf_device_h=1e30)
+    costs = Costs(checkpoint_interval_s=1800, checkpoint_save_s=6)
+    trace = draw_trace(cluster, 10 * DAY_S, seed=1)
+    assert trace.failures == 0 and len(trace.straggle_starts) == 0
+    for name in ("recover", "diloco"):
+        assert simulate(name, cluster, costs, trace).goodput == pytest.approx(1.0, abs=1e-12)
+    spares = simulate("recover_spares", cluster, costs, trace, spares=4)
+    assert spares.goodput == pytest.approx(1.0, abs=1e-12)
+    assert spares.per_device == pytest.approx(cluster.groups / (cluster.groups + 4))  # spares are paid for
+    # checkpoint-restart pays the blocking part of every save: interval / (interval + save) of the time trains
+    assert simulate("checkpoint_restart", cluster, costs, trace).goodput == pytest.approx(1800 / 1806, rel=1e-4)
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_more_failures_never_give_more_goodput(policy):
+    cluster = Cluster(devices=2048, mtbf_device_h=20_000, straggler_rate_per_group_h=0.05)
+    costs = Costs(checkpoint_interval_s=900, job_restart_s=300)
+    goodputs = []
+    for scale in (0.0, 0.5, 1.0, 2.0, 4.0):  # thinned from one stream: each trace contains the previous
+        trace = draw_trace(cluster, 20 * DAY_S, seed=3, rate_scale=scale)
+        goodputs.append(simulate(policy, cluster, costs, trace, spares=2).goodput)
+    assert all(b <= a + 1e-12 for a, b in zip(goodputs, goodputs[1:])), goodputs
+    assert goodputs[-1] < goodputs[0]
+
+
+def test_thinned_traces_are_nested():
+    cluster = Cluster(devices=1024, mtbf_device_h=5000)
+    fewer = draw_trace(cluster, 5 * DAY_S, seed=7, rate_scale=0.5)
+    more = draw_trace(cluster, 5 * DAY_S, seed=7, rate_scale=2.0)
+    assert set(fewer.failure_times.tolist()) <= set(more.failure_times.tolist())
+
+
+def test_checkpoint_interval_optimum_is_near_young_daly():
+    """Young/Daly: the best interval between checkpoints is about sqrt(2 x save cost x MTBF of the job)."""
+    cluster = Cluster(devices=1024, mtbf_device_h=1024.0, node_failure_share=0.0)  # the job fails once an hour
+    mtbf_s = 1 / cluster.failure_rate_per_s
+    assert mtbf_s == pytest.approx(HOUR_S)
+    save = 60.0
+    young = math.sqrt(2 * save * mtbf_s)  # 657 s
+    intervals = np.geomspace(young / 4, young * 4, 25)
+    traces = [draw_trace(cluster, 200 * DAY_S, seed=s) for s in range(3)]
+    mean = []
+    for interval in intervals:
+        costs = Costs(checkpoint_interval_s=float(interval), checkpoint_save_s=save, job_restart_s=60.0)
+        mean.append(np.mean([simulate("checkpoint_restart", cluster, costs, t).goodput for t in traces]))
+    best = float(intervals[int(np.argmax(mean))])
+    assert young / 1.5 <= best <= young * 1.5, (best, young)
+
+
+def test_down_intervals_merge_a_group_failing_while_down():
+    from titan_recover.sim.model import Trace
+
+    trace = Trace(100.0, np.array([10.0, 15.0, 50.0, 12.0]), np.array([0, 0, 0, 1]), np.empty(0), np.empty(0, int),
+                  np.empty(0))
+    starts, ends = down_intervals(trace, repair_s=20.0)
+    assert sorted(zip(starts.tolist(), ends.tolist())) == [(10.0, 35.0), (12.0, 32.0), (50.0, 70.0)]
+    # the integral of the number of groups down is the total downtime
+    down = integrate(100.0, [(starts, ends, 0)], lambda c: c[0])
+    assert down == pytest.approx(25 + 20 + 20)
+
+
+def test_a_million_devices_for_thirty_days_simulate_quickly():
+    """The issue's scale (10^6 devices x 30 days) on one core; the timing target itself is the script's."""
+    cluster = Cluster(devices=1_000_000 - 1_000_000 % 64, straggler_rate_per_group_h=0.01)
+    trace = draw_trace(cluster, 30 * DAY_S, seed=0)
+    assert trace.failures > 10_000
+    outcomes = {p: simulate(p, cluster, Costs(), trace, spares=16) for p in POLICY_NAMES}
+    assert outcomes["checkpoint_restart"].goodput < outcomes["recover"].goodput
+    for outcome in outcomes.values():
+        assert 0.0 <= outcome.goodput <= 1.0
