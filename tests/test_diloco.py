@@ -113,8 +113,8 @@ def test_learner_blocks_and_schedule():
 def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
     """3 learners of the tiny model, H = 4, 2 fragments. Learner 1 is killed at its step 6 and restarted; learner 2
     is 3x slower from step 2; the syncer is killed right after its 12th merge and restarted from its checkpoint."""
-    # 432 blocks (one inner step each): ~30 s of training
-    steps, period, learners = 144, 4, 3
+    # 288 blocks (one inner step each): ~20 s of training, longer than a syncer restart
+    steps, period, learners = 96, 4, 3
     faults = [
         {"kind": "kill", "replica": 1, "rank": 0, "step": 6, "phase": "forward"},
         {"kind": "slow", "replica": 2, "rank": 0, "step": 2, "factor": 3.0},

@@ -46,6 +46,7 @@ logger = logging.getLogger("titan_recover.syncer")
 POLL_S = 0.02
 LIVENESS_EVERY_S = 0.2
 FINAL_QUIET_S = 1.0
+HELLO_EVERY_S = 0.25
 SMOOTHING = 0.5
 
 
@@ -90,7 +91,7 @@ class Syncer:
         self.blocks = total_blocks(config.training.steps, self.learners)
         self.run_dir = run_dir
         self.coordinator = connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
-        self.store = TCPStoreServer(host, port)
+        self.store = _serve_store(host, port)
         self.generation = self.coordinator.add(DilocoKeys.GENERATION, 1)
         self.address = f"{host}:{self.store.port}"
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "syncer", start=start,
@@ -115,6 +116,8 @@ class Syncer:
         self.alive: set[int] = set()
         self.done: set[int] = set()
         self._liveness_at = 0.0
+        self._hellos_at = 0.0
+        self.end_reason = ""
         self._checkpoint_at = time.monotonic()
         self._eval_at = time.monotonic()
         self.validator = None
@@ -251,33 +254,38 @@ class Syncer:
             self.events.emit("learner_lost", learner=learner, reason="no heartbeat", requeued_block=given_back)
         self.alive, self.done = alive, done
 
-    def _receive(self, now: float) -> int:
-        received = 0
+    def _read_hellos(self) -> None:
+        """Which incarnation sends from each (learner, position): a new one numbers its deltas from 0."""
         for learner in range(self.learners):
             for p in range(self.positions):
                 hello = DilocoKeys.hello(learner, p)
-                if not self.store.check([hello]):
-                    continue
-                incarnation = int(self.store.get(hello))
-                known, number = self.senders.get((learner, p), (-1, 0))
-                if incarnation != known:
-                    number = 0
-                while True:
-                    prefix = DilocoKeys.delta(learner, incarnation, p, number)
-                    if not self.store.check([DilocoKeys.meta(prefix)]):
-                        break
-                    meta = json.loads(self.store.get(DilocoKeys.meta(prefix)))
-                    data = get_blob(self.store, prefix, meta["bytes"]).view(torch.float32).clone()
-                    delete_blob(self.store, prefix, meta["bytes"])
-                    self.store.delete_key(DilocoKeys.meta(prefix))
-                    number += 1
-                    received += 1
-                    parts = self.partial.setdefault((learner, incarnation, meta["fragment"], meta["step"]), {})
-                    parts[p] = (meta, data)
-                    if len(parts) == self.positions:
-                        del self.partial[(learner, incarnation, meta["fragment"], meta["step"])]
-                        self._deliver(learner, meta, [parts[q][1] for q in range(self.positions)], now)
-                self.senders[(learner, p)] = (incarnation, number)
+                if self.store.check([hello]):
+                    incarnation = int(self.store.get(hello))
+                    if self.senders.get((learner, p), (-1, 0))[0] != incarnation:
+                        self.senders[(learner, p)] = (incarnation, 0)
+        self._hellos_at = time.monotonic()
+
+    def _receive(self, now: float) -> int:
+        if time.monotonic() - self._hellos_at > HELLO_EVERY_S:
+            self._read_hellos()
+        received = 0
+        for (learner, p), (incarnation, number) in list(self.senders.items()):
+            while True:
+                prefix = DilocoKeys.delta(learner, incarnation, p, number)
+                if not self.store.check([DilocoKeys.meta(prefix)]):
+                    break
+                meta = json.loads(self.store.get(DilocoKeys.meta(prefix)))
+                data = get_blob(self.store, prefix, meta["bytes"]).view(torch.float32).clone()
+                delete_blob(self.store, prefix, meta["bytes"])
+                self.store.delete_key(DilocoKeys.meta(prefix))
+                number += 1
+                received += 1
+                parts = self.partial.setdefault((learner, incarnation, meta["fragment"], meta["step"]), {})
+                parts[p] = (meta, data)
+                if len(parts) == self.positions:
+                    del self.partial[(learner, incarnation, meta["fragment"], meta["step"])]
+                    self._deliver(learner, meta, [parts[q][1] for q in range(self.positions)], now)
+            self.senders[(learner, p)] = (incarnation, number)
         return received
 
     def _deliver(self, learner: int, meta: dict, deltas: list[torch.Tensor], now: float) -> None:
@@ -469,9 +477,13 @@ class Syncer:
         """Every learner ended, or the budget is trained and every live learner has sent its last deltas (a learner
         still restarting is not waited for: the blocks it held were given back and trained by others)."""
         if self.coordinator.check([DilocoKeys.LEARNERS_OVER]):
+            self.end_reason = "every learner ended"
             return True
         trained = int(self.coordinator.add(DilocoKeys.BLOCKS_DONE, 0))
-        return trained >= self.blocks and not self.alive
+        if trained >= self.blocks and not self.alive:
+            self.end_reason = f"the budget's {self.blocks} blocks are trained and no learner is running"
+            return True
+        return False
 
     def finish(self) -> int:
         """Every learner ended: merge what is left, evaluate, save the global model and the checkpoint."""
@@ -485,7 +497,8 @@ class Syncer:
             torch.save(parameters, path + ".tmp")
             os.replace(path + ".tmp", path)
         self._checkpoint()
-        self.events.emit("syncer_finished", merges=self.merges, merged_tokens=self.merged_tokens,
+        self.events.emit("syncer_finished", reason=self.end_reason, merges=self.merges,
+                         blocks_done=int(self.coordinator.add(DilocoKeys.BLOCKS_DONE, 0)), merged_tokens=self.merged_tokens,
                          goodput_tokens_per_s=self.goodput(now), elapsed_s=now - self.started_at, val_loss=val_loss,
                          versions=list(self.versions))
         if self.wandb is not None:
@@ -494,7 +507,7 @@ class Syncer:
         return 0
 
 
-def TCPStoreServer(host: str, port: int):
+def _serve_store(host: str, port: int):
     from torch.distributed import TCPStore
 
     return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
