@@ -210,3 +210,18 @@ def test_a_block_given_back_is_taken_once_and_given_back_once():
     assert claim_requeued(store, "2.0") is None
     store.set(DilocoKeys.block(2), "done 40")  # a learner that died between blocks gives nothing back
     assert requeue_block(store, 2, "syncer.1") is None
+
+
+def test_the_global_model_is_assembled_from_row_shards_and_not_from_column_shards():
+    from titan_recover.recover.syncer import assemble_rows
+
+    w, b = torch.arange(12.0).reshape(4, 3), torch.arange(4.0)
+    rows = [{"names": ["w", "b"], "shapes": [[2, 3], [2]], "global_shapes": [[4, 3], [4]]}] * 2
+    flats = [torch.cat([w[:2].reshape(-1), b[:2]]), torch.cat([w[2:].reshape(-1), b[2:]])]
+    whole = assemble_rows(rows, flats)
+    assert torch.equal(whole["w"], w) and torch.equal(whole["b"], b)
+    # column shards (tensor parallel): dim 0 does not add up to the whole shape
+    columns = [{"names": ["w"], "shapes": [[4, 1]], "global_shapes": [[4, 2]]}] * 2
+    assert assemble_rows(columns, [w[:, :1].reshape(-1), w[:, 1:2].reshape(-1)]) is None
+    single = [{"names": ["w"], "shapes": [[4, 3]], "global_shapes": [[4, 3]]}]
+    assert torch.equal(assemble_rows(single, [w.reshape(-1)])["w"], w)

@@ -407,29 +407,10 @@ class Syncer:
             os.close(fd)
 
     def global_parameters(self) -> dict[str, torch.Tensor] | None:
-        """The global model by name: each position's shards in order, concatenated along dim 0 when they are row
-        shards of the whole parameter (single-process learners, FSDP2); None for other layouts (TP, PP)."""
-        per_position = []
-        for p, layout in enumerate(self.layout):
-            flat = torch.cat([self.optimizers[(f, p)].parameter.detach().reshape(-1)
-                              for f in range(len(self.versions))])
-            shards, at = {}, 0
-            for name, shape in zip(layout["names"], layout["shapes"]):
-                n = int(torch.Size(shape).numel())
-                shards[name] = flat[at : at + n].view(shape)
-                at += n
-            per_position.append(shards)
-        first = self.layout[0]
-        out = {}
-        for name, whole in zip(first["names"], first.get("global_shapes", first["shapes"])):
-            if any(name not in shards for shards in per_position):
-                return None
-            parts = [shards[name] for shards in per_position]
-            joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0) if parts[0].dim() else None
-            if joined is None or list(joined.shape) != list(whole):
-                return None
-            out[name] = joined.clone()
-        return out
+        """The global model by name (see :func:`assemble_rows`), or None for layouts it cannot assemble."""
+        flats = [torch.cat([self.optimizers[(f, p)].parameter.detach().reshape(-1)
+                            for f in range(len(self.versions))]) for p in range(self.positions)]
+        return assemble_rows(self.layout, flats)
 
     def evaluate(self, now: float) -> float | None:
         parameters = self.global_parameters()
@@ -505,6 +486,31 @@ class Syncer:
             self.wandb.close()
         self.coordinator.set(Keys.FINISHED, "1")
         return 0
+
+
+def assemble_rows(layout: list[dict], flats: list[torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Whole parameters by name from every position's flat local shards (``layout[p]``: names, shapes,
+    global_shapes): concatenated along dim 0 in position order when that gives the whole shape (one process per
+    learner, FSDP2's row shards); None for other layouts (TP's column shards, PP's stages)."""
+    per_position = []
+    for meta, flat in zip(layout, flats):
+        shards, at = {}, 0
+        for name, shape in zip(meta["names"], meta["shapes"]):
+            n = int(torch.Size(shape).numel())
+            shards[name] = flat[at : at + n].view(shape)
+            at += n
+        per_position.append(shards)
+    first = layout[0]
+    out = {}
+    for name, whole in zip(first["names"], first.get("global_shapes", first["shapes"])):
+        if any(name not in shards for shards in per_position):
+            return None
+        parts = [shards[name] for shards in per_position]
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0) if parts[0].dim() else None
+        if joined is None or list(joined.shape) != list(whole):
+            return None
+        out[name] = joined.clone()
+    return out
 
 
 def _serve_store(host: str, port: int):
