@@ -70,15 +70,14 @@ def fired(events: list[dict]) -> int:
 
 def sync_result(folder: str, events: list[dict], args) -> tuple[float, float, int]:
     from titan_recover.config.loader import build_config
-    from titan_recover.evaluate import Validator
+    from titan_recover.evaluate import plain_name, Validator
 
     start = next(e["time"] for e in events if e["event"] == "epoch_formed" and e["epoch"] == 0)
     end = max(e["time"] for e in events if e["event"] == "final_parameters")
     config = build_config("train_configs/diloco.toml", common(args) + ["--recover.mode", "sync"])
     tokens = args.steps * 3 * config.training.local_batch_size * config.training.seq_len
     shards = __import__("torch").load(pathlib.Path(folder) / "final_parameters" / "replica0_rank0.pt")
-    parameters = {k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v
-                  for k, v in shards.items()}
+    parameters = {plain_name(k): v for k, v in shards.items()}
     val_loss = Validator(config, args.eval_microbatches).loss(parameters)
     return tokens / (end - start), val_loss, tokens
 

@@ -37,11 +37,13 @@ def spares_for(cluster: Cluster) -> int:
     return max(1, cluster.groups // 64)
 
 
-def run(cluster: Cluster, costs: Costs, days: float, seed: int, fixed_interval: bool) -> dict[str, float]:
+def run(cluster: Cluster, costs: Costs, days: float, seed: int, fixed_interval: bool) -> tuple[dict[str, float], int]:
+    """Goodput per policy on one trace, and the trace's number of events (failures + straggles)."""
     if not fixed_interval:
         costs = dataclasses.replace(costs, checkpoint_interval_s=young_daly_interval(cluster, costs))
     trace = draw_trace(cluster, days * DAY_S, seed=seed)
-    return {p: simulate(p, cluster, costs, trace, spares=spares_for(cluster)).goodput for p in POLICIES.names()}
+    goodputs = {p: simulate(p, cluster, costs, trace, spares=spares_for(cluster)).goodput for p in POLICIES.names()}
+    return goodputs, trace.failures + len(trace.straggle_starts)
 
 
 def plot(rows: list[tuple[float, dict[str, float]]], xlabel: str, out: pathlib.Path, log_x: bool = True) -> None:
@@ -93,17 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     for devices in SIZES:
         cluster = Cluster(devices=devices - devices % 64, straggler_rate_per_group_h=args.straggler_rate)
         started = time.process_time()
-        row = run(cluster, costs, args.days, args.seed, fixed)
+        row, events = run(cluster, costs, args.days, args.seed, fixed)
         if devices == SIZES[-1]:
             seconds = time.process_time() - started
         by_size.append((cluster.devices, row))
-        print(f"{cluster.devices:>14d} devices" + "".join(f"{row[p]:>20.4f}" for p in POLICIES.names()))
+        print(f"{cluster.devices:>14d} devices" + "".join(f"{row[p]:>20.4f}" for p in POLICIES.names())
+              + f"   ({events} events)")
 
     by_mtbf = []
     print(f"\ngoodput vs per-device MTBF (65536 devices, {args.days:g} days)\n{header}")
     for mtbf in MTBFS_H:
         cluster = Cluster(devices=65536, mtbf_device_h=mtbf, straggler_rate_per_group_h=args.straggler_rate)
-        row = run(cluster, costs, args.days, args.seed, fixed)
+        row, _ = run(cluster, costs, args.days, args.seed, fixed)
         by_mtbf.append((mtbf, row))
         print(f"{mtbf:>16d} h MTBF" + "".join(f"{row[p]:>20.4f}" for p in POLICIES.names()))
 

@@ -225,3 +225,13 @@ def test_the_global_model_is_assembled_from_row_shards_and_not_from_column_shard
     assert assemble_rows(columns, [w[:, :1].reshape(-1), w[:, 1:2].reshape(-1)]) is None
     single = [{"names": ["w"], "shapes": [[4, 3]], "global_shapes": [[4, 3]]}]
     assert torch.equal(assemble_rows(single, [w.reshape(-1)])["w"], w)
+
+
+def test_syncer_faults_are_checked():
+    from titan_recover.recover.chaos import FaultSpec
+
+    assert FaultSpec(kind="kill", process="syncer", phase="merge", step=3).process == "syncer"
+    with pytest.raises(ValueError, match="cannot hit the syncer"):
+        FaultSpec(kind="slow", process="syncer", phase="merge")
+    with pytest.raises(ValueError, match="merge"):
+        FaultSpec(kind="kill", process="syncer", phase="forward")

@@ -16,6 +16,11 @@ platform.activate()
 from titan_recover.data.addressable import AddressableTokens  # noqa: E402
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name as the plain model has it (activation-checkpoint and compile wrappers removed)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 def accumulation_steps(training, batch_degree: int) -> int:
     """TorchTitan's gradient accumulation steps of one replica group."""
     if training.global_batch_size < 0:

@@ -65,26 +65,13 @@ class RecoverTrainer(Trainer):
     def __init__(self, config: Config):
         super().__init__(config)
         if config.recover.diloco_mode:
-            self._attach_learner()
+            from titan_recover.recover.learner import attach_learner
+
+            attach_learner(self)
         elif config.recover.enabled:
             replica_step.attach_replica_sync(self)
         else:
             self._attach_single_job()
-
-    def _attach_learner(self) -> None:
-        from titan_recover.recover.learner import attach_learner
-        from titan_recover.recover.member import REPLICA_ENV, RUN_DIR_ENV
-
-        config = self.config
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        replica = int(os.environ.get(REPLICA_ENV, 0))
-        run_dir = os.environ.get(RUN_DIR_ENV, config.dump_folder)
-        events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{replica}/{rank}", replica=replica, rank=rank)
-        self.chaos = ChaosMonkey(config.chaos.schedule(config.recover.groups, world), replica, rank, events,
-                                 incarnation=incarnation_from_env())
-        self.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
-        self.learner = attach_learner(self, events=events, chaos=self.chaos)
-        self.metrics_processor.step_metrics_fn = self.learner.metrics
 
     def should_continue_training(self) -> bool:
         if self.learner is not None:
@@ -155,7 +142,6 @@ class RecoverTrainer(Trainer):
         if self.learner is not None:
             super().train()
             self.learner.finish(timeout_s=self.config.recover.agree_timeout_s)
-            self.learner.member.finish()
             return None
         if self.replica_sync is None:
             return super().train()

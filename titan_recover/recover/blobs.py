@@ -38,7 +38,3 @@ def delete_blob(store, prefix: str, nbytes: int) -> None:
     for piece in range(pieces_of(nbytes)):
         store.delete_key(piece_key(prefix, piece))
 
-
-def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor's bytes (a view, no copy)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)

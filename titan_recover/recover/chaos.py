@@ -36,6 +36,8 @@ FLIP_TARGETS = ("parameter", "gradient", "activation")
 """Phases every step passes (a seeded random schedule draws from these)."""
 PHASES = (*STEP_PHASES, "transfer", "collective", "merge")
 PROCESSES = ("trainer", "syncer")
+SYNCER_KINDS = ("kill", "hang", "stall", "raise")
+"""Fault kinds that act on a process, not on training state: the ones the diloco syncer can be given."""
 
 FAULTS: Registry[Callable[["ChaosMonkey", "FaultSpec"], None]] = Registry("chaos fault kind")
 register_fault = FAULTS.register
@@ -146,6 +148,9 @@ class FaultSpec:
             raise ValueError(f"chaos fault process {self.process!r} must be one of {', '.join(PROCESSES)}")
         if (self.process == "syncer") != (self.phase == "merge"):
             raise ValueError("chaos fault phase \"merge\" goes with process = \"syncer\" and only with it")
+        if self.process == "syncer" and self.kind not in SYNCER_KINDS:
+            raise ValueError(f"chaos fault kind {self.kind!r} cannot hit the syncer (no training there): use one of "
+                             f"{', '.join(SYNCER_KINDS)}")
         if self.phase not in PHASES:
             raise ValueError(f"chaos fault phase {self.phase!r} must be one of {', '.join(PHASES)}")
         if self.factor < 1:

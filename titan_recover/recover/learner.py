@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch
 
-from titan_recover.recover.blobs import get_blob, put_blob, tensor_bytes
+from titan_recover.recover.blobs import get_blob, put_blob
 from titan_recover.recover.diloco import (
     decode_versions,
     DilocoKeys,
@@ -41,7 +41,7 @@ from titan_recover.recover.diloco import (
     Version,
 )
 from titan_recover.recover.member import connect
-from titan_recover.recover.state_transfer import local_tensor
+from titan_recover.recover.state_transfer import bytes_view, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,10 @@ PROBE_TIMEOUT_S = 1.0
 
 
 def parameter_names(model_parts) -> list[str]:
-    """Parameter names as a plain model has them (activation-checkpoint and compile wrappers removed)."""
-    names = []
-    for part in model_parts:
-        for name, _ in part.named_parameters():
-            names.append(name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""))
-    return names
+    """Parameter names as a plain model has them (:func:`titan_recover.evaluate.plain_name`)."""
+    from titan_recover.evaluate import plain_name
+
+    return [plain_name(name) for part in model_parts for name, _ in part.named_parameters()]
 
 
 def read_syncer(coordinator) -> tuple[str, int] | None:
@@ -187,7 +185,7 @@ class DeltaSender:
         if store is None:
             raise ConnectionError("no syncer published yet")
         prefix = DilocoKeys.delta(self.learner, self.incarnation, self.position, self.number)
-        nbytes = put_blob(store, prefix, tensor_bytes(delta.data))
+        nbytes = put_blob(store, prefix, bytes_view(delta.data))
         store.set(DilocoKeys.meta(prefix), json.dumps({
             "fragment": delta.fragment, "step": delta.step, "tokens": delta.tokens, "base": list(delta.base),
             "bytes": nbytes, "sent_at": time.time()}))
@@ -265,7 +263,7 @@ def offer_parameters(store, learner: int, position: int, names: list[str], tenso
     learner whose every position offered). ``global_shapes``: the whole parameters' shapes, if sharded."""
     payload = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
     prefix = DilocoKeys.init(learner, position)
-    nbytes = put_blob(store, prefix, tensor_bytes(payload))
+    nbytes = put_blob(store, prefix, bytes_view(payload))
     shapes = [list(t.shape) for t in tensors]
     store.set(DilocoKeys.meta(prefix), json.dumps({
         "bytes": nbytes, "names": names, "shapes": shapes, "ranges": ranges,
@@ -481,13 +479,15 @@ class Learner:
                 self.send(f, self.trainer.step)
 
     def finish(self, timeout_s: float) -> None:
-        """The budget is claimed and this learner's last block trained: flush, and wait until every delta left."""
+        """The budget is claimed and this learner's last block trained: flush, wait until every delta left, and
+        report this rank done."""
         self.flush()
         drained = self.sender.drain(timeout_s)
         if self.position == 0:
             self.events.emit("learner_finished", step=self.trainer.step, sent=self.sender.sent, drained=drained,
                              adoptions=self.adoptions)
         self.close()
+        self.member.finish()  # done: the syncer stops expecting deltas from this rank
 
     def close(self) -> None:
         self.sender.stop()
@@ -503,10 +503,13 @@ class Learner:
         }
 
 
-def attach_learner(trainer, *, events, chaos) -> Learner:
-    """Join the job as a learner: heartbeats to the coordinator (the syncer reads them), then :meth:`Learner.start`."""
+def attach_learner(trainer) -> Learner:
+    """Join the job as a learner: the event log and fault injection of this rank, heartbeats to the coordinator
+    (the syncer reads them), then :meth:`Learner.start`. Sets ``trainer.chaos`` and ``trainer.learner``."""
+    from titan_recover.recover.chaos import ChaosMonkey
+    from titan_recover.recover.events import EventLog
     from titan_recover.recover.member import (COORDINATOR_ENV, incarnation_from_env, REPLICA_ENV,
-                                              ReplicaMember)
+                                              ReplicaMember, RUN_DIR_ENV)
 
     config = trainer.config
     for name in (REPLICA_ENV, COORDINATOR_ENV):
@@ -514,12 +517,18 @@ def attach_learner(trainer, *, events, chaos) -> Learner:
             raise RuntimeError(f"[recover] mode = \"diloco\" but {name} is not set: start learners with "
                                "./run_train.sh (docs/diloco.md)")
     learner = int(os.environ[REPLICA_ENV])
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     incarnation = incarnation_from_env()
-    member = ReplicaMember(config.recover, replica=learner, rank=torch.distributed.get_rank(),
-                           ranks_per_replica=torch.distributed.get_world_size(),
+    run_dir = os.environ.get(RUN_DIR_ENV, config.dump_folder)
+    events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{learner}/{rank}", replica=learner, rank=rank)
+    trainer.chaos = ChaosMonkey(config.chaos.schedule(config.recover.groups, world), learner, rank, events,
+                                incarnation=incarnation)
+    trainer.optimizers.register_step_pre_hook(lambda *_: trainer.chaos.maybe_inject(trainer.step, "optimizer"))
+    member = ReplicaMember(config.recover, replica=learner, rank=rank, ranks_per_replica=world,
                            address=os.environ[COORDINATOR_ENV], incarnation=incarnation)
     member.register()
-    this = Learner(trainer, member, events, learner=learner, learners=config.recover.replicas,
-                   incarnation=incarnation, coordinator_address=os.environ[COORDINATOR_ENV])
-    this.start(config.recover.startup_timeout_s)
-    return this
+    trainer.learner = Learner(trainer, member, events, learner=learner, learners=config.recover.replicas,
+                              incarnation=incarnation, coordinator_address=os.environ[COORDINATOR_ENV])
+    trainer.learner.start(config.recover.startup_timeout_s)
+    trainer.metrics_processor.step_metrics_fn = trainer.learner.metrics
+    return trainer.learner

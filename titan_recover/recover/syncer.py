@@ -24,7 +24,7 @@ from datetime import timedelta
 
 import torch
 
-from titan_recover.recover.blobs import delete_blob, get_blob, put_blob, tensor_bytes
+from titan_recover.recover.blobs import delete_blob, get_blob, put_blob
 from titan_recover.recover.diloco import (
     DilocoKeys,
     encode_versions,
@@ -40,6 +40,7 @@ from titan_recover.recover.events import EventLog
 from titan_recover.recover.learner import requeue_block
 from titan_recover.recover.member import connect
 from titan_recover.recover.protocol import Heartbeat, Keys
+from titan_recover.recover.state_transfer import bytes_view
 
 logger = logging.getLogger("titan_recover.syncer")
 
@@ -99,7 +100,9 @@ class Syncer:
         self.faults = [f for f in config.chaos.schedule(self.learners, positions)
                        if f.process == "syncer" and f.incarnation == start]
         self.checkpoint_path = os.path.join(run_dir, "syncer", "checkpoint.pt")
-        self.metrics_path = os.path.join(run_dir, "syncer_metrics.jsonl")
+        from titan_recover.metrics import JsonlLogger  # imports TorchTitan: after the platform is active
+
+        self.jsonl = JsonlLogger(os.path.join(run_dir, "syncer_metrics.jsonl"))  # step = merges so far
         self.layout: list[dict] = []  # per position: names, shapes, fragment ranges
         self.optimizers: dict[tuple[int, int], OuterOptimizer] = {}
         self.versions: list[int] = []
@@ -228,7 +231,7 @@ class Syncer:
         version = self.versions[f]
         for p in range(self.positions):
             prefix = DilocoKeys.fragment(f, p, version)
-            nbytes = put_blob(self.store, prefix, tensor_bytes(self.optimizers[(f, p)].parameter))
+            nbytes = put_blob(self.store, prefix, bytes_view(self.optimizers[(f, p)].parameter))
             self.store.set(DilocoKeys.meta(prefix), str(nbytes))
             old = DilocoKeys.fragment(f, p, version - 2)  # a learner may still be reading the previous version
             if version >= 2 and self.store.check([DilocoKeys.meta(old)]):
@@ -387,7 +390,7 @@ class Syncer:
         return self.merged_tokens / max(now - self.started_at, 1e-9)
 
     def _log_metrics(self, now: float, merge: dict | None = None, val_loss: float | None = None) -> None:
-        record = {"time": now, "elapsed_s": now - self.started_at, "merges": self.merges,
+        record = {"elapsed_s": now - self.started_at, "merges": self.merges,
                   "merged_tokens": self.merged_tokens, "goodput_tokens_per_s": self.goodput(now),
                   "alive": len(self.alive)}
         if merge is not None:
@@ -398,13 +401,8 @@ class Syncer:
         if val_loss is not None:
             record["val_loss"] = val_loss
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "time"},
-                           step=self.merges)
-        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
-        finally:
-            os.close(fd)
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=self.merges)
+        self.jsonl.log(record, step=self.merges)
 
     def global_parameters(self) -> dict[str, torch.Tensor] | None:
         """The global model by name (see :func:`assemble_rows`), or None for layouts it cannot assemble."""
