@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
-import sys
 import textwrap
-import time
 
 import pytest
 import tomli
@@ -146,32 +144,56 @@ def test_print_config_is_valid_toml_that_rebuilds_the_same_config(tmp_path):
     assert render_toml(again) == text  # every value survived the round trip
 
 
-def test_bad_config_fails_in_the_launcher_before_any_process(tmp_path):
+@pytest.fixture
+def launcher(monkeypatch, capsys):
+    """``python -m titan_recover.launch ARGS`` in this process: (exit code, stdout, stderr). Starting any process
+    (torchrun by exec, or a child) fails the test."""
+    from titan_recover import launch as launch_module
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"the launcher started a process: {args[:2]}")
+
+    monkeypatch.setattr(launch_module.os, "execve", no_process)
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    monkeypatch.chdir(ROOT)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = launch_module.main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def test_bad_config_fails_in_the_launcher_before_any_process(tmp_path, launcher):
     path = write(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 3\ntensor_parallel_degree = 2\n")
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_recover.launch", path, "--nproc-per-node", "4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "config error" in proc.stderr and "= 6, but the job has 4 processes" in proc.stderr
-    assert "torch.distributed.run" not in proc.stderr  # nothing was launched
-    assert time.monotonic() - start < 60
+    code, _, err = launcher(path, "--nproc-per-node", "4")
+    assert code == 2, err
+    assert "config error" in err and "= 6, but the job has 4 processes" in err
 
 
-def test_launcher_prints_config_and_help_without_training():
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_recover.launch", "train_configs/tp.toml", "--print-config",
-         "--training.steps", "5"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    printed = tomli.loads(proc.stdout)
+def test_checkpoint_restart_mode_is_checked_and_becomes_the_replicate_dimension(launcher):
+    base = ("train_configs/replicas.toml", "--recover.mode", "checkpoint_restart")
+    code, _, err = launcher(*base)
+    assert code == 2 and "set checkpoint.enable = true" in err
+    code, _, err = launcher(*base, "--checkpoint.enable")
+    assert code == 2 and "set recover.max_restarts >= 1" in err
+    code, _, err = launcher(*base, "--checkpoint.enable", "--recover.max_restarts", "2", "--recover.spares", "1")
+    assert code == 2 and "there is no share for a spare to take over" in err
+    code, out, err = launcher(*base, "--checkpoint.enable", "--recover.max_restarts", "2", "--dry-run")
+    assert code == 0, err
+    # one torchrun of both groups' 2 processes, restarted by torchrun, the groups as data_parallel_replicate_degree
+    assert "--nproc-per-node=4" in out and "--max-restarts=2" in out
+    assert out.rstrip().endswith("--parallelism.data_parallel_replicate_degree 2")
+
+
+def test_launcher_prints_config_and_help_without_training(launcher):
+    code, out, err = launcher("train_configs/tp.toml", "--print-config", "--training.steps", "5")
+    assert code == 0, err
+    printed = tomli.loads(out)
     assert printed["training"]["steps"] == 5 and printed["parallelism"]["tensor_parallel_degree"] == 2
-    assert "torch.distributed.run" not in proc.stderr
-    usage = subprocess.run([sys.executable, "-m", "titan_recover.launch", "--help"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 0 and "--print-config" in usage.stdout
+    code, out, _ = launcher("--help")
+    assert code == 0 and "--print-config" in out
 
 
 def test_all_shipped_configs_resolve():

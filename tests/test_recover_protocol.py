@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from titan_recover.config.apply import ConfigError
@@ -181,3 +183,35 @@ def test_chaos_faults_hit_only_the_incarnation_they_name():
     restarted = ChaosMonkey(schedule, replica=1, rank=0, events=Events(), incarnation=1)
     restarted.maybe_inject(3, "forward")
     assert len(fired) == 1 and restarted.slowdown == 2.0
+
+
+def test_time_triggered_fault_fires_once_per_job_at_its_offset(tmp_path):
+    from titan_recover.recover.chaos import ChaosMonkey
+
+    fired = []
+
+    class Events:
+        def emit(self, event, **fields):
+            fired.append(fields)
+
+    start = time.time()
+    schedule = [FaultSpec(kind="slow", replica=1, at_s=30.0), FaultSpec(kind="slow", replica=1, at_s=0.0,
+                                                                       phase="commit")]
+    first = ChaosMonkey(schedule, replica=1, rank=0, events=Events(), run_dir=str(tmp_path), job_start=start)
+    first.maybe_inject(1, "forward")  # not due yet (30 s after the start)
+    assert fired == [] and first.slowdown == 1.0
+    first.maybe_inject(1, "commit")  # due, its phase
+    assert [f["at_s"] for f in fired] == [0.0] and first.slowdown == 2.0
+    # 31 s after the start: any step, any start of the group (the step and incarnation of the spec are ignored)
+    later = ChaosMonkey(schedule, replica=1, rank=0, events=Events(), incarnation=2, run_dir=str(tmp_path),
+                        job_start=start - 31)
+    later.maybe_inject(7, "forward")
+    later.maybe_inject(8, "commit")  # fired by the earlier start of the job: not again
+    assert [f["at_s"] for f in fired] == [0.0, 30.0] and fired[1]["elapsed_s"] >= 31
+    assert sorted(p.name for p in (tmp_path / "chaos").iterdir()) == ["fault-0", "fault-1"]
+    with pytest.raises(ValueError, match="need the run folder"):
+        ChaosMonkey(schedule, replica=1, rank=0, events=Events(), job_start=start)
+    with pytest.raises(ValueError, match="at_s must be >= 0"):
+        FaultSpec(kind="kill", at_s=-1.0)
+    config = build_config(None, ["--chaos.faults", '[{kind="kill", replica=2, at_s=40.0}]'])
+    assert config.chaos.faults[0].at_s == 40.0

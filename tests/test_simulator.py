@@ -84,3 +84,26 @@ def test_a_million_devices_for_thirty_days_simulate_quickly():
     assert outcomes["checkpoint_restart"].goodput < outcomes["recover"].goodput
     for outcome in outcomes.values():
         assert 0.0 <= outcome.goodput <= 1.0
+
+
+def test_start_up_and_shared_compute_as_the_cpu_benchmark_has_them():
+    """A run's start-up trains nothing (every policy pays it once); groups sharing fewer compute units than there
+    are groups (one-thread replicas on a 2-core machine) lose no throughput while a group is down."""
+    from titan_recover.sim.model import Trace
+
+    horizon, groups = 1000.0, 4
+    one_failure = Trace(horizon, np.array([300.0]), np.array([1]), np.empty(0), np.empty(0, dtype=np.int64),
+                        np.empty(0))
+    costs = Costs(startup_s=50.0, step_s=2.0, detect_s=3.0, group_restart_s=100.0, transfer_s=0.0,
+                  checkpoint_interval_s=20.0, checkpoint_save_s=0.0, job_restart_s=40.0)
+    own = Cluster(devices=groups, devices_per_group=1, devices_per_node=1)
+    shared = Cluster(devices=groups, devices_per_group=1, devices_per_node=1, compute_units=2)
+    assert shared.capacity(3) == 1.0 and shared.capacity(1) == 0.5 and own.capacity(3) == 0.75
+    # own accelerators: a quarter of the capacity for the 100 s the group is down, and the stall
+    assert simulate("recover", own, costs, one_failure).goodput * horizon == pytest.approx(1000 - 50 - 25 - 3)
+    assert simulate("recover", shared, costs, one_failure).goodput * horizon == pytest.approx(1000 - 50 - 3)
+    # checkpoint-restart: trains from 50 s; at 300 s the work since the checkpoint at 290 s is lost and the job
+    # restarts for 40 s, then trains 660 s more
+    assert simulate("checkpoint_restart", shared, costs, one_failure).goodput * horizon == pytest.approx(240 + 660)
+    with pytest.raises(ValueError, match="compute_units"):
+        Cluster(devices=4, devices_per_group=1, compute_units=-1)

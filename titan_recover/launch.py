@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import time
 
 from titan_recover.config.apply import ConfigError
 
@@ -102,6 +103,30 @@ def check_replica_layout(config, layout, nnodes: int) -> None:
         )
 
 
+def checkpoint_restart_job(config, toml_path: str | None, overrides: list[str]):
+    """``[recover] mode = "checkpoint_restart"``: the same job as the replica groups, as the baseline runs it: one
+    torchrun whose replicated data-parallel dimension is the replica groups (same global batch, same microbatch
+    ids), TorchTitan's checkpoints, and torchrun restarting every process on any failure. Returns the job's config
+    and the overrides its processes get."""
+    from titan_recover.config.loader import build_config
+
+    recover = config.recover
+    if config.parallelism.data_parallel_replicate_degree != 1:
+        raise ConfigError(
+            f"[recover] mode = \"checkpoint_restart\" makes the {recover.replicas} replica groups the replicated "
+            "data-parallel dimension: set parallelism.data_parallel_replicate_degree = 1 (got "
+            f"{config.parallelism.data_parallel_replicate_degree})"
+        )
+    if not config.checkpoint.enable:
+        raise ConfigError("[recover] mode = \"checkpoint_restart\" resumes from TorchTitan's checkpoints: set "
+                          "checkpoint.enable = true (and checkpoint.interval, checkpoint.async_mode = \"async\")")
+    if recover.max_restarts < 1:
+        raise ConfigError("[recover] mode = \"checkpoint_restart\" survives as many failures as torchrun may restart "
+                          "the job: set recover.max_restarts >= 1")
+    overrides = [*overrides, "--parallelism.data_parallel_replicate_degree", str(recover.replicas)]
+    return build_config(toml_path, overrides), overrides
+
+
 def prepare_data(config) -> None:
     from titan_recover.config.validate import check_model_data
     from titan_recover.data.addressable import TokenFileMeta
@@ -143,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         from titan_recover.platform import active_device
 
         config = build_config(toml_path, overrides)
+        if config.recover.checkpoint_restart_mode:
+            config, overrides = checkpoint_restart_job(config, toml_path, overrides)
         if options.get("--print-config"):
             from titan_recover.config.render import render_toml
 
@@ -187,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={options['--rdzv-endpoint']}"]
         if "--node-rank" in options:
             cmd += [f"--node-rank={options['--node-rank']}"]
+    from titan_recover.recover.chaos import JOB_START_ENV
+
     env = dict(os.environ, LOG_RANK=str(metrics_rank))
+    env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here, across restarts
     if config.recover.max_restarts:
         # torchrun restarts every worker when one dies; gloo must not connect at group creation for that
         cmd += [f"--max-restarts={config.recover.max_restarts}"]

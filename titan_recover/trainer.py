@@ -61,6 +61,7 @@ class RecoverTrainer(Trainer):
     snapshots = None  # snapshot.Snapshots when [recover.snapshot] interval > 0 (a job without replicas)
     chaos = None  # ChaosMonkey when [chaos] schedules faults
     learner = None  # learner.Learner with [recover] mode = "diloco"
+    _job_events = None  # a job without replica groups: its event log until its first step ran
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -79,13 +80,22 @@ class RecoverTrainer(Trainer):
         return super().should_continue_training()
 
     def _attach_single_job(self) -> None:
-        """A job without replicas: its fault injection, and its in-memory snapshots if configured."""
+        """A job without replica groups (or ``mode = "checkpoint_restart"``): its fault injection, and its in-memory
+        snapshots if configured."""
         config = self.config
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        events = EventLog(os.path.join(config.dump_folder, "events.jsonl"), f"0/{rank}", replica=0, rank=rank)
-        schedule = config.chaos.schedule(1, world)
+        # mode = "checkpoint_restart": the replica groups are the replicated data-parallel dimension (outermost),
+        # so events name ranks and faults hit them as in the replica-group job
+        groups = config.recover.replicas if config.recover.checkpoint_restart_mode else 1
+        per_group = world // groups
+        replica, replica_rank = divmod(rank, per_group)
+        events = EventLog(os.path.join(config.dump_folder, "events.jsonl"), f"{replica}/{replica_rank}",
+                          replica=replica, rank=replica_rank)
+        self._job_events = events
+        schedule = config.chaos.schedule(groups, per_group)
         if schedule:
-            self.chaos = ChaosMonkey(schedule, 0, rank, events, incarnation=incarnation_from_env())
+            self.chaos = ChaosMonkey(schedule, replica, replica_rank, events, incarnation=incarnation_from_env(),
+                                     run_dir=config.dump_folder)
             self.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
         if config.recover.snapshot.interval:
             self.snapshots = snapshot.attach_snapshots(self, events)
@@ -108,6 +118,10 @@ class RecoverTrainer(Trainer):
                              set_step=set_step, get_extra=extra, set_extra=load_extra)
 
     def train_step(self, data_iterator):
+        if self._job_events is not None:  # a (re)start of a job without replica groups, and the step it resumed
+            self._job_events.emit("training_started", console=False, resumed_from=self.step - 1,
+                                  incarnation=incarnation_from_env())
+            self._job_events = None
         if self.replica_step is not None:
             self.replica_step.begin_step()
         result = super().train_step(data_iterator)

@@ -12,6 +12,11 @@ faults on every rank.
     step = 3
     phase = "reduction"    # forward | backward | reduction | commit | rebuild | optimizer | transfer
 
+    [[chaos.faults]]       # at a wall-clock offset: 40 s after the job started, at the next forward of replica 2,
+    kind = "kill"          # whichever start of it is running then; once per job (benchmarks' failure schedules)
+    replica = 2
+    at_s = 40.0
+
     [[chaos.faults]]       # silent data corruption: one bit of one element, at the phase or right after it
     kind = "bitflip"
     target = "gradient"    # parameter (at the phase) | gradient (after that microbatch's backward) | activation
@@ -30,6 +35,10 @@ from typing import Callable
 import torch
 
 from titan_recover.registry import Registry
+
+JOB_START_ENV = "TITAN_RECOVER_JOB_START"
+"""Wall-clock time (``time.time()``) the job was launched: set by the launcher for every process it starts
+(torchrun's restarts inherit it), the origin of time-triggered faults."""
 
 STEP_PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
 FLIP_TARGETS = ("parameter", "gradient", "activation")
@@ -133,6 +142,11 @@ class FaultSpec:
     """``bitflip``: which bit of the element (float32: 0-22 mantissa, 23-30 exponent, 31 sign)."""
     element: int = 0
     """``bitflip``: which element of the tensor (modulo its size)."""
+    at_s: float | None = None
+    """Fire at a wall-clock offset instead of a step: at the first ``phase`` reached ``at_s`` seconds or more after
+    the job was launched (``TITAN_RECOVER_JOB_START``), by whichever start of the replica group runs then (``step``
+    and ``incarnation`` are ignored), once per job (a marker file in the run folder: a restarted job does not fire
+    it again). Failure schedules of benchmarks that compare jobs over wall time."""
     process: str = "trainer"
     """``trainer``: a rank of a replica group (or learner). ``syncer``: the diloco syncer (``replica`` and
     ``rank`` ignored); ``step`` counts its merges and ``phase`` is ``merge``: the fault fires right after that
@@ -155,6 +169,9 @@ class FaultSpec:
             raise ValueError(f"chaos fault phase {self.phase!r} must be one of {', '.join(PHASES)}")
         if self.factor < 1:
             raise ValueError(f"chaos fault factor must be >= 1, got {self.factor}")
+        if self.at_s is not None and (self.at_s < 0 or self.process != "trainer"):
+            raise ValueError(f"chaos fault at_s must be >= 0 and hit a trainer (process = \"trainer\"), got "
+                             f"at_s = {self.at_s}, process = {self.process!r}")
         if self.step < 1 or self.replica < 0 or self.rank < 0:
             raise ValueError(f"chaos fault needs step >= 1, replica >= 0, rank >= 0: {self}")
 
@@ -206,11 +223,16 @@ class ChaosConfig:
 
 
 class ChaosMonkey:
-    """The faults of one rank; :meth:`maybe_inject` is called at every phase of every step."""
+    """The faults of one rank; :meth:`maybe_inject` is called at every phase of every step.
 
-    def __init__(self, schedule: list[FaultSpec], replica: int, rank: int, events, incarnation: int = 0):
+    ``run_dir`` and ``job_start`` (default: ``TITAN_RECOVER_JOB_START``) are needed only by time-triggered faults
+    (``at_s``): the run folder holds their once-per-job markers."""
+
+    def __init__(self, schedule: list[FaultSpec], replica: int, rank: int, events, incarnation: int = 0,
+                 run_dir: str | None = None, job_start: float | None = None):
         self.mine = [f for f in schedule if f.process == "trainer" and f.replica == replica and f.rank == rank
-                     and f.incarnation == incarnation]
+                     and (f.at_s is not None or f.incarnation == incarnation)]
+        self._index = {id(f): i for i, f in enumerate(schedule)}  # a fault's place in the job's schedule
         self.events = events
         self.slowdown = 1.0
         self.desync = False
@@ -219,15 +241,48 @@ class ChaosMonkey:
         """Where bit flips land: ``parameter`` / ``gradient`` -> this rank's local tensors (set by the trainer)."""
         self.pending: dict[str, FaultSpec] = {}
         """Bit flips waiting for their moment (a gradient after a backward, an activation in a forward)."""
+        self.run_dir, self.job_start = run_dir, job_start
+        if any(f.at_s is not None for f in self.mine):
+            if self.job_start is None:
+                if JOB_START_ENV not in os.environ:
+                    raise ValueError(f"chaos faults with at_s need the job's start time in {JOB_START_ENV} "
+                                     "(./run_train.sh and python -m titan_recover.launch set it)")
+                self.job_start = float(os.environ[JOB_START_ENV])
+            if run_dir is None:
+                raise ValueError("chaos faults with at_s need the run folder (their once-per-job markers)")
 
     def maybe_inject(self, step: int, phase: str) -> None:
         """Fire the faults scheduled for (step, phase), each once (a phase recurs within a step: every
-        microbatch has a forward, a retried reduction is a reduction again)."""
+        microbatch has a forward, a retried reduction is a reduction again), and the time-triggered ones due at
+        this phase, each once per job."""
         for fault in self.mine:
-            if fault.step == step and fault.phase == phase and id(fault) not in self._fired:
+            if fault.phase != phase or id(fault) in self._fired:
+                continue
+            if fault.at_s is None:
+                if fault.step != step:
+                    continue
+                elapsed = None
+            else:
+                elapsed = time.time() - self.job_start
+                if elapsed < fault.at_s:
+                    continue
                 self._fired.add(id(fault))
-                self.events.emit("fault_injected", kind=fault.kind, step=step, phase=phase, pid=os.getpid())
-                FAULTS.get(fault.kind)(self, fault)
+                if not self._claim(fault):
+                    continue  # an earlier start of this job fired it
+            self._fired.add(id(fault))
+            timing = {} if elapsed is None else {"at_s": fault.at_s, "elapsed_s": round(elapsed, 3)}
+            self.events.emit("fault_injected", kind=fault.kind, step=step, phase=phase, pid=os.getpid(), **timing)
+            FAULTS.get(fault.kind)(self, fault)
+
+    def _claim(self, fault: FaultSpec) -> bool:
+        """Create the fault's marker in the run folder; False if it exists (the fault fired in this job)."""
+        folder = os.path.join(self.run_dir, "chaos")
+        os.makedirs(folder, exist_ok=True)
+        try:
+            os.close(os.open(os.path.join(folder, f"fault-{self._index[id(fault)]}"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return False
+        return True
 
     def after_compute(self, step: int, elapsed_s: float) -> None:
         """Called after every microbatch: a ``slow`` rank sleeps so the microbatch took ``factor`` times as long."""

@@ -128,7 +128,7 @@ class LocalizeConfig:
         return self.vote or self.replay_interval > 0
 
 
-MODES = ("sync", "diloco")
+MODES = ("sync", "diloco", "checkpoint_restart")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -195,7 +195,10 @@ class RecoverConfig:
     mode: str = "sync"
     """``sync``: every step commits the same global batch across replica groups (docs/invariant.md). ``diloco``:
     each replica group is a learner with its own optimizer and a syncer merges their deltas without ever waiting
-    for all of them (docs/diloco.md, ``[recover.diloco]``)."""
+    for all of them (docs/diloco.md, ``[recover.diloco]``). ``checkpoint_restart``: the baseline the others are
+    measured against (docs/evidence.md): the same job as one torchrun whose replica groups are TorchTitan's
+    replicated data-parallel dimension (``data_parallel_replicate_degree = replicas``), any failure restarting the
+    whole job (``max_restarts`` times) from TorchTitan's newest checkpoint (``[checkpoint]``)."""
 
     min_replicas: int = 1
     """Below this many live replicas the job stops with a durable checkpoint and a clear message."""
@@ -262,6 +265,9 @@ class RecoverConfig:
             if self.diloco.min_quorum > self.replicas:
                 raise ValueError(f"recover.diloco.min_quorum ({self.diloco.min_quorum}) cannot exceed "
                                  f"recover.replicas ({self.replicas})")
+        if self.mode == "checkpoint_restart" and self.spares:
+            raise ValueError("recover.mode = \"checkpoint_restart\" restarts the whole job on a failure: there is no "
+                             "share for a spare to take over; set recover.spares = 0")
         if self.rejoin_wait_s < 0:
             raise ValueError(f"recover.rejoin_wait_s must be >= 0, got {self.rejoin_wait_s}")
         if self.spares < 0 or self.max_restarts < 0:
@@ -298,7 +304,13 @@ class RecoverConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.replicas > 1
+        """Replica groups that survive each other (sync or diloco): the launcher's coordinator and one torchrun per
+        group."""
+        return self.replicas > 1 and self.mode != "checkpoint_restart"
+
+    @property
+    def checkpoint_restart_mode(self) -> bool:
+        return self.mode == "checkpoint_restart"
 
     @property
     def diloco_mode(self) -> bool:

@@ -25,6 +25,7 @@ from titan_recover.recover.member import (
     REPLICA_ENV,
     RUN_DIR_ENV,
 )
+from titan_recover.recover.chaos import JOB_START_ENV
 from titan_recover.recover.diloco import DilocoKeys
 from titan_recover.recover.protocol import Keys
 
@@ -128,6 +129,7 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
     if os.path.exists(address_file):
         os.remove(address_file)
     base_env = dict(os.environ, **{RUN_DIR_ENV: run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1"})
+    base_env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here
     # torchrun caps a worker's CPU threads only when it starts several; R single-process replicas on one node
     # would each take every core and thrash. Share the cores unless the user chose.
     base_env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(recover.groups * ranks_per_replica)))

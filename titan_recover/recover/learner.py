@@ -522,7 +522,7 @@ def attach_learner(trainer) -> Learner:
     run_dir = os.environ.get(RUN_DIR_ENV, config.dump_folder)
     events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{learner}/{rank}", replica=learner, rank=rank)
     trainer.chaos = ChaosMonkey(config.chaos.schedule(config.recover.groups, world), learner, rank, events,
-                                incarnation=incarnation)
+                                incarnation=incarnation, run_dir=run_dir)
     trainer.optimizers.register_step_pre_hook(lambda *_: trainer.chaos.maybe_inject(trainer.step, "optimizer"))
     member = ReplicaMember(config.recover, replica=learner, rank=rank, ranks_per_replica=world,
                            address=os.environ[COORDINATOR_ENV], incarnation=incarnation)

@@ -70,7 +70,8 @@ def attach_replica_sync(trainer) -> None:
     events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{replica}/{rank}", replica=replica, rank=rank)
     groups = config.recover.groups
     incarnation = incarnation_from_env()
-    chaos = ChaosMonkey(config.chaos.schedule(groups, world), replica, rank, events, incarnation=incarnation)
+    chaos = ChaosMonkey(config.chaos.schedule(groups, world), replica, rank, events, incarnation=incarnation,
+                        run_dir=run_dir)
     member = ReplicaMember(config.recover, replica=replica, rank=rank, ranks_per_replica=world,
                            address=os.environ[COORDINATOR_ENV], incarnation=incarnation)
     if config.recover.localize.hang_threshold_s > 0:  # read by the replica's hang observer (docs/scout.md)

@@ -31,6 +31,16 @@ class Cluster:
     straggler_factor: float = 3.0
     """A straggling group computes this many times slower."""
     straggler_duration_s: float = 600.0
+    compute_units: int = 0
+    """0: every group computes on its own accelerators (throughput proportional to the groups computing). n > 0:
+    all groups share n compute units, as the CPU benchmark's one-thread replica processes share this machine's
+    cores: throughput proportional to ``min(groups computing, n)``."""
+
+    def capacity(self, computing: float) -> float:
+        """Throughput with ``computing`` groups' worth of work going on, as a share of all active groups'."""
+        if self.compute_units:
+            return min(computing, self.compute_units) / min(self.groups, self.compute_units)
+        return computing / self.groups
 
     def __post_init__(self) -> None:
         if self.devices < self.devices_per_group or self.devices % self.devices_per_group:
@@ -38,6 +48,8 @@ class Cluster:
                              f"({self.devices_per_group})")
         if self.mtbf_device_h <= 0 or not 0 <= self.node_failure_share <= 1 or self.straggler_factor < 1:
             raise ValueError("mtbf_device_h must be > 0, node_failure_share in [0, 1], straggler_factor >= 1")
+        if self.compute_units < 0:
+            raise ValueError(f"compute_units must be >= 0, got {self.compute_units}")
 
     @property
     def groups(self) -> int:
@@ -55,6 +67,8 @@ class Cluster:
 class Costs:
     """Seconds each mechanism costs (calibrated from the CPU benchmarks: docs/simulator.md)."""
 
+    startup_s: float = 0.0
+    """From launching the job to its first training step (process start-up, model build): nothing trains."""
     step_s: float = 10.0
     """One synchronous training step of the job."""
     checkpoint_save_s: float = 5.0
@@ -65,6 +79,8 @@ class Costs:
     """A whole-job restart after a failure: scheduling, process start-up, loading the newest checkpoint."""
     detect_s: float = 2.0
     """titan_recover: from a failure to the survivors' new epoch (heartbeat timeout / connection error)."""
+    spare_promotion_s: float = 10.0
+    """titan_recover with spares: the extra stall of a failure when a spare takes the lost group's share."""
     group_restart_s: float = 300.0
     """A failed replica group's restart (processes, on a healthy or replacement node) until it asks to join."""
     transfer_s: float = 30.0

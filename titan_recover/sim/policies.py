@@ -96,7 +96,7 @@ def checkpoint_restart(cluster: Cluster, costs: Costs, trace: Trace, spares: int
     A straggling group slows every step by its factor."""
     interval, save = costs.checkpoint_interval_s, costs.checkpoint_save_s
     cycle = interval + save
-    useful, ready = 0.0, 0.0
+    useful, ready = 0.0, costs.startup_s
     for failure in trace.failure_times.tolist():
         if failure > ready:
             useful += math.floor((failure - ready) / cycle) * interval  # work since the newest checkpoint is lost
@@ -123,12 +123,12 @@ def _synchronous(name: str, cluster: Cluster, costs: Costs, trace: Trace, spares
         if live <= 0:
             return 0.0
         slow = min(slow, live)
-        share = (live - slow + slow / f) / groups  # the quota gives a confirmed straggler 1/f of a share
+        share = cluster.capacity(live - slow + slow / f)  # the quota gives a confirmed straggler 1/f of a share
         return share / f if waiting else share  # an unconfirmed straggler holds every step back
 
     useful = integrate(trace.horizon_s, [down, unconfirmed, confirmed], rate)
-    per_failure = costs.detect_s + (costs.step_s if spares else 0.0)  # the new epoch; a spare's promotion step
-    useful = max(0.0, useful - trace.failures * per_failure)
+    per_failure = costs.detect_s + (costs.spare_promotion_s if spares else 0.0)
+    useful = max(0.0, useful - costs.startup_s - trace.failures * per_failure)
     goodput = useful / trace.horizon_s
     return Outcome(name, goodput, goodput * groups / (groups + spares), trace.failures)
 
@@ -161,9 +161,9 @@ def diloco(cluster: Cluster, costs: Costs, trace: Trace, spares: int = 0) -> Out
         missing, slow = counts
         live = max(0, groups - missing)
         slow = min(slow, live)
-        return (live - slow + slow / f) / groups
+        return cluster.capacity(live - slow + slow / f)
 
-    useful = integrate(trace.horizon_s, [down, straggles], rate)
+    useful = integrate(trace.horizon_s, [down, straggles], rate) - costs.startup_s
     lost = trace.failures * (costs.diloco_inner_steps / 2) * costs.step_s / groups
     goodput = max(0.0, useful - lost) / trace.horizon_s
     return Outcome("diloco", goodput, goodput, trace.failures)
