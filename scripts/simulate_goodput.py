@@ -5,8 +5,11 @@
 
 Prints goodput per policy for clusters of 10^3 ... 10^6 accelerators and for a range of per-device MTBFs, times the
 largest case (10^6 devices x ``--days`` days on one core), and plots both sweeps (``simulator_size.png``,
-``simulator_mtbf.png``). The costs are ``titan_recover.sim.model.Costs``' defaults unless given as ``--cost
-name=value``; docs/simulator.md says where each comes from. Checkpoint-restart checkpoints at the Young/Daly
+``simulator_mtbf.png``). The costs are ``titan_recover.sim.model.Costs``' defaults (stated assumptions for a GPU
+cluster), or with ``--calibration docs/results/calibration.json`` the mechanism costs measured on the CPU runs
+(scripts/validate_simulator.py writes the file), carried over in units of the measured step time: a restart that
+took 20 CPU steps takes 20 of the cluster's steps (``step_s``, 10 s by default). ``--cost name=value`` overrides
+either; docs/simulator.md says where each comes from. Checkpoint-restart checkpoints at the Young/Daly
 interval of each cluster (its best case) unless ``--cost checkpoint_interval_s=...`` fixes one.
 
 Last line: ``devices=... days=... seconds=... goodput_checkpoint_restart=... goodput_recover=...
@@ -30,6 +33,17 @@ from titan_recover.sim.policies import POLICIES, simulate  # noqa: E402
 
 SIZES = (1024, 8192, 65536, 1_000_000)
 MTBFS_H = (10_000, 25_000, 50_000, 100_000)
+
+
+CALIBRATED = ("checkpoint_save_s", "job_restart_s", "detect_s", "spare_promotion_s", "group_restart_s",
+              "transfer_s")
+"""Mechanism costs carried over from the CPU runs, as multiples of their step time."""
+
+
+def calibrated_costs(path: pathlib.Path) -> dict[str, float]:
+    measured = json.loads(path.read_text())
+    step_s = Costs().step_s
+    return {name: measured[name] / measured["step_s"] * step_s for name in CALIBRATED}
 
 
 def spares_for(cluster: Cluster) -> int:
@@ -73,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--straggler-rate", type=float, default=0.01, help="episodes per group per hour")
     parser.add_argument("--cost", action="append", default=[], help="override a Costs field: name=value")
+    parser.add_argument("--calibration", help="costs measured on the CPU runs (JSON), in units of their step")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = parser.parse_args(argv)
-    overrides = {}
+    overrides = calibrated_costs(pathlib.Path(args.calibration)) if args.calibration else {}
     for item in args.cost:
         name, _, value = item.partition("=")
         if name not in {f.name for f in dataclasses.fields(Costs)}:
@@ -83,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides[name] = type(getattr(Costs(), name))(value)
     costs = Costs(**overrides)
     fixed = "checkpoint_interval_s" in overrides
+    suffix = "_calibrated" if args.calibration else ""
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"costs: {json.dumps(dataclasses.asdict(costs))}")
@@ -110,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         by_mtbf.append((mtbf, row))
         print(f"{mtbf:>16d} h MTBF" + "".join(f"{row[p]:>20.4f}" for p in POLICIES.names()))
 
-    plot(by_size, "accelerators", out / "simulator_size.png")
-    plot(by_mtbf, "MTBF per device (h)", out / "simulator_mtbf.png")
-    print(f"\nplots: {out / 'simulator_size.png'}, {out / 'simulator_mtbf.png'}")
+    plot(by_size, "accelerators", out / f"simulator_size{suffix}.png")
+    plot(by_mtbf, "MTBF per device (h)", out / f"simulator_mtbf{suffix}.png")
+    print(f"\nplots: {out / f'simulator_size{suffix}.png'}, {out / f'simulator_mtbf{suffix}.png'}")
     largest = by_size[-1][1]
     print(f"devices={by_size[-1][0]} days={args.days:g} seconds={seconds:.2f} "
           + " ".join(f"goodput_{p}={largest[p]:.4f}" for p in POLICIES.names()))

@@ -107,3 +107,34 @@ def test_start_up_and_shared_compute_as_the_cpu_benchmark_has_them():
     assert simulate("checkpoint_restart", shared, costs, one_failure).goodput * horizon == pytest.approx(240 + 660)
     with pytest.raises(ValueError, match="compute_units"):
         Cluster(devices=4, devices_per_group=1, compute_units=-1)
+
+
+def test_costs_read_from_a_timeline_predict_it_back():
+    """Calibration from a run's timeline (titan_recover/sim/calibration.py), on synthetic runs whose costs are
+    known: the simulator given those costs and the run's failure predicts the run's end exactly."""
+    from titan_recover.sim.calibration import calibrate, predict
+
+    # checkpoint-restart, a checkpoint every 5 steps of 1 s, the save adding 0.5 s to the next step; killed at
+    # 18.7 s in step 9, the job trains again at 30.7 s from step 5's checkpoint
+    first = [(11.0 + i, i + 1) for i in range(5)] + [(16.5, 6), (17.5, 7), (18.5, 8)]
+    again = [(31.7, 6), (32.7, 7), (33.7, 8), (34.7, 9), (35.7, 10), (37.2, 11), (38.2, 12)]
+    events = [{"event": "fault_injected", "t": 18.7, "replica": 1},
+              {"event": "training_started", "t": 30.7, "source": "0/0"}]
+    run = {"mode": "ckpt_restart", "commits": first + again, "events": events, "end_s": 38.2}
+    costs = calibrate(run, checkpoint_interval=5)
+    assert (costs.step_s, costs.startup_s, costs.checkpoint_save_s, costs.job_restart_s) == pytest.approx(
+        (1.0, 10.0, 0.5, 12.0))
+    tokens = predict(run, costs, steps=12, replicas=4, tokens_per_step=100, compute_units=2)
+    assert tokens == pytest.approx(12 * 100 / 38.2)
+
+    # recover: killed at 13.5 s in step 4, which takes 1 s longer; the group is back at full strength at 40 s
+    commits = [(11.0, 1), (12.0, 2), (13.0, 3), (15.0, 4), (16.0, 5), (17.0, 6), (18.0, 7), (19.0, 8)]
+    events = [{"event": "fault_injected", "t": 13.5, "replica": 2},
+              {"event": "full_strength", "t": 40.0, "source": "0/0"}]
+    run = {"mode": "recover", "commits": commits, "events": events, "end_s": 19.0}
+    costs = calibrate(run, checkpoint_interval=5)
+    assert (costs.step_s, costs.startup_s, costs.detect_s, costs.group_restart_s) == pytest.approx(
+        (1.0, 10.0, 1.0, 26.5))
+    # two compute units shared by four groups: three left compute as fast; the stall is the only loss
+    tokens = predict(run, costs, steps=8, replicas=4, tokens_per_step=100, compute_units=2)
+    assert tokens == pytest.approx(8 * 100 / 19.0)

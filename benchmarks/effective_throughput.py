@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Effective throughput under successive failures: checkpoint-restart against titan_recover, with and without a
+warm spare (docs/evidence.md).
+
+One job (``train_configs/replicas.toml``, ``--replicas`` replica groups of one process, the ``--flavor`` model,
+``--steps`` steps of the same global batch) is run four ways under one failure schedule: replica ``victim[i]``
+(rank 0) is SIGKILLed at the first forward ``--failures[i]`` seconds after the job was launched (``[chaos]``
+``at_s``, once per job):
+
+    failure_free       the replica-group job, no faults
+    ckpt_restart       ``[recover] mode = "checkpoint_restart"``: the same job as one torchrun (the replica groups
+                       are TorchTitan's replicated data-parallel dimension), TorchTitan's async DCP checkpoint every
+                       ``--checkpoint-interval`` steps, torchrun restarting every process on a failure, resuming
+                       from the newest checkpoint
+    recover            the replica-group job: survivors recompute a lost group's microbatches in the same step,
+                       the group is restarted and rejoins with state from a peer's memory (``max_restarts``)
+    recover_spares     the same with one warm spare group (``spares = 1``), which takes a lost group's share at the
+                       next step; the restarted group becomes a spare
+
+Effective throughput = tokens of the job's ``--steps`` committed steps / wall time from the launch to the last
+step's commit (start-up included: every mode pays it once, checkpoint-restart once per failure). Every run's
+timeline (steps committed, faults, restarts, rejoins) is written to ``--out/NAME.json`` (the simulator's
+validation reads it: scripts/validate_simulator.py) and committed tokens over wall time to ``--out/NAME.png``
+(``--name``, default ``effective_throughput``).
+
+    python benchmarks/effective_throughput.py [--flavor debugmodel] [--steps 120] [--failures 40 80 120]
+
+Last line: ``ratio_vs_ckpt_restart=... ratio_spares_vs_ckpt_restart=...`` (each titan_recover mode's effective
+throughput over checkpoint-restart's). Target: ratio_vs_ckpt_restart >= 2.23 with >= 3 successive failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from titan_recover.recover.chaos import JOB_START_ENV  # noqa: E402
+from titan_recover.recover.events import read_events  # noqa: E402
+
+CONFIG = "train_configs/replicas.toml"
+MODES = ("failure_free", "ckpt_restart", "recover", "recover_spares")
+TIMELINE_EVENTS = ("fault_injected", "training_started", "failure_detected", "epoch_formed", "spare_promoted",
+                   "join_requested", "replica_admitted", "state_transferred", "full_strength")
+"""Events kept in the timeline (the simulator's calibration reads them)."""
+
+
+def job_overrides(args) -> list[str]:
+    return ["--model.flavor", args.flavor, "--training.steps", str(args.steps), "--recover.replicas",
+            str(args.replicas), "--parallelism.data_parallel_shard_degree", "1", "--metrics.log_freq", "1",
+            "--metrics.no_enable_wandb"]
+
+
+def mode_overrides(mode: str, args) -> list[str]:
+    restarts = str(len(args.failures))
+    if mode == "ckpt_restart":
+        return ["--recover.mode", "checkpoint_restart", "--recover.max_restarts", restarts, "--checkpoint.enable",
+                "--checkpoint.interval", str(args.checkpoint_interval), "--checkpoint.async_mode", "async"]
+    if mode == "recover":
+        return ["--recover.max_restarts", restarts]
+    if mode == "recover_spares":
+        return ["--recover.max_restarts", restarts, "--recover.spares", "1"]
+    return []
+
+
+def fault_schedule(args) -> str:
+    faults = [f'{{kind = "kill", replica = {v}, rank = 0, at_s = {t}, phase = "forward"}}'
+              for t, v in zip(args.failures, args.victims)]
+    return "[" + ", ".join(faults) + "]"
+
+
+def tokens_per_step(args) -> int:
+    from titan_recover.config.loader import build_config
+
+    training = build_config(CONFIG, job_overrides(args)).training
+    return training.seq_len * training.local_batch_size * args.replicas
+
+
+def run(mode: str, args, folder: pathlib.Path) -> dict:
+    cmd = [sys.executable, "-m", "titan_recover.launch", CONFIG, *job_overrides(args), *mode_overrides(mode, args),
+           "--dump_folder", str(folder)]
+    if mode != "failure_free":
+        cmd += ["--chaos.faults", fault_schedule(args)]
+    launched = time.time()
+    env = dict(os.environ, **{JOB_START_ENV: repr(launched)})
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    commits = []  # (seconds since launch, step) of every step the metrics logger committed, restarts included
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("replica", 0) == 0 and "loss_metrics/global_avg_loss" in record:
+            commits.append((round(record["time"] - launched, 3), int(record["step"])))
+    events = [{**{k: v for k, v in e.items() if k != "time"}, "t": round(e["time"] - launched, 3)}
+              for e in read_events(folder / "events.jsonl") if e["event"] in TIMELINE_EVENTS]
+    fired = [e for e in events if e["event"] == "fault_injected"]
+    if mode != "failure_free" and len(fired) != len(args.failures):
+        raise RuntimeError(f"{mode}: {len(fired)} of {len(args.failures)} faults fired (raise --steps)")
+    last = max(t for t, s in commits if s == args.steps)
+    return {"mode": mode, "command": cmd[1:], "commits": commits, "events": events, "end_s": last}
+
+
+def plot(results: dict, path: pathlib.Path, tokens: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for mode, result in results.items():
+        times = [0.0] + [t for t, _ in result["commits"]]
+        steps = [0] + [s for _, s in result["commits"]]
+        ax.step(times, [s * tokens for s in steps], where="post", label=f"{mode} ({result['tokens_per_s']:.0f} tok/s)")
+    for i, t in enumerate(results["recover"]["failures_s"]):
+        ax.axvline(t, color="grey", linestyle=":", linewidth=1, label="failure" if i == 0 else None)
+    ax.set_xlabel("wall time since launch (s)")
+    ax.set_ylabel("tokens of the newest trained step")
+    ax.set_title("Committed progress under successive failures (a restart falls back to its checkpoint)")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--failures", type=float, nargs="+", default=[40.0, 80.0, 120.0],
+                        help="seconds after the launch at which a replica is killed")
+    parser.add_argument("--victims", type=int, nargs="+", default=[1, 2, 3],
+                        help="replica killed at each failure (never 0: its metrics are read)")
+    parser.add_argument("--checkpoint-interval", type=int, default=5, help="steps between checkpoint-restart's saves")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    parser.add_argument("--name", default="effective_throughput", help="file name of the JSON and PNG written")
+    parser.add_argument("--timeout", type=float, default=1200)
+    args = parser.parse_args(argv)
+    if len(args.victims) != len(args.failures) or not all(0 < v < args.replicas for v in args.victims):
+        parser.error("--victims needs one replica in [1, replicas) per failure")
+    if "ckpt_restart" not in args.modes:
+        parser.error("the ratios are against ckpt_restart: keep it in --modes")
+
+    tokens = tokens_per_step(args)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes:
+            result = run(mode, args, pathlib.Path(tmp) / mode)
+            result["tokens_per_s"] = args.steps * tokens / result["end_s"]
+            result["failures_s"] = [e["t"] for e in result["events"] if e["event"] == "fault_injected"]
+            results[mode] = result
+            print(f"{mode:15s} {args.steps} steps in {result['end_s']:7.1f} s  {result['tokens_per_s']:8.1f} tokens/s  "
+                  f"faults at {', '.join(f'{t:.1f}' for t in result['failures_s']) or '-'} s", flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    setup = {k: v for k, v in vars(args).items() if k not in ("out", "timeout", "modes", "name")}
+    (out / f"{args.name}.json").write_text(
+        json.dumps({"setup": {**setup, "config": CONFIG, "tokens_per_step": tokens, "cpu_count": os.cpu_count()}, "runs": results}, indent=1) + "\n")
+    plot(results, out / f"{args.name}.png", tokens)
+    base = results["ckpt_restart"]["tokens_per_s"]
+    ratios = {f"ratio{'' if m == 'recover' else '_spares'}_vs_ckpt_restart": results[m]["tokens_per_s"] / base
+              for m in ("recover", "recover_spares") if m in results}
+    if "failure_free" in results:
+        ratios["failure_free_vs_ckpt_restart"] = results["failure_free"]["tokens_per_s"] / base
+    print(" ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

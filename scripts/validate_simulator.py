@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Validate the goodput simulator against the CPU runs of benchmarks/effective_throughput.py (docs/evidence.md).
+
+Each run with failures is predicted by the simulator from the run's failure schedule (the times its faults fired
+and the groups they hit) and a set of measured costs (``titan_recover.sim.calibration.calibrate``: step time,
+start-up, checkpoint save, whole-job restart, the stall of a failure, a group's repair; the machine's cores as
+the compute the one-thread replicas share): the wall time at which the simulated policy has trained the run's
+steps gives the predicted effective throughput (committed tokens / wall time), compared with the measured one.
+The costs come from the same mode's run under each given schedule: from the run itself (how the model composes
+the costs) and, with two or more schedules, from the run under another schedule (whether costs measured once
+predict a different failure pattern). The first file's costs are written to ``--calibration-out`` for
+``scripts/simulate_goodput.py --calibration``.
+
+    python scripts/validate_simulator.py [docs/results/effective_throughput.json ...]
+
+Last line: ``prediction_error=...``: the largest relative error over every prediction of a run with failures.
+Target: <= 0.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from titan_recover.sim.calibration import calibrate, combined, predict  # noqa: E402
+
+SHOWN = {"failure_free": ("startup_s", "step_s"),
+         "ckpt_restart": ("startup_s", "step_s", "checkpoint_save_s", "job_restart_s"),
+         "recover": ("startup_s", "step_s", "detect_s", "group_restart_s"),
+         "recover_spares": ("startup_s", "step_s", "detect_s", "group_restart_s")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="*", default=[str(ROOT / "docs" / "results" / "effective_throughput.json")],
+                        help="benchmark outputs (one per failure schedule)")
+    parser.add_argument("--calibration-out", default=str(ROOT / "docs" / "results" / "calibration.json"))
+    args = parser.parse_args(argv)
+    schedules = [json.loads(pathlib.Path(p).read_text()) for p in args.results]
+    names = [pathlib.Path(p).stem for p in args.results]
+    costs = [{mode: calibrate(run, s["setup"]["checkpoint_interval"]) for mode, run in s["runs"].items()}
+             for s in schedules]
+    for name, measured in zip(names, costs):
+        print(f"costs measured in {name} (s):")
+        for mode, c in measured.items():
+            print(f"  {mode:15s} " + ", ".join(f"{k} {getattr(c, k):.2f}" for k in SHOWN[mode]))
+    errors = []
+    print(f"\n{'schedule':28s} {'run':15s} {'measured tok/s':>14s}  " + "".join(
+        f"{'costs of ' + n:>34s}" for n in names))
+    for name, data in zip(names, schedules):
+        setup = data["setup"]
+        for mode, run in data["runs"].items():
+            cells = []
+            for source in costs:
+                predicted = predict(run, source[mode], steps=setup["steps"], replicas=setup["replicas"],
+                                    tokens_per_step=setup["tokens_per_step"], compute_units=setup["cpu_count"])
+                error = (predicted - run["tokens_per_s"]) / run["tokens_per_s"]
+                if mode != "failure_free":
+                    errors.append(abs(error))
+                cells.append(f"{predicted:10.1f} tok/s ({error:+6.1%})")
+            print(f"{name:28s} {mode:15s} {run['tokens_per_s']:14.1f}  " + "".join(f"{c:>34s}" for c in cells))
+    calibration = {k: round(v, 3) for k, v in combined(costs[0]).items()}
+    pathlib.Path(args.calibration_out).write_text(json.dumps(calibration, indent=1) + "\n")
+    print(f"\ncalibration for the simulator at scale (costs of {names[0]}, s): {json.dumps(calibration)}")
+    print(f"prediction_error={max(errors):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The simulator's costs read from measured runs, and its prediction of those runs (docs/evidence.md).
+
+A run is the record ``benchmarks/effective_throughput.py`` writes: ``mode``, ``commits`` (seconds since the
+launch, step) of every step committed (a restarted job commits the steps after its checkpoint again), ``events``
+(fault_injected, training_started, full_strength, ... with ``t`` in seconds since the launch) and ``end_s`` (the
+last step's commit).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from titan_recover.sim.model import Cluster, Costs, Trace
+from titan_recover.sim.policies import simulate
+
+POLICY = {"failure_free": "recover", "ckpt_restart": "checkpoint_restart", "recover": "recover",
+          "recover_spares": "recover_spares"}
+"""The simulated policy of each benchmark mode."""
+
+
+def commit_intervals(commits: list) -> dict[int, list[float]]:
+    """``{step: [seconds since the previous step's commit]}``; a restart's first commit has none."""
+    out: dict[int, list[float]] = {}
+    for (t0, s0), (t1, s1) in zip(commits, commits[1:]):
+        if s1 == s0 + 1:
+            out.setdefault(s1, []).append(t1 - t0)
+    return out
+
+
+def fault_steps(run: dict) -> set[int]:
+    """Steps whose commit interval contains a fault: the first step committed after it."""
+    hit = set()
+    for fault in (e["t"] for e in run["events"] if e["event"] == "fault_injected"):
+        later = [s for t, s in run["commits"] if t >= fault]
+        if later:
+            hit.add(later[0])
+    return hit
+
+
+def calibrate(run: dict, checkpoint_interval: int) -> Costs:
+    """The costs of one run, read from its timeline:
+
+    * ``step_s``: median interval between commits, leaving out the first two steps, the steps after a checkpoint
+      save and the steps a fault fell in; ``startup_s``: launch to the first commit, less one step;
+    * checkpoint-restart: ``checkpoint_save_s``, the median extra interval of a step after a save, and
+      ``job_restart_s``, the mean from a fault to rank 0's next ``training_started`` (its checkpoint loaded);
+    * the replica-group modes: ``detect_s``, the mean extra interval of the steps a fault fell in, and
+      ``group_restart_s``, the mean from a fault to the next ``full_strength`` (transfer included).
+    """
+    commits, events = run["commits"], run["events"]
+    per_step = commit_intervals(commits)
+    restart_mode = run["mode"] == "ckpt_restart"
+    saved_after = {s for s in per_step if restart_mode and s > 1 and (s - 1) % checkpoint_interval == 0}
+    hit = fault_steps(run)
+    step_s = statistics.median(d for s, ds in per_step.items() if s > 2 and s not in saved_after | hit for d in ds)
+    costs = {"step_s": step_s, "startup_s": commits[0][0] - step_s, "spare_promotion_s": 0.0, "transfer_s": 0.0}
+    faults = [e["t"] for e in events if e["event"] == "fault_injected"]
+    if restart_mode:
+        costs["checkpoint_interval_s"] = checkpoint_interval * step_s
+        costs["checkpoint_save_s"] = max(0.0, statistics.median(
+            d for s in saved_after - hit for d in per_step[s]) - step_s)
+        starts = [e["t"] for e in events if e["event"] == "training_started" and e["source"] == "0/0"]
+        costs["job_restart_s"] = statistics.mean(min(t for t in starts if t > f) - f for f in faults) if faults else 0
+    elif faults:
+        stalls = [d - step_s for s in hit for d in per_step.get(s, [])]
+        costs["detect_s"] = max(0.0, statistics.mean(stalls)) if stalls else 0.0
+        back = [e["t"] for e in events if e["event"] == "full_strength" and e["source"] == "0/0"]
+        repairs = [min(t for t in back if t > f) - f for f in faults if any(t > f for t in back)]
+        costs["group_restart_s"] = statistics.mean(repairs) if repairs else 0.0
+    return Costs(**costs)
+
+
+def predict(run: dict, costs: Costs, *, steps: int, replicas: int, tokens_per_step: int,
+            compute_units: int) -> float:
+    """The simulator's committed tokens per second for ``run``: the wall time at which its policy has trained
+    ``steps`` steps under the run's failures (times and groups as they fired), one-process groups sharing
+    ``compute_units``. Nothing of the run but its failures is used; the costs may come from another run."""
+    cluster = Cluster(devices=replicas, devices_per_group=1, devices_per_node=1, compute_units=compute_units)
+    faults = sorted((e["t"], e["replica"]) for e in run["events"] if e["event"] == "fault_injected")
+    spares = 1 if run["mode"] == "recover_spares" else 0
+
+    def trained(horizon: float) -> float:
+        before = [(t, g) for t, g in faults if t < horizon]
+        trace = Trace(horizon, np.array([t for t, _ in before], dtype=float),
+                      np.array([g for _, g in before], dtype=np.int64), np.empty(0), np.empty(0, dtype=np.int64),
+                      np.empty(0))
+        return simulate(POLICY[run["mode"]], cluster, costs, trace, spares).goodput * horizon / costs.step_s
+
+    low, high = 0.0, costs.startup_s + steps * costs.step_s
+    while trained(high) < steps:  # failures only add time: widen until the budget fits
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (low, middle) if trained(middle) >= steps else (middle, high)
+    return steps * tokens_per_step / high
+
+
+def combined(costs: dict[str, Costs]) -> dict[str, float]:
+    """One set of mechanism costs for the simulator at scale: the failure-free run's step, checkpointing and the
+    whole-job restart from checkpoint-restart, the stall and the group's repair from recover, and what a spare's
+    take-over adds to the stall."""
+    return {"step_s": costs["failure_free"].step_s,
+            "checkpoint_save_s": costs["ckpt_restart"].checkpoint_save_s,
+            "job_restart_s": costs["ckpt_restart"].job_restart_s,
+            "detect_s": costs["recover"].detect_s,
+            "group_restart_s": costs["recover"].group_restart_s,
+            "transfer_s": 0.0,
+            "spare_promotion_s": max(0.0, costs["recover_spares"].detect_s - costs["recover"].detect_s)}
