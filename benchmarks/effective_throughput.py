@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,7 +94,12 @@ def run(mode: str, args, folder: pathlib.Path) -> dict:
     env = dict(os.environ, **{JOB_START_ENV: repr(launched)})
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        kept = pathlib.Path(args.out) / "failed" / f"{args.name}-{mode}"
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(folder, kept, ignore=shutil.ignore_patterns("checkpoint", "tb"))
+        (kept / "console.log").write_text(proc.stdout + proc.stderr)
+        raise RuntimeError(f"{mode} run failed ({proc.returncode}); its events, metrics and console output are "
+                           f"kept in {kept}:\n{proc.stderr[-3000:]}")
     commits = []  # (seconds since launch, step) of every step the metrics logger committed, restarts included
     for line in (folder / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
