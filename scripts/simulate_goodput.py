@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "_calibrated" if args.calibration else ""
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"costs: {json.dumps(dataclasses.asdict(costs))}")
+    shown = {k: round(v, 3) for k, v in dataclasses.asdict(costs).items()
+             if fixed or k != "checkpoint_interval_s"}
+    print(f"costs (s): {json.dumps(shown)}" + ("" if fixed else "; checkpoints at each cluster's Young/Daly interval"))
     header = f"{'':>22s}" + "".join(f"{p:>20s}" for p in POLICIES.names())
 
     by_size = []
