@@ -85,6 +85,14 @@ def tokens_per_step(args) -> int:
     return training.seq_len * training.local_batch_size * args.replicas
 
 
+def keep(folder: pathlib.Path, proc: subprocess.CompletedProcess, to: pathlib.Path) -> pathlib.Path:
+    """Copy a run's folder (without checkpoints and wandb files) and its console output to ``to``."""
+    shutil.rmtree(to, ignore_errors=True)
+    shutil.copytree(folder, to, ignore=shutil.ignore_patterns("checkpoint", "tb"))
+    (to / "console.log").write_text(proc.stdout + proc.stderr)
+    return to
+
+
 def run(mode: str, args, folder: pathlib.Path) -> dict:
     cmd = [sys.executable, "-m", "titan_recover.launch", CONFIG, *job_overrides(args), *mode_overrides(mode, args),
            "--dump_folder", str(folder)]
@@ -93,11 +101,10 @@ def run(mode: str, args, folder: pathlib.Path) -> dict:
     launched = time.time()
     env = dict(os.environ, **{JOB_START_ENV: repr(launched)})
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if args.keep:
+        keep(folder, proc, pathlib.Path(args.keep) / f"{args.name}-{mode}")
     if proc.returncode != 0:
-        kept = pathlib.Path(args.out) / "failed" / f"{args.name}-{mode}"
-        shutil.rmtree(kept, ignore_errors=True)
-        shutil.copytree(folder, kept, ignore=shutil.ignore_patterns("checkpoint", "tb"))
-        (kept / "console.log").write_text(proc.stdout + proc.stderr)
+        kept = keep(folder, proc, pathlib.Path(args.out) / "failed" / f"{args.name}-{mode}")
         raise RuntimeError(f"{mode} run failed ({proc.returncode}); its events, metrics and console output are "
                            f"kept in {kept}:\n{proc.stderr[-3000:]}")
     commits = []  # (seconds since launch, step) of every step the metrics logger committed, restarts included
@@ -125,7 +132,8 @@ def plot(results: dict, path: pathlib.Path, tokens: int) -> None:
         times = [0.0] + [t for t, _ in result["commits"]]
         steps = [0] + [s for _, s in result["commits"]]
         ax.step(times, [s * tokens for s in steps], where="post", label=f"{mode} ({result['tokens_per_s']:.0f} tok/s)")
-    for i, t in enumerate(results["recover"]["failures_s"]):
+    failures = next((r["failures_s"] for r in results.values() if r["failures_s"]), [])
+    for i, t in enumerate(failures):
         ax.axvline(t, color="grey", linestyle=":", linewidth=1, label="failure" if i == 0 else None)
     ax.set_xlabel("wall time since launch (s)")
     ax.set_ylabel("tokens of the newest trained step")
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
     parser.add_argument("--name", default="effective_throughput", help="file name of the JSON and PNG written")
+    parser.add_argument("--keep", help="copy every run's events, metrics and console output under this folder")
     parser.add_argument("--timeout", type=float, default=1200)
     args = parser.parse_args(argv)
     if len(args.victims) != len(args.failures) or not all(0 < v < args.replicas for v in args.victims):
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"faults at {', '.join(f'{t:.1f}' for t in result['failures_s']) or '-'} s", flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    setup = {k: v for k, v in vars(args).items() if k not in ("out", "timeout", "modes", "name")}
+    setup = {k: v for k, v in vars(args).items() if k not in ("out", "timeout", "modes", "name", "keep")}
     (out / f"{args.name}.json").write_text(
         json.dumps({"setup": {**setup, "config": CONFIG, "tokens_per_step": tokens, "cpu_count": os.cpu_count()}, "runs": results}, indent=1) + "\n")
     plot(results, out / f"{args.name}.png", tokens)
