@@ -84,8 +84,9 @@ class RecoverTrainer(Trainer):
         snapshots if configured."""
         config = self.config
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        # mode = "checkpoint_restart": the replica groups are the replicated data-parallel dimension (outermost),
-        # so events name ranks and faults hit them as in the replica-group job
+        # mode = "checkpoint_restart": the replica groups are the replicated data-parallel dimension, outermost
+        # without pipeline stages, so events name ranks and faults hit them as in the replica-group job (with
+        # pipeline stages outermost, (replica, rank) here is not the replica-group job's)
         groups = config.recover.replicas if config.recover.checkpoint_restart_mode else 1
         per_group = world // groups
         replica, replica_rank = divmod(rank, per_group)
