@@ -21,6 +21,7 @@ from another schedule's costs (only with two or more files).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -65,6 +66,17 @@ def main(argv: list[str] | None = None) -> int:
                     (errors if index == own else cross).append(abs(error))
                 cells.append(f"{predicted:10.1f} tok/s ({error:+6.1%})")
             print(f"{name:28s} {mode:15s} {run['tokens_per_s']:14.1f}  " + "".join(f"{c:>36s}" for c in cells))
+    # what the ratio would be if a whole-job restart cost more (the first schedule's runs and costs)
+    first, setup = schedules[0]["runs"], schedules[0]["setup"]
+    shape = dict(steps=setup["steps"], replicas=setup["replicas"], tokens_per_step=setup["tokens_per_step"],
+                 compute_units=setup["cpu_count"])
+    recover = predict(first["recover"], costs[0]["recover"], **shape)
+    restart = costs[0]["ckpt_restart"]
+    print(f"\npredicted ratio recover / checkpoint-restart under {names[0]}'s failures, by whole-job restart cost:")
+    for steps in (restart.job_restart_s / restart.step_s, 30, 45, 60, 70, 85):
+        slower = dataclasses.replace(restart, job_restart_s=steps * restart.step_s)
+        print(f"  restart {steps:5.1f} steps ({steps * restart.step_s:6.1f} s): "
+              f"{recover / predict(first['ckpt_restart'], slower, **shape):.2f}")
     calibration = {k: round(v, 3) for k, v in combined(costs[0]).items()}
     pathlib.Path(args.calibration_out).write_text(json.dumps(calibration, indent=1) + "\n")
     print(f"\ncalibration for the simulator at scale (costs of {names[0]}, s): {json.dumps(calibration)}")
