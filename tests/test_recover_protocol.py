@@ -10,6 +10,7 @@ from titan_recover.config.apply import ConfigError
 from titan_recover.config.loader import build_config
 from titan_recover.recover.chaos import ChaosConfig, FaultSpec
 from titan_recover.recover.config import RecoverConfig
+from titan_recover.recover.coordinator import describe_beats
 from titan_recover.recover.protocol import (
     all_joined,
     decide_commit,
@@ -18,23 +19,74 @@ from titan_recover.recover.protocol import (
     encode_members,
     Heartbeat,
     judge_liveness,
+    LivenessWatch,
+    WatchedTime,
 )
 
 
 def test_liveness_dead_vs_hung():
-    now = 100.0
-    beats = {
-        0: Heartbeat(99.9, 99.9, 3, "forward"),  # healthy
-        1: Heartbeat(97.0, 97.0, 3, "reduction"),  # no beat for 3 s: dead or stopped
-        2: Heartbeat(99.95, 80.0, 3, "forward"),  # beating, main thread stuck 20 s: hung
-        3: None,  # never beat
-    }
-    verdict = judge_liveness(7, beats, now, heartbeat_timeout_s=2.0, progress_timeout_s=10.0)
+    ages = {0: (0.1, 0.1), 1: (3.0, 3.0), 2: (0.05, 20.0), 3: None}  # (beat unchanged for, progress unchanged for)
+    verdict = judge_liveness(7, ages, heartbeat_timeout_s=2.0, progress_timeout_s=10.0)
     assert verdict.dead_ranks == (1, 3) and verdict.hung_ranks == (2,) and not verdict.alive
     assert "replica 7 rank(s) [1, 3]: no heartbeat" in verdict.reason() and "hung" in verdict.reason()
-    healthy = judge_liveness(7, {0: beats[0]}, now, 2.0, 10.0)
+    healthy = judge_liveness(7, {0: ages[0]}, 2.0, 10.0)
     assert healthy.alive and healthy.reason() == ""
-    assert Heartbeat.decode(beats[2].encode()) == beats[2]
+    beat = Heartbeat(99.95, 80.0, 3, "forward", 2)
+    assert Heartbeat.decode(beat.encode()) == beat
+
+
+def beating(t: float, progress: float | None = None, incarnation: int = 0) -> Heartbeat:
+    return Heartbeat(t, t if progress is None else progress, 1, "forward", incarnation)
+
+
+def test_liveness_watch_counts_only_watched_time():
+    """The coordinator judges a beat by how long it watched it stay unchanged, on its own clock: a member's clock
+    running 100 s behind changes nothing, and a stall of the coordinator (or of its store) is not held against
+    the members: after a 5 s gap between two looks every beat is still unchanged, and nobody is declared dead."""
+    watch = LivenessWatch(heartbeat_timeout_s=2.0, progress_timeout_s=10.0, max_gap_s=0.25)
+    t = 1000.0
+    for i in range(20):  # both beat every 0.1 s; replica 1's clock is 100 s behind
+        watch.look(t + 0.1 * i, {(0, 0): beating(t + 0.1 * i), (1, 0): beating(t - 100 + 0.1 * i)})
+    assert watch.judge(0, [0], 0).alive and watch.judge(1, [0], 0).alive
+    t += 1.9
+    watch.look(t + 5.0, {(0, 0): beating(t), (1, 0): beating(t - 100)})  # 5 s stall: nothing new came in
+    assert watch.judge(0, [0], 0).alive and watch.judge(1, [0], 0).alive
+    assert watch.ages(0, [0], 0)[0][0] == pytest.approx(0.25) and watch.time.unwatched_s == pytest.approx(4.75)
+    # replica 1 stops beating while the coordinator watches: dead once it has watched 2 s of silence
+    t += 5.0
+    for i in range(1, 30):
+        watch.look(t + 0.1 * i, {(0, 0): beating(t + 0.1 * i), (1, 0): beating(t - 100 - 3.1)})
+        if i < 17:
+            assert watch.judge(1, [0], 0).alive, i
+    assert watch.judge(1, [0], 0).dead_ranks == (0,) and watch.judge(0, [0], 0).alive
+
+
+def test_liveness_watch_hung_restarted_and_forgotten():
+    watch = LivenessWatch(heartbeat_timeout_s=2.0, progress_timeout_s=1.0, max_gap_s=0.25)
+    for i in range(15):  # beating, but the main thread's progress stamp never moves
+        watch.look(0.1 * i, {(0, 0): beating(0.1 * i, progress=0.0)})
+    assert watch.judge(0, [0], 0).hung_ranks == (0,)
+    # a later start of the group beats under the member's key: the member (start 0) is gone
+    watch.look(1.6, {(0, 0): beating(1.6, incarnation=1)})
+    assert watch.judge(0, [0], 0).dead_ranks == (0,) and watch.judge(0, [0], 1).alive
+    watch.forget(0)
+    assert watch.ages(0, [0], 1) == {0: None}
+
+
+def test_watched_time_sits_out_stalls():
+    window = WatchedTime(max_gap_s=0.25, now=10.0)
+    for now in (10.1, 10.2, 12.2, 12.3):
+        window.tick(now)
+    assert window.elapsed_s == pytest.approx(0.55) and window.unwatched_s == pytest.approx(1.75)
+
+
+def test_failure_report_says_what_the_coordinator_saw():
+    """A rank declared dead is reported with what the watch counted, its beat's own age, and the incarnation of a
+    later start of the group beating under the same key (the member's own beat then counts as missing)."""
+    beats = {0: Heartbeat(97.0, 96.0, 12, "forward", incarnation=2), 1: Heartbeat(99.9, 99.9, 3, "startup", 3)}
+    seen = describe_beats(beats, {0: (2.1, 2.1), 1: None}, incarnation=2, now=100.0)
+    assert seen["0"] == {"age_s": 3.0, "step": 12, "phase": "forward", "quiet_s": 2.1, "still_s": 2.1}
+    assert seen["1"]["incarnation"] == 3 and "quiet_s" not in seen["1"]
 
 
 def test_membership_requires_every_rank_of_a_replica():
@@ -215,3 +267,41 @@ def test_time_triggered_fault_fires_once_per_job_at_its_offset(tmp_path):
         FaultSpec(kind="kill", at_s=-1.0)
     config = build_config(None, ["--chaos.faults", '[{kind="kill", replica=2, at_s=40.0}]'])
     assert config.chaos.faults[0].at_s == 40.0
+
+
+def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
+    """The coordinator (in-process, with its real store) watches two members. It stalls 3 s while no beat comes in
+    (as when its store's server thread was not scheduled and the members' beats queued behind): nobody is declared
+    dead. Then replica 1 stops beating while the coordinator watches: declared dead after about 2 s of watching,
+    with what the coordinator saw in the event."""
+    from titan_recover.recover.coordinator import Coordinator
+    from titan_recover.recover.events import read_events
+    from titan_recover.recover.protocol import Keys
+
+    coordinator = Coordinator(RecoverConfig(replicas=2), replicas=2, ranks_per_replica=1, run_dir=str(tmp_path),
+                              host="127.0.0.1")
+    coordinator._publish(0, (0, 1), (), "all replicas registered", timing={})
+
+    def beat(*replicas):
+        for replica in replicas:
+            coordinator.store.set(Keys.heartbeat(replica, 0), Heartbeat(time.time(), time.time(), 1, "forward").encode())
+
+    for _ in range(10):
+        beat(0, 1)
+        coordinator._watch_liveness()
+        time.sleep(0.02)
+    time.sleep(3.0)  # the coordinator stalls; nothing new is in the store
+    coordinator._watch_liveness()
+    beat(0, 1)
+    coordinator._watch_liveness()
+    assert not coordinator.excluded
+    watched_from = time.monotonic()
+    while not coordinator.excluded and time.monotonic() - watched_from < 5.0:
+        beat(0)  # replica 1 is silent from now on
+        coordinator._watch_liveness()
+        time.sleep(0.02)
+    assert coordinator.excluded == {1}
+    assert 2.0 <= time.monotonic() - watched_from < 3.0
+    [detected] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure_detected"]
+    assert detected["replica"] == 1 and detected["beats"]["0"]["quiet_s"] > 2.0 and detected["unwatched_s"] > 2.5
+    assert coordinator.store.check([Keys.fault(0)])

@@ -33,7 +33,8 @@ from titan_recover.recover.protocol import (
     encode_admission,
     encode_members,
     Heartbeat,
-    judge_liveness,
+    LivenessWatch,
+    WatchedTime,
     Keys,
     ready_to_join,
 )
@@ -42,6 +43,26 @@ logger = logging.getLogger("titan_recover.coordinator")
 
 TICK_S = 0.02
 FINISH_LINGER_S = 0.5
+MAX_LOOK_GAP_S = 0.25
+"""Most time one look at the heartbeats counts (the coordinator looks every TICK_S): a longer gap means the
+coordinator or its store stalled, and the rest is not held against the members (protocol.LivenessWatch)."""
+
+
+def describe_beats(beats: dict[int, Heartbeat], ages: dict[int, tuple[float, float] | None], incarnation: int,
+                   now: float) -> dict[str, dict]:
+    """What the coordinator saw of each rank when it declared a replica failed (for the event log): how long it
+    watched the beat and the progress stamp stay unchanged, the beat's own age (``now`` - its timestamp), the step
+    and phase it reported, and its incarnation when it is not the member's (a later start of the group beating
+    under the same key)."""
+    described = {}
+    for rank, beat in beats.items():
+        record = {"age_s": round(now - beat.time, 3), "step": beat.step, "phase": beat.phase}
+        if ages.get(rank) is not None:
+            record["quiet_s"], record["still_s"] = (round(a, 3) for a in ages[rank])
+        if beat.incarnation != incarnation:
+            record["incarnation"] = beat.incarnation
+        described[str(rank)] = record
+    return described
 
 
 class Coordinator:
@@ -59,6 +80,8 @@ class Coordinator:
         self.excluded: set[int] = set()
         self.incarnation: dict[int, int] = {}  # the incarnation of each member (a restart is a new one)
         self.dropped: dict[int, int] = {}  # the incarnation of each replica last removed
+        self.watch = LivenessWatch(config.heartbeat_timeout_s, config.progress_timeout_s,
+                                   max_gap_s=max(MAX_LOOK_GAP_S, 2 * config.heartbeat_interval_s))
         self._terminate = False
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -123,47 +146,48 @@ class Coordinator:
         return False
 
     def _watch_liveness(self) -> None:
-        now = time.time()
         watched = [m for m in self.members if m not in self.excluded]
-        keys = [Keys.heartbeat(m, r) for m in watched for r in range(self.ranks)]
+        # a rank that finished training stops beating: it is done, not dead
+        keys = [(m, r) for m in watched for r in range(self.ranks) if not self._done(m, r)]
         if not keys:
             return
-        raw = self.store.multi_get(keys)
-        for i, replica in enumerate(watched):
-            # a rank that finished training stops beating: it is done, not dead; a beat of another incarnation (the
-            # restarted replica, not yet admitted) says nothing about the member
-            beats = {}
-            for r in range(self.ranks):
-                if not self._done(replica, r):
-                    beat = Heartbeat.decode(raw[i * self.ranks + r])
-                    beats[r] = beat if beat.incarnation == self.incarnation.get(replica, 0) else None
-            verdict = judge_liveness(replica, beats, now, self.config.heartbeat_timeout_s,
-                                     self.config.progress_timeout_s)
+        raw = self.store.multi_get([Keys.heartbeat(m, r) for m, r in keys])
+        now = time.monotonic()  # after the read: what it returned is the store's state at about this time
+        beats = {key: Heartbeat.decode(value) for key, value in zip(keys, raw)}
+        self.watch.look(now, beats)
+        for replica in watched:
+            ranks = [r for m, r in keys if m == replica]
+            verdict = self.watch.judge(replica, ranks, self.incarnation.get(replica, 0))
             if not verdict.alive:
                 self.excluded.add(replica)
                 flag = raise_fault_flag(self.store, self.epoch, verdict.reason())
                 self.events.emit("failure_detected", epoch=self.epoch, replica=replica, by="coordinator",
                                  reason=verdict.reason(), dead_ranks=list(verdict.dead_ranks),
-                                 hung_ranks=list(verdict.hung_ranks), flag=flag)
+                                 hung_ranks=list(verdict.hung_ranks), flag=flag,
+                                 beats=describe_beats({r: beats[(replica, r)] for r in ranks},
+                                                      self.watch.ages(replica, ranks, self.incarnation.get(replica, 0)),
+                                                      self.incarnation.get(replica, 0), time.time()),
+                                 unwatched_s=round(self.watch.time.unwatched_s, 3))
 
     def _form_next_epoch(self) -> None:
         fault_time, reason = fault_time_and_reason(self.store.get(Keys.fault(self.epoch)))
         noticed = time.time()
         self.events.emit("fault_flag", epoch=self.epoch, reason=reason, raised_at=fault_time)
         target = self.epoch + 1
-        deadline = time.monotonic() + self.config.join_window_s
         for replica in self.members:  # members that voted a replica out (docs/scout.md)
             if replica not in self.excluded and self.store.check([Keys.evicted(self.epoch, replica)]):
                 self.excluded.add(replica)
                 self.events.emit("replica_evicted", epoch=self.epoch, replica=replica,
                                  reason=self.store.get(Keys.evicted(self.epoch, replica)).decode())
         candidates = [m for m in self.members if m not in self.excluded]
+        window = WatchedTime(self.watch.max_gap_s, time.monotonic())  # a stalled coordinator does not shorten it
         while True:
             joined = {
                 m: {r for r in range(self.ranks) if self.store.check([Keys.join(target, m, r)]) or self._done(m, r)}
                 for m in self.members
             }
-            if all_joined(candidates, joined, self.ranks) or time.monotonic() > deadline:
+            window.tick(time.monotonic())
+            if all_joined(candidates, joined, self.ranks) or window.elapsed_s > self.config.join_window_s:
                 break
             time.sleep(0.005)
         decision = decide_members(self.members, joined, self.ranks, excluded=self.excluded)
@@ -193,6 +217,7 @@ class Coordinator:
                  timing: dict) -> bool:
         for replica in removed:
             self.dropped[replica] = self.incarnation.get(replica, 0)
+            self.watch.forget(replica)
             self.store.set(Keys.dropped(replica), f"{self.dropped[replica]}|{time.time():.6f}")
         self.store.set(Keys.members(epoch), encode_members(members, reason))
         self.epoch, self.members = epoch, members

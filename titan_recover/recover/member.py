@@ -26,6 +26,8 @@ REPLICA_ENV = "TITAN_RECOVER_REPLICA"
 RUN_DIR_ENV = "TITAN_RECOVER_RUN_DIR"
 INCARNATION_ENV = "TITAN_RECOVER_INCARNATION"
 """Set by the launcher: how many times this replica group has been started before (0: the first start)."""
+LATE_BEAT_S = 0.5
+"""A beat this much later than ``heartbeat_interval_s`` after the previous one is logged (with where the delay was)."""
 EXIT_EXCLUDED = 75
 """Exit code of a rank whose replica was left out of an epoch."""
 
@@ -187,19 +189,36 @@ class ReplicaMember:
     def _heartbeat_loop(self) -> None:
         store = self._hb_store
         joined = -1
-        while not self._stop.wait(self.config.heartbeat_interval_s):
+        interval = self.config.heartbeat_interval_s
+        last_beat = idle_from = time.monotonic()
+        store_s = 0.0  # the previous round's store calls after its beat
+        while not self._stop.wait(interval):
             try:
+                woke = time.monotonic()
                 self._beat(store)
-                if not self.admitted or not store.check([Keys.EPOCH]):
-                    continue
-                epoch = int(store.get(Keys.EPOCH))
-                members, _ = decode_members(store.get(Keys.members(epoch)))
-                if self.replica not in members and not store.check([Keys.STOP]):
-                    logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica, self.rank, epoch)
-                    os._exit(EXIT_EXCLUDED)
-                if joined <= epoch and store.check([Keys.fault(epoch)]):
-                    store.set(Keys.join(epoch + 1, self.replica, self.rank), f"{time.time():.6f}")
-                    joined = epoch + 1
+                beaten = time.monotonic()
+                if beaten - last_beat > interval + LATE_BEAT_S:
+                    # the coordinator declares this rank dead at heartbeat_timeout_s: say where the time went
+                    logger.warning("replica %d rank %d: heartbeat %.2f s after the previous one (the thread woke "
+                                   "%.2f s late; store calls took %.2f s; main thread at step %d, %s)", self.replica,
+                                   self.rank, beaten - last_beat, woke - idle_from - interval,
+                                   store_s + beaten - woke, self._step, self._phase)
+                last_beat = beaten
+                try:
+                    if not self.admitted or not store.check([Keys.EPOCH]):
+                        continue
+                    epoch = int(store.get(Keys.EPOCH))
+                    members, _ = decode_members(store.get(Keys.members(epoch)))
+                    if self.replica not in members and not store.check([Keys.STOP]):
+                        logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica, self.rank,
+                                     epoch)
+                        os._exit(EXIT_EXCLUDED)
+                    if joined <= epoch and store.check([Keys.fault(epoch)]):
+                        store.set(Keys.join(epoch + 1, self.replica, self.rank), f"{time.time():.6f}")
+                        joined = epoch + 1
+                finally:
+                    idle_from = time.monotonic()
+                    store_s = idle_from - beaten
             except Exception as error:  # the coordinator is gone: the main thread's store calls will fail too
                 logger.warning("replica %d rank %d: heartbeat failed: %s", self.replica, self.rank, error)
                 time.sleep(self.config.heartbeat_interval_s)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -39,7 +40,7 @@ from titan_recover.recover.diloco import (
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.learner import requeue_block
 from titan_recover.recover.member import connect
-from titan_recover.recover.protocol import Heartbeat, Keys
+from titan_recover.recover.protocol import Heartbeat, Keys, LivenessWatch
 from titan_recover.recover.state_transfer import bytes_view
 
 logger = logging.getLogger("titan_recover.syncer")
@@ -119,6 +120,7 @@ class Syncer:
         self.alive: set[int] = set()
         self.done: set[int] = set()
         self._liveness_at = 0.0
+        self.watch = LivenessWatch(config.recover.heartbeat_timeout_s, math.inf, max_gap_s=2 * LIVENESS_EVERY_S)
         self._hellos_at = 0.0
         self.end_reason = ""
         self._checkpoint_at = time.monotonic()
@@ -239,18 +241,21 @@ class Syncer:
                 self.store.delete_key(DilocoKeys.meta(old))
 
     # ---- learners ----------------------------------------------------------------------------------------
-    def _judge_liveness(self, now: float) -> None:
-        alive, done = set(), set()
+    def _judge_liveness(self) -> None:
+        alive, done, beats = set(), set(), {}
         ranks = self.positions
         for learner in range(self.learners):
             if all(self.coordinator.check([Keys.done(learner, r)]) for r in range(ranks)):
                 done.add(learner)
                 continue
             keys = [Keys.heartbeat(learner, r) for r in range(ranks)]
-            if not all(self.coordinator.check([k]) for k in keys):
-                continue
-            beats = [Heartbeat.decode(raw) for raw in self.coordinator.multi_get(keys)]
-            if all(now - b.time < self.config.recover.heartbeat_timeout_s for b in beats):
+            if all(self.coordinator.check([k]) for k in keys):
+                beats[learner] = [Heartbeat.decode(raw) for raw in self.coordinator.multi_get(keys)]
+        # judged on the syncer's own clock, over the time it watched (a merge that kept it busy is not held against
+        # the learners); any start of a learner counts: its restart is alive
+        self.watch.look(time.monotonic(), {(learner, r): b for learner, bs in beats.items() for r, b in enumerate(bs)})
+        for learner, bs in beats.items():
+            if self.watch.judge(learner, range(ranks), bs[0].incarnation).alive:
                 alive.add(learner)
         for learner in sorted(self.alive - alive - done):
             given_back = requeue_block(self.coordinator, learner, f"syncer.{self.generation}")
@@ -437,7 +442,7 @@ class Syncer:
         while True:
             now = time.time()
             if now - self._liveness_at > LIVENESS_EVERY_S:
-                self._judge_liveness(now)
+                self._judge_liveness()
                 self._liveness_at = now
             received = self._receive(now)
             for f in range(len(self.versions)):
