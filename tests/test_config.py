@@ -120,6 +120,26 @@ def test_parallel_degrees_must_match_world_size():
         resolve_layout(inferred.parallelism, 3)
 
 
+def test_checkpoint_restart_ranks_map_to_the_replica_group_job():
+    """In checkpoint-restart mode the replica groups are TorchTitan's dp_replicate dimension, inside the pipeline
+    stages (mesh order pp, dp_replicate, dp_shard, cp, tp). A global rank's (replica, rank inside) must be where the
+    same shard sits in the replica-group job, whose per-replica mesh is (pp, dp_shard, cp, tp)."""
+    import torch
+
+    from titan_recover.config.validate import Layout
+
+    pp, replicas, shard, tp = 2, 3, 2, 2
+    layout = Layout(world_size=pp * replicas * shard * tp, dp_replicate=replicas, dp_shard=shard, cp=1, tp=tp, pp=pp)
+    world = torch.arange(layout.world_size).reshape(pp, replicas, shard, 1, tp)
+    for replica in range(replicas):
+        group = world[:, replica].reshape(-1)  # the replica's ranks, in its own torchrun's rank order
+        for inside, rank in enumerate(group.tolist()):
+            assert layout.replica_position(rank) == (replica, inside)
+    assert Layout(4, 4, 1, 1, 1, 1).replica_position(3) == (3, 0)  # no pipeline: replica-major
+    with pytest.raises(ValueError, match="rank 24 is not in a world of 24"):
+        layout.replica_position(24)
+
+
 def test_batch_divisibility_spelled_out():
     config = build_config(None, ["--training.local_batch_size", "2", "--training.global_batch_size", "6",
                                  "--parallelism.data_parallel_shard_degree", "2"])

@@ -33,6 +33,7 @@ platform.activate()
 import torch  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+from titan_recover.config.validate import resolve_layout  # noqa: E402
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
 from titan_recover.recover import RecoverConfig  # noqa: E402
 from titan_recover.recover import replica_step, snapshot  # noqa: E402
@@ -84,12 +85,13 @@ class RecoverTrainer(Trainer):
         snapshots if configured."""
         config = self.config
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        # mode = "checkpoint_restart": the replica groups are the replicated data-parallel dimension, outermost
-        # without pipeline stages, so events name ranks and faults hit them as in the replica-group job (with
-        # pipeline stages outermost, (replica, rank) here is not the replica-group job's)
-        groups = config.recover.replicas if config.recover.checkpoint_restart_mode else 1
+        # mode = "checkpoint_restart": the replica groups are the replicated data-parallel dimension, so events
+        # name ranks and faults hit them as in the replica-group job
+        groups, replica, replica_rank = 1, 0, rank
+        if config.recover.checkpoint_restart_mode:
+            groups = config.recover.replicas
+            replica, replica_rank = resolve_layout(config.parallelism, world).replica_position(rank)
         per_group = world // groups
-        replica, replica_rank = divmod(rank, per_group)
         events = EventLog(os.path.join(config.dump_folder, "events.jsonl"), f"{replica}/{replica_rank}",
                           replica=replica, rank=replica_rank)
         self._job_events = events

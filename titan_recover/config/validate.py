@@ -25,6 +25,19 @@ class Layout:
     def batch_degree(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def replica_position(self, rank: int) -> tuple[int, int]:
+        """``(replica, rank inside it)`` of a global rank whose replicated data-parallel dimension is the replica
+        groups (checkpoint-restart mode). TorchTitan's mesh is (pp, dp_replicate, dp_shard, cp, tp), row-major:
+        pipeline stages are outermost. Inside a replica group's own torchrun the mesh is the same without
+        dp_replicate, so the rank inside is the rank with the replicate coordinate removed."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a world of {self.world_size}")
+        per_stage = self.world_size // self.pp
+        inner = per_stage // self.dp_replicate  # dp_shard x cp x tp
+        stage, within = divmod(rank, per_stage)
+        replica, position = divmod(within, inner)
+        return replica, stage * inner + position
+
 
 def resolve_layout(parallelism, world_size: int) -> Layout:
     """Resolve ``data_parallel_shard_degree = -1`` and check the degrees multiply to the world size."""
