@@ -29,7 +29,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan_recover.sim.calibration import calibrate, combined, predict  # noqa: E402
+from titan_recover.sim.calibration import calibrate, combined, periodic_run, predict  # noqa: E402
 
 SHOWN = {"failure_free": ("startup_s", "step_s"),
          "ckpt_restart": ("startup_s", "step_s", "checkpoint_save_s", "job_restart_s"),
@@ -77,6 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         slower = dataclasses.replace(restart, job_restart_s=steps * restart.step_s)
         print(f"  restart {steps:5.1f} steps ({steps * restart.step_s:6.1f} s): "
               f"{recover / predict(first['ckpt_restart'], slower, **shape):.2f}")
+    # and under a constant failure rate: a failure every `every` seconds for as long as each job runs
+    print(f"\npredicted ratio recover / checkpoint-restart with a failure every N s for as long as each job runs "
+          f"({names[0]}'s costs):")
+    ratios = {}
+    for every in (120, 80, 60, 45, 40, 36, 32, 28):
+        rates = {m: predict(periodic_run(m, every, setup["replicas"] - 1), costs[0][m], **shape)
+                 for m in ("ckpt_restart", "recover")}
+        ratios[every] = rates["recover"] / rates["ckpt_restart"] if rates["ckpt_restart"] else float("inf")
+        print(f"  every {every:4d} s: recover {rates['recover']:7.1f} tok/s, checkpoint-restart "
+              f"{rates['ckpt_restart']:7.1f} tok/s, ratio {ratios[every]:.2f}")
     calibration = {k: round(v, 3) for k, v in combined(costs[0]).items()}
     pathlib.Path(args.calibration_out).write_text(json.dumps(calibration, indent=1) + "\n")
     print(f"\ncalibration for the simulator at scale (costs of {names[0]}, s): {json.dumps(calibration)}")

@@ -138,3 +138,24 @@ def test_costs_read_from_a_timeline_predict_it_back():
     # two compute units shared by four groups: three left compute as fast; the stall is the only loss
     tokens = predict(run, costs, steps=8, replicas=4, tokens_per_step=100, compute_units=2)
     assert tokens == pytest.approx(8 * 100 / 19.0)
+
+
+def test_a_constant_failure_rate_slows_checkpoint_restart_until_it_stalls():
+    """``periodic_run``: a failure every N s while the job runs. Checkpoint-restart loses the restart and the work
+    since its checkpoint at every failure: its predicted throughput falls as failures come faster, and is 0 (no
+    progress) once they come faster than it restarts; titan_recover pays only the stall."""
+    from titan_recover.sim.calibration import periodic_run, predict
+    from titan_recover.sim.model import Costs
+
+    shape = dict(steps=100, replicas=4, tokens_per_step=100, compute_units=4)
+    costs = Costs(step_s=1.0, startup_s=10.0, checkpoint_interval_s=5.0, checkpoint_save_s=0.0, job_restart_s=12.0,
+                  detect_s=1.0, group_restart_s=20.0, transfer_s=0.0)
+    run = periodic_run("ckpt_restart", every_s=30.0, victims=3)
+    assert [e["replica"] for e in run["events"][:4]] == [1, 2, 3, 1] and run["events"][1]["t"] == 70.0
+    restart = [predict(periodic_run("ckpt_restart", every, 3), costs, **shape) for every in (200.0, 60.0, 30.0)]
+    assert restart[0] > restart[1] > restart[2] > 0
+    assert predict(periodic_run("ckpt_restart", 10.0, 3), costs, **shape) == 0.0  # restarts outpace the failures
+    # four groups on two compute units (the CPU benchmark): two groups down at a time cost no compute, only the
+    # 1 s stall of each failure: 9 failures (40, 50, ..., 120 s) before the 100 steps are done at 10 + 100 + 9 s
+    shared = dict(shape, compute_units=2)
+    assert predict(periodic_run("recover", 10.0, 3), costs, **shared) == pytest.approx(100 * 100 / 119.0, rel=0.01)

@@ -20,6 +20,18 @@ POLICY = {"failure_free": "recover", "ckpt_restart": "checkpoint_restart", "reco
 """The simulated policy of each benchmark mode."""
 
 
+MAX_SLOWDOWN = 64
+"""``predict`` gives up (0 tokens/s) on a run that would take this many times its failure-free time."""
+
+
+def periodic_run(mode: str, every_s: float, victims: int, first_s: float = 40.0, horizon_s: float = 1e5) -> dict:
+    """A run record with a failure every ``every_s`` seconds from ``first_s`` on, for as long as the job runs (a
+    constant failure rate), replicas 1..``victims`` hit in turn: what ``predict`` needs of a run to predict it."""
+    times = np.arange(first_s, horizon_s, every_s)
+    events = [{"event": "fault_injected", "t": float(t), "replica": 1 + i % victims} for i, t in enumerate(times)]
+    return {"mode": mode, "events": events}
+
+
 def commit_intervals(commits: list) -> dict[int, list[float]]:
     """``{step: [seconds since the previous step's commit]}``; a restart's first commit has none."""
     out: dict[int, list[float]] = {}
@@ -76,7 +88,8 @@ def predict(run: dict, costs: Costs, *, steps: int, replicas: int, tokens_per_st
             compute_units: int) -> float:
     """The simulator's committed tokens per second for ``run``: the wall time at which its policy has trained
     ``steps`` steps under the run's failures (times and groups as they fired), one-process groups sharing
-    ``compute_units``. Nothing of the run but its failures is used; the costs may come from another run."""
+    ``compute_units``. Nothing of the run but its failures is used; the costs may come from another run. 0.0
+    when the policy would need more than ``MAX_SLOWDOWN`` times its failure-free time."""
     cluster = Cluster(devices=replicas, devices_per_group=1, devices_per_node=1, compute_units=compute_units)
     faults = sorted((e["t"], e["replica"]) for e in run["events"] if e["event"] == "fault_injected")
     spares = 1 if run["mode"] == "recover_spares" else 0
@@ -89,7 +102,10 @@ def predict(run: dict, costs: Costs, *, steps: int, replicas: int, tokens_per_st
         return simulate(POLICY[run["mode"]], cluster, costs, trace, spares).goodput * horizon / costs.step_s
 
     low, high = 0.0, costs.startup_s + steps * costs.step_s
+    limit = MAX_SLOWDOWN * high
     while trained(high) < steps:  # failures only add time: widen until the budget fits
+        if high > limit:
+            return 0.0  # the policy makes (almost) no progress under these failures
         high *= 2
     for _ in range(60):
         middle = (low + high) / 2
