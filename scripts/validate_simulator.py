@@ -33,8 +33,8 @@ from titan_recover.sim.calibration import calibrate, combined, periodic_run, pre
 
 SHOWN = {"failure_free": ("startup_s", "step_s"),
          "ckpt_restart": ("startup_s", "step_s", "checkpoint_save_s", "job_restart_s"),
-         "recover": ("startup_s", "step_s", "detect_s", "group_restart_s"),
-         "recover_spares": ("startup_s", "step_s", "detect_s", "group_restart_s")}
+         "recover": ("startup_s", "step_s", "detect_s", "group_restart_s", "restart_load"),
+         "recover_spares": ("startup_s", "step_s", "detect_s", "group_restart_s", "restart_load")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     schedules = [json.loads(pathlib.Path(p).read_text()) for p in args.results]
     names = [pathlib.Path(p).stem for p in args.results]
-    costs = [{mode: calibrate(run, s["setup"]["checkpoint_interval"]) for mode, run in s["runs"].items()}
-             for s in schedules]
+    costs = [{mode: calibrate(run, s["setup"]["checkpoint_interval"], s["setup"]["cpu_count"])
+              for mode, run in s["runs"].items()} for s in schedules]
     for name, measured in zip(names, costs):
         print(f"costs measured in {name} (s):")
         for mode, c in measured.items():

@@ -51,36 +51,50 @@ def fault_steps(run: dict) -> set[int]:
     return hit
 
 
-def calibrate(run: dict, checkpoint_interval: int) -> Costs:
+def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Costs:
     """The costs of one run, read from its timeline:
 
     * ``step_s``: median interval between commits, leaving out the first two steps, the steps after a checkpoint
-      save and the steps a fault fell in; ``startup_s``: launch to the first commit, less one step;
+      save, the steps a fault fell in and (replica-group modes) the steps while a lost group restarts;
+      ``startup_s``: launch to the first commit, less one step;
     * checkpoint-restart: ``checkpoint_save_s``, the median extra interval of a step after a save, and
       ``job_restart_s``, the mean from a fault to rank 0's next ``training_started`` (its checkpoint loaded);
-    * the replica-group modes: ``detect_s``, the mean extra interval of the steps a fault fell in, and
-      ``group_restart_s``, the mean from a fault to the next ``full_strength`` (transfer included).
+    * the replica-group modes: ``detect_s``, the mean extra interval of the steps a fault fell in,
+      ``group_restart_s``, the mean from a fault to the next ``full_strength`` (transfer included), and, with
+      ``compute_units`` shared by the groups (one CPU machine), ``restart_load``: the compute units a restarting
+      group's start-up takes, from how much slower the steps between a fault and full strength are.
     """
     commits, events = run["commits"], run["events"]
-    per_step = commit_intervals(commits)
     restart_mode = run["mode"] == "ckpt_restart"
-    saved_after = {s for s in per_step if restart_mode and s > 1 and (s - 1) % checkpoint_interval == 0}
     hit = fault_steps(run)
-    step_s = statistics.median(d for s, ds in per_step.items() if s > 2 and s not in saved_after | hit for d in ds)
-    costs = {"step_s": step_s, "startup_s": commits[0][0] - step_s, "spare_promotion_s": 0.0, "transfer_s": 0.0}
     faults = [e["t"] for e in events if e["event"] == "fault_injected"]
+    back = [e["t"] for e in events if e["event"] == "full_strength" and e["source"] == "0/0"]
+    down = [(f, min(t for t in back if t > f)) for f in faults if any(t > f for t in back)]
+    steady, restarting, saved = [], [], {}
+    for (t0, s0), (t1, s1) in zip(commits, commits[1:]):
+        if s1 != s0 + 1 or s1 <= 2 or s1 in hit:
+            continue
+        if restart_mode and (s1 - 1) % checkpoint_interval == 0:
+            saved.setdefault(s1, []).append(t1 - t0)
+        elif any(f < t1 <= b for f, b in down):
+            restarting.append(t1 - t0)
+        else:
+            steady.append(t1 - t0)
+    step_s = statistics.median(steady)
+    costs = {"step_s": step_s, "startup_s": commits[0][0] - step_s, "spare_promotion_s": 0.0, "transfer_s": 0.0}
     if restart_mode:
         costs["checkpoint_interval_s"] = checkpoint_interval * step_s
-        costs["checkpoint_save_s"] = max(0.0, statistics.median(
-            d for s in saved_after - hit for d in per_step[s]) - step_s)
+        costs["checkpoint_save_s"] = max(0.0, statistics.median(d for ds in saved.values() for d in ds) - step_s)
         starts = [e["t"] for e in events if e["event"] == "training_started" and e["source"] == "0/0"]
         costs["job_restart_s"] = statistics.mean(min(t for t in starts if t > f) - f for f in faults) if faults else 0
     elif faults:
+        per_step = commit_intervals(commits)
         stalls = [d - step_s for s in hit for d in per_step.get(s, [])]
         costs["detect_s"] = max(0.0, statistics.mean(stalls)) if stalls else 0.0
-        back = [e["t"] for e in events if e["event"] == "full_strength" and e["source"] == "0/0"]
-        repairs = [min(t for t in back if t > f) - f for f in faults if any(t > f for t in back)]
-        costs["group_restart_s"] = statistics.mean(repairs) if repairs else 0.0
+        costs["group_restart_s"] = statistics.mean(b - f for f, b in down) if down else 0.0
+        if compute_units and restarting:
+            slowdown = statistics.median(restarting) / step_s
+            costs["restart_load"] = max(0.0, compute_units * (1 - 1 / slowdown))
     return Costs(**costs)
 
 

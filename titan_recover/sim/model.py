@@ -36,10 +36,12 @@ class Cluster:
     all groups share n compute units, as the CPU benchmark's one-thread replica processes share this machine's
     cores: throughput proportional to ``min(groups computing, n)``."""
 
-    def capacity(self, computing: float) -> float:
-        """Throughput with ``computing`` groups' worth of work going on, as a share of all active groups'."""
+    def capacity(self, computing: float, taken: float = 0.0) -> float:
+        """Throughput with ``computing`` groups' worth of work going on, as a share of all active groups'; with
+        shared compute units, ``taken`` of them busy with something else (restarting groups starting up)."""
         if self.compute_units:
-            return min(computing, self.compute_units) / min(self.groups, self.compute_units)
+            free = max(0.0, self.compute_units - taken)
+            return min(computing, free) / min(self.groups, self.compute_units)
         return computing / self.groups
 
     def __post_init__(self) -> None:
@@ -89,6 +91,9 @@ class Costs:
     """titan_recover: how long a straggler slows every step before the quota policy gives it less work."""
     diloco_inner_steps: int = 50
     """Decoupled DiLoCo: a learner's unsent progress averages half of this many of its steps when it dies."""
+    restart_load: float = 0.0
+    """Shared compute units (``Cluster.compute_units``) a restarting group takes from the others while it is down:
+    on one CPU machine its start-up competes for the cores; on a cluster it starts on its own hosts (0)."""
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,8 @@ def _synchronous(name: str, cluster: Cluster, costs: Costs, trace: Trace, spares
         if live <= 0:
             return 0.0
         slow = min(slow, live)
-        share = cluster.capacity(live - slow + slow / f)  # the quota gives a confirmed straggler 1/f of a share
+        # the quota gives a confirmed straggler 1/f of a share; restarting groups may take shared compute
+        share = cluster.capacity(live - slow + slow / f, taken=missing * costs.restart_load)
         return share / f if waiting else share  # an unconfirmed straggler holds every step back
 
     useful = integrate(trace.horizon_s, [down, unconfirmed, confirmed], rate)
@@ -161,7 +162,7 @@ def diloco(cluster: Cluster, costs: Costs, trace: Trace, spares: int = 0) -> Out
         missing, slow = counts
         live = max(0, groups - missing)
         slow = min(slow, live)
-        return cluster.capacity(live - slow + slow / f)
+        return cluster.capacity(live - slow + slow / f, taken=missing * costs.restart_load)
 
     useful = integrate(trace.horizon_s, [down, straggles], rate) - costs.startup_s
     lost = trace.failures * (costs.diloco_inner_steps / 2) * costs.step_s / groups
