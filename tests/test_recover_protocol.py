@@ -295,13 +295,15 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
     beat(0, 1)
     coordinator._watch_liveness()
     assert not coordinator.excluded
-    watched_from = time.monotonic()
-    while not coordinator.excluded and time.monotonic() - watched_from < 5.0:
+    watched_from, unwatched_before = time.monotonic(), coordinator.watch.time.unwatched_s
+    while not coordinator.excluded and time.monotonic() - watched_from < 10.0:
         beat(0)  # replica 1 is silent from now on
         coordinator._watch_liveness()
         time.sleep(0.02)
     assert coordinator.excluded == {1}
-    assert 2.0 <= time.monotonic() - watched_from < 3.0
+    # after 2 s of watching (plus at most one look and a sleep), and any stall of this test process on a busy machine
+    stalls = coordinator.watch.time.unwatched_s - unwatched_before
+    assert 2.0 <= time.monotonic() - watched_from < 2.0 + 0.5 + stalls
     [detected] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure_detected"]
-    assert detected["replica"] == 1 and detected["beats"]["0"]["quiet_s"] > 2.0 and detected["unwatched_s"] > 2.5
+    assert detected["replica"] == 1 and detected["beats"]["0"]["quiet_s"] >= 2.0 and detected["unwatched_s"] > 2.5
     assert coordinator.store.check([Keys.fault(0)])

@@ -37,9 +37,9 @@ def test_hung_process_and_stuck_main_thread_are_dropped_after_their_timeouts(tmp
     detected = {e["replica"]: e for e in events if e["event"] == "failure_detected" and e["by"] == "coordinator"}
     assert detected[2]["dead_ranks"] == [0]
     assert detected[2]["time"] - injected[2] < 2.0 + 1.0  # heartbeat timeout + slack
-    assert detected[2]["beats"]["0"]["quiet_s"] > 2.0  # watched silent for the heartbeat timeout
+    assert detected[2]["beats"]["0"]["quiet_s"] >= 2.0  # watched silent for the heartbeat timeout (rounded to ms)
     assert detected[1]["hung_ranks"] == [0]
-    assert detected[1]["beats"]["0"]["quiet_s"] < 2.0 < progress_timeout_s < detected[1]["beats"]["0"]["still_s"]
+    assert detected[1]["beats"]["0"]["quiet_s"] < 2.0 < progress_timeout_s <= detected[1]["beats"]["0"]["still_s"]
     assert progress_timeout_s - 1.0 < detected[1]["time"] - injected[1] < progress_timeout_s + 5.0
 
 
