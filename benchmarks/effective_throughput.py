@@ -45,13 +45,12 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titan_recover.recover.chaos import JOB_START_ENV  # noqa: E402
 from titan_recover.recover.events import read_events  # noqa: E402
+from titan_recover.sim.calibration import periodic_failures  # noqa: E402
 
 CONFIG = "train_configs/replicas.toml"
 FIRST_FAILURE_S, PERIODIC_UNTIL_S = 40.0, 3600.0
@@ -179,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.every:
         if args.every <= 0:
             parser.error("--every must be > 0 seconds")
-        args.failures = [float(t) for t in np.arange(FIRST_FAILURE_S, PERIODIC_UNTIL_S, args.every)]
-        args.victims = [1 + i % (args.replicas - 1) for i in range(len(args.failures))]
+        schedule = periodic_failures(args.every, args.replicas - 1, FIRST_FAILURE_S, PERIODIC_UNTIL_S)
+        args.failures, args.victims = [t for t, _ in schedule], [v for _, v in schedule]
     if len(args.victims) != len(args.failures) or not all(0 < v < args.replicas for v in args.victims):
         parser.error("--victims needs one replica in [1, replicas) per failure")
     if "ckpt_restart" not in args.modes:

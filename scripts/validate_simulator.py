@@ -80,13 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     # and under a constant failure rate: a failure every `every` seconds for as long as each job runs
     print(f"\npredicted ratio recover / checkpoint-restart with a failure every N s for as long as each job runs "
           f"({names[0]}'s costs):")
-    ratios = {}
     for every in (120, 80, 60, 45, 40, 36, 32, 28):
         rates = {m: predict(periodic_run(m, every, setup["replicas"] - 1), costs[0][m], **shape)
                  for m in ("ckpt_restart", "recover")}
-        ratios[every] = rates["recover"] / rates["ckpt_restart"] if rates["ckpt_restart"] else float("inf")
+        ratio = rates["recover"] / rates["ckpt_restart"] if rates["ckpt_restart"] else float("inf")
         print(f"  every {every:4d} s: recover {rates['recover']:7.1f} tok/s, checkpoint-restart "
-              f"{rates['ckpt_restart']:7.1f} tok/s, ratio {ratios[every]:.2f}")
+              f"{rates['ckpt_restart']:7.1f} tok/s, ratio {ratio:.2f}")
     calibration = {k: round(v, 3) for k, v in combined(costs[0]).items()}
     pathlib.Path(args.calibration_out).write_text(json.dumps(calibration, indent=1) + "\n")
     print(f"\ncalibration for the simulator at scale (costs of {names[0]}, s): {json.dumps(calibration)}")

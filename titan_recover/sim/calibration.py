@@ -24,11 +24,17 @@ MAX_SLOWDOWN = 64
 """``predict`` gives up (0 tokens/s) on a run that would take this many times its failure-free time."""
 
 
+def periodic_failures(every_s: float, victims: int, first_s: float = 40.0,
+                      until_s: float = 1e5) -> list[tuple[float, int]]:
+    """``(time, replica)`` of a failure every ``every_s`` seconds from ``first_s`` until ``until_s`` (a constant
+    failure rate), replicas 1..``victims`` hit in turn: the schedule of ``effective_throughput.py --every``."""
+    return [(float(t), 1 + i % victims) for i, t in enumerate(np.arange(first_s, until_s, every_s))]
+
+
 def periodic_run(mode: str, every_s: float, victims: int, first_s: float = 40.0, horizon_s: float = 1e5) -> dict:
-    """A run record with a failure every ``every_s`` seconds from ``first_s`` on, for as long as the job runs (a
-    constant failure rate), replicas 1..``victims`` hit in turn: what ``predict`` needs of a run to predict it."""
-    times = np.arange(first_s, horizon_s, every_s)
-    events = [{"event": "fault_injected", "t": float(t), "replica": 1 + i % victims} for i, t in enumerate(times)]
+    """A run record with ``periodic_failures``, for as long as the job runs: what ``predict`` needs of a run."""
+    events = [{"event": "fault_injected", "t": t, "replica": replica}
+              for t, replica in periodic_failures(every_s, victims, first_s, horizon_s)]
     return {"mode": mode, "events": events}
 
 
