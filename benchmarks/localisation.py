@@ -35,7 +35,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan_recover.recover.consensus import replay_plan  # noqa: E402
+from titan_recover.recover.scout.consensus import replay_plan  # noqa: E402
 from titan_recover.recover.events import read_events  # noqa: E402
 
 REPLAY = 10

@@ -32,8 +32,8 @@ def _member(port: int, replica: int, args, results) -> None:
     import torch
     from torch.distributed import TCPStore
 
-    from titan_recover.recover.ftpg import FaultTolerantGroup
-    from titan_recover.recover.state_transfer import TrainingState, transfer
+    from titan_recover.recover.ftpg.gloo import FaultTolerantGroup
+    from titan_recover.recover.phoenix.state_transfer import TrainingState, transfer
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))

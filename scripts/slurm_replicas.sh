@@ -21,7 +21,7 @@ run_dir="${RUN_DIR:-$root/outputs/$(basename "$config" .toml)}"
 mkdir -p "$run_dir"
 export TITAN_RECOVER_RUN_DIR="$run_dir" TITAN_RECOVER_COORDINATOR="$head:$port" TORCH_GLOO_LAZY_INIT=1
 
-srun --nodes 1 --ntasks 1 -w "$head" --overlap "$PY" -m titan_recover.recover.coordinator \
+srun --nodes 1 --ntasks 1 -w "$head" --overlap "$PY" -m titan_recover.recover.groups.coordinator \
   --replicas "$replicas" --ranks-per-replica $(( gpus * nodes_per_replica )) --run-dir "$run_dir" \
   --host 0.0.0.0 --port "$port" &
 coordinator=$!

@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from titan_recover.recover.consensus import (
+from titan_recover.recover.scout.consensus import (
     fingerprint,
     join_signature,
     replay_plan,
@@ -134,7 +134,7 @@ class Events:
 
 def localizer(groups=3, **overrides):
     from titan_recover.recover.config import LocalizeConfig
-    from titan_recover.recover.localize import Localizer
+    from titan_recover.recover.scout.localize import Localizer
 
     events = Events()
     return Localizer(LocalizeConfig(**overrides), replica=0, position=1, groups=groups, events=events), events
@@ -142,7 +142,7 @@ def localizer(groups=3, **overrides):
 
 def reduced(groups, parameters: dict[int, int], replay: dict[int, int] | None = None) -> list[float]:
     """The evidence section as the reduction leaves it: each replica's own slots, summed."""
-    from titan_recover.recover.localize import Localizer
+    from titan_recover.recover.scout.localize import Localizer
     from titan_recover.recover.config import LocalizeConfig
 
     total = [0.0] * (6 * groups)
@@ -195,7 +195,7 @@ def test_replay_vote_attributes_the_holder_or_a_replayer():
 
 def test_straggler_reports_come_from_position_zero_only():
     from titan_recover.recover.config import LocalizeConfig
-    from titan_recover.recover.localize import Localizer
+    from titan_recover.recover.scout.localize import Localizer
 
     events = Events()
     rank0 = Localizer(LocalizeConfig(straggler_confirm_steps=2), replica=0, position=0, groups=3, events=events)
@@ -208,7 +208,7 @@ def test_straggler_reports_come_from_position_zero_only():
 
 
 def test_chaos_bit_flips_land_where_and_when_they_are_told():
-    from titan_recover.recover.chaos import ChaosMonkey, FaultSpec, flip_bit
+    from titan_recover.recover.chaos.monkey import ChaosMonkey, FaultSpec, flip_bit
 
     t = torch.tensor([1.0, 2.0])
     flip_bit(t, 1, 22)
@@ -255,7 +255,7 @@ def test_localize_config_errors_say_what_to_change():
 
 
 def test_recovery_picks_the_newest_verified_complete_checkpoint(tmp_path):
-    from titan_recover.recover.verified import attach_verified_load, mark_verified, read_verified, step_to_load
+    from titan_recover.recover.scout.verified import attach_verified_load, mark_verified, read_verified, step_to_load
 
     folder = tmp_path / "checkpoint"
     for step, complete in ((2, True), (4, True), (6, True), (8, False)):

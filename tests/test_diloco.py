@@ -13,10 +13,10 @@ import torch
 from torch.distributed import TCPStore
 
 from conftest import launch
-from titan_recover.recover.diloco import decode_versions, DilocoKeys, token_weights
+from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, token_weights
 from titan_recover.recover.events import read_events
 from titan_recover.recover.launcher import processes_of_run
-from titan_recover.recover.protocol import Heartbeat, Keys
+from titan_recover.recover.groups.protocol import Heartbeat, Keys
 
 
 def _config(*overrides: str):
@@ -37,8 +37,8 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
     """Three learners' send threads deliver to a real syncer store; learner 2 has been slow (3x the sync period)
     and is not waited for; the published global fragment is the Nesterov outer step on the token-weighted mean
     of the two deltas, bit for bit, and a pull thread fetches it."""
-    from titan_recover.recover.learner import Delta, DeltaSender, GlobalPuller, offer_parameters
-    from titan_recover.recover.syncer import Arrivals, Syncer
+    from titan_recover.recover.diloco.learner import Delta, DeltaSender, GlobalPuller, offer_parameters
+    from titan_recover.recover.diloco.syncer import Arrivals, Syncer
 
     config = _config("--recover.diloco.outer_lr", "0.5", "--recover.diloco.outer_momentum", "0.9")
     coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -93,7 +93,7 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
 
 
 def test_a_delta_queued_while_the_syncer_is_away_absorbs_the_next_one():
-    from titan_recover.recover.learner import Delta
+    from titan_recover.recover.diloco.learner import Delta
 
     first = Delta(1, 4, 100, (1, 3), torch.tensor([1.0, 2.0]))
     first.absorb(Delta(1, 8, 50, (1, 4), torch.tensor([0.5, -2.0])))
@@ -102,7 +102,7 @@ def test_a_delta_queued_while_the_syncer_is_away_absorbs_the_next_one():
 
 
 def test_learner_blocks_and_schedule():
-    from titan_recover.recover.diloco import schedule_step, total_blocks
+    from titan_recover.recover.diloco.rules import schedule_step, total_blocks
 
     assert total_blocks(steps=16, learners=3) == 48  # one inner step's microbatches per block
     # blocks are claimed in order, learners at a time: the schedule follows the job's progress
@@ -198,7 +198,7 @@ def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
 
 
 def test_a_block_given_back_is_taken_once_and_given_back_once():
-    from titan_recover.recover.learner import claim_requeued, requeue_block
+    from titan_recover.recover.diloco.learner import claim_requeued, requeue_block
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     store.set(DilocoKeys.block(1), "7 24")  # learner 1 died training block 7
@@ -213,7 +213,7 @@ def test_a_block_given_back_is_taken_once_and_given_back_once():
 
 
 def test_the_global_model_is_assembled_from_row_shards_and_not_from_column_shards():
-    from titan_recover.recover.syncer import assemble_rows
+    from titan_recover.recover.diloco.syncer import assemble_rows
 
     w, b = torch.arange(12.0).reshape(4, 3), torch.arange(4.0)
     rows = [{"names": ["w", "b"], "shapes": [[2, 3], [2]], "global_shapes": [[4, 3], [4]]}] * 2
@@ -228,7 +228,7 @@ def test_the_global_model_is_assembled_from_row_shards_and_not_from_column_shard
 
 
 def test_syncer_faults_are_checked():
-    from titan_recover.recover.chaos import FaultSpec
+    from titan_recover.recover.chaos.monkey import FaultSpec
 
     assert FaultSpec(kind="kill", process="syncer", phase="merge", step=3).process == "syncer"
     with pytest.raises(ValueError, match="cannot hit the syncer"):

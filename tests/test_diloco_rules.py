@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_recover.recover.diloco import (
+from titan_recover.recover.diloco.rules import (
     due_fragments,
     grace_window,
     merge_deltas,

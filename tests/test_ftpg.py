@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from titan_recover.recover.ftpg import FaultDetected, FaultTolerantGroup
+from titan_recover.recover.ftpg.gloo import FaultDetected, FaultTolerantGroup
 
 pytestmark = pytest.mark.multiprocess
 

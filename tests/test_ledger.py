@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from titan_recover.recover.config import QuotaConfig
-from titan_recover.recover.ledger import LedgerError, StepLedger
-from titan_recover.recover.step_recovery import StepRecovery
+from titan_recover.recover.invariant.ledger import LedgerError, StepLedger
+from titan_recover.recover.invariant.step_recovery import StepRecovery
 
 
 def ledger(policy="even", members=(0, 1, 2, 3), per_step=8, step=2, replicas=4, speeds=None):

@@ -9,9 +9,9 @@ import pathlib
 import pytest
 
 from replica_runs import metrics_by_replica, of, run_replicas
-from titan_recover.recover.beacon import Beacon, beacon_path, BeaconRecord, collective_fingerprint, read_beacon
+from titan_recover.recover.scout.beacon import Beacon, beacon_path, BeaconRecord, collective_fingerprint, read_beacon
 from titan_recover.recover.launcher import processes_of_run
-from titan_recover.recover.observer import diagnose
+from titan_recover.recover.scout.observer import diagnose
 
 
 def record(step, phase, seq, op="", when=100.0):

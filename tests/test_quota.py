@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from titan_recover.recover.quota import assign, deal, get_policy, policies, QuotaInput, reassign_orphans
+from titan_recover.recover.invariant.quota import assign, deal, get_policy, policies, QuotaInput, reassign_orphans
 
 
 def test_even_with_all_replicas_matches_hsdp_order():
@@ -51,7 +51,7 @@ def test_policy_registry_and_errors():
 
 
 def test_orphans_go_where_the_load_is_lowest():
-    from titan_recover.recover.quota import Assignment
+    from titan_recover.recover.invariant.quota import Assignment
 
     # replica 2 had already taken over more than its share: the lost ids go to the others first
     current = Assignment({0: (0, 1), 1: (2, 3), 2: (4, 5, 6, 7)}, "")

@@ -8,10 +8,10 @@ import pytest
 
 from titan_recover.config.apply import ConfigError
 from titan_recover.config.loader import build_config
-from titan_recover.recover.chaos import ChaosConfig, FaultSpec
+from titan_recover.recover.chaos.monkey import ChaosConfig, FaultSpec
 from titan_recover.recover.config import RecoverConfig
-from titan_recover.recover.coordinator import describe_beats
-from titan_recover.recover.protocol import (
+from titan_recover.recover.groups.coordinator import describe_beats
+from titan_recover.recover.groups.protocol import (
     all_joined,
     decide_commit,
     decide_members,
@@ -129,7 +129,7 @@ def test_chaos_schedule_is_seeded_and_checked():
 
 
 def test_chaos_monkey_logs_before_it_acts():
-    from titan_recover.recover.chaos import ChaosMonkey, InjectedFault
+    from titan_recover.recover.chaos.monkey import ChaosMonkey, InjectedFault
 
     class Events:
         def __init__(self):
@@ -153,7 +153,7 @@ def test_chaos_monkey_logs_before_it_acts():
 
 
 def test_slow_fault_makes_a_straggler_from_its_step_on():
-    from titan_recover.recover.chaos import ChaosMonkey, FaultSpec
+    from titan_recover.recover.chaos.monkey import ChaosMonkey, FaultSpec
 
     class Events:
         def emit(self, event, **fields):
@@ -170,7 +170,7 @@ def test_slow_fault_makes_a_straggler_from_its_step_on():
 
 
 def test_commit_decision_carries_the_admitted_replicas():
-    from titan_recover.recover.protocol import CommitDecision
+    from titan_recover.recover.groups.protocol import CommitDecision
 
     assert CommitDecision("commit").encode() == "commit"
     assert CommitDecision.decode(b"commit") == CommitDecision("commit", ())
@@ -184,7 +184,7 @@ def test_commit_decision_carries_the_admitted_replicas():
 
 
 def test_only_a_complete_newer_incarnation_is_ready_to_join():
-    from titan_recover.recover.protocol import ready_to_join
+    from titan_recover.recover.groups.protocol import ready_to_join
 
     registered = {
         0: {0: 0, 1: 0},  # a member
@@ -198,7 +198,7 @@ def test_only_a_complete_newer_incarnation_is_ready_to_join():
 
 
 def test_spares_hold_quota_only_while_an_active_replica_is_missing():
-    from titan_recover.recover.protocol import active_replicas
+    from titan_recover.recover.groups.protocol import active_replicas
 
     assert active_replicas([3, 0, 1, 2], 3) == (0, 1, 2)  # spare 3 on standby
     assert active_replicas([0, 2, 3], 3) == (0, 2, 3)  # replica 1 lost: the spare is promoted
@@ -207,8 +207,8 @@ def test_spares_hold_quota_only_while_an_active_replica_is_missing():
 
 
 def test_admission_value_and_incarnations_round_trip():
-    from titan_recover.recover.member import incarnation_from_env
-    from titan_recover.recover.protocol import decode_admission, encode_admission, Heartbeat
+    from titan_recover.recover.groups.member import incarnation_from_env
+    from titan_recover.recover.groups.protocol import decode_admission, encode_admission, Heartbeat
 
     assert decode_admission(encode_admission(7, (1, 3))) == (7, (1, 3))
     assert decode_admission(b"7|") == (7, ())
@@ -220,7 +220,7 @@ def test_admission_value_and_incarnations_round_trip():
 
 
 def test_chaos_faults_hit_only_the_incarnation_they_name():
-    from titan_recover.recover.chaos import ChaosMonkey, FaultSpec
+    from titan_recover.recover.chaos.monkey import ChaosMonkey, FaultSpec
 
     fired = []
 
@@ -238,7 +238,7 @@ def test_chaos_faults_hit_only_the_incarnation_they_name():
 
 
 def test_time_triggered_fault_fires_once_per_job_at_its_offset(tmp_path):
-    from titan_recover.recover.chaos import ChaosMonkey
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
 
     fired = []
 
@@ -274,9 +274,9 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
     (as when its store's server thread was not scheduled and the members' beats queued behind): nobody is declared
     dead. Then replica 1 stops beating while the coordinator watches: declared dead after about 2 s of watching,
     with what the coordinator saw in the event."""
-    from titan_recover.recover.coordinator import Coordinator
+    from titan_recover.recover.groups.coordinator import Coordinator
     from titan_recover.recover.events import read_events
-    from titan_recover.recover.protocol import Keys
+    from titan_recover.recover.groups.protocol import Keys
 
     coordinator = Coordinator(RecoverConfig(replicas=2), replicas=2, ranks_per_replica=1, run_dir=str(tmp_path),
                               host="127.0.0.1")

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from titan_recover.recover.state_transfer import ChecksumError, StateMismatch, TrainingState, transfer
+from titan_recover.recover.phoenix.state_transfer import ChecksumError, StateMismatch, TrainingState, transfer
 
 
 class Replica:
@@ -114,7 +114,7 @@ def test_a_replica_of_another_shape_is_refused_before_anything_is_overwritten():
 
 
 def test_pieces_cover_every_byte_once_and_large_tensors_go_as_themselves():
-    from titan_recover.recover.state_transfer import plan_pieces
+    from titan_recover.recover.phoenix.state_transfer import plan_pieces
 
     sizes = [10, 300, 5, 70]
     pieces = plan_pieces(sizes, chunk_bytes=64, direct_bytes=100)
@@ -148,7 +148,7 @@ def _member(port: int, replica: int, die_after_broadcasts: int | None, results) 
 
     from torch.distributed import TCPStore
 
-    from titan_recover.recover.ftpg import FaultDetected, FaultTolerantGroup
+    from titan_recover.recover.ftpg.gloo import FaultDetected, FaultTolerantGroup
 
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
     group = FaultTolerantGroup(store, epoch=0, members=(0, 1), replica=replica, position=0, timeout_s=20.0)

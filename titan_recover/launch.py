@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={options['--rdzv-endpoint']}"]
         if "--node-rank" in options:
             cmd += [f"--node-rank={options['--node-rank']}"]
-    from titan_recover.recover.chaos import JOB_START_ENV
+    from titan_recover.recover.chaos.monkey import JOB_START_ENV
 
     env = dict(os.environ, LOG_RANK=str(metrics_rank))
     env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here, across restarts
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"[titan_recover] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     if keeper_here:
-        from titan_recover.recover.snapshot import run_with_keeper
+        from titan_recover.recover.phoenix.snapshot import run_with_keeper
 
         return run_with_keeper(cmd, env, os.path.abspath(config.dump_folder))
     os.execve(cmd[0], cmd, env)

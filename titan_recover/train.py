@@ -41,8 +41,8 @@ def fresh_store_after_restart(environ=os.environ) -> None:
 def place_replica_outputs(config) -> None:
     """A replica group's own outputs go under ``<run>/replica_<i>/``; the per-step metrics of all replicas go to
     ``<run>/metrics.jsonl`` (tagged with the replica) and the events to ``<run>/events.jsonl``."""
-    from titan_recover.recover.member import REPLICA_ENV
-    from titan_recover.recover.member import RUN_DIR_ENV
+    from titan_recover.recover.groups.member import REPLICA_ENV
+    from titan_recover.recover.groups.member import RUN_DIR_ENV
 
     replica = int(os.environ[REPLICA_ENV])
     run_dir = os.path.abspath(os.environ.setdefault(RUN_DIR_ENV, os.path.abspath(config.dump_folder)))

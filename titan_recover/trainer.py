@@ -36,11 +36,12 @@ from torchtitan.trainer import Trainer  # noqa: E402
 from titan_recover.config.validate import resolve_layout  # noqa: E402
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
 from titan_recover.recover import RecoverConfig  # noqa: E402
-from titan_recover.recover import replica_step, snapshot  # noqa: E402
-from titan_recover.recover.chaos import ChaosConfig, ChaosMonkey  # noqa: E402
+from titan_recover.recover.modes import replica_step  # noqa: E402
+from titan_recover.recover.phoenix import snapshot  # noqa: E402
+from titan_recover.recover.chaos.monkey import ChaosConfig, ChaosMonkey  # noqa: E402
 from titan_recover.recover.events import EventLog  # noqa: E402
-from titan_recover.recover.member import incarnation_from_env  # noqa: E402
-from titan_recover.recover.state_transfer import TrainingState  # noqa: E402
+from titan_recover.recover.groups.member import incarnation_from_env  # noqa: E402
+from titan_recover.recover.phoenix.state_transfer import TrainingState  # noqa: E402
 
 
 def _placeholders() -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -67,7 +68,7 @@ class RecoverTrainer(Trainer):
     def __init__(self, config: Config):
         super().__init__(config)
         if config.recover.diloco_mode:
-            from titan_recover.recover.learner import attach_learner
+            from titan_recover.recover.diloco.learner import attach_learner
 
             attach_learner(self)
         elif config.recover.enabled:

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from titan_recover.recover.diloco.config import DilocoConfig
+from titan_recover.recover.invariant.quota import QuotaConfig
+from titan_recover.recover.phoenix.snapshot import SnapshotConfig
+from titan_recover.recover.scout.config import LocalizeConfig
+
 # (smaller, larger) pairs that must hold strictly; see docs/replica_groups.md "Timeouts".
 TIMEOUT_ORDER = (
     ("heartbeat_interval_s", "join_window_s"),
@@ -18,171 +23,7 @@ TIMEOUT_ORDER = (
 )
 
 
-@dataclass(kw_only=True, slots=True)
-class QuotaConfig:
-    """``[recover.quota]``: the step's global microbatches and who computes which (docs/invariant.md)."""
-
-    policy: str = "even"
-    """Registered quota policy: ``even`` (equal shares), ``throughput`` (shares proportional to measured speed),
-    ``drop`` (baseline with torchft's semantics: a lost replica's microbatches are skipped and the step in which it
-    is lost is discarded)."""
-
-    microbatches: int = 0
-    """M, replica microbatches per step (global ids ``(step - 1) * M ... step * M - 1``). 0: replicas x gradient
-    accumulation steps of one replica, the batch of the same job without failures."""
-
-    exact: bool = False
-    """Accumulate every microbatch's gradient and reduce across replicas in float64, cast back once: the committed
-    gradient then does not depend on which replica computed which microbatch (bitwise-equal failure runs), at twice
-    the gradient memory of the accumulator and twice the bytes reduced."""
-
-    speed_smoothing: float = 0.5
-    """Weight of the newest measurement in the speed estimate of each replica (exponential moving average)."""
-
-    def __post_init__(self) -> None:
-        from titan_recover.recover.quota import get_policy
-
-        get_policy(self.policy)  # raises, naming the registered policies
-        if self.microbatches < 0:
-            raise ValueError(f"recover.quota.microbatches must be >= 0 (0: replicas x accumulation), got {self.microbatches}")
-        if not 0 < self.speed_smoothing <= 1:
-            raise ValueError(f"recover.quota.speed_smoothing must be in (0, 1], got {self.speed_smoothing}")
-
-
-@dataclass(kw_only=True, slots=True)
-class SnapshotConfig:
-    """``[recover.snapshot]``: in-memory snapshots of a job without replicas (docs/phoenix.md)."""
-
-    interval: int = 0
-    """Every this many steps each rank's state goes to the host memory of its buddy node's keeper (0: off). For
-    ``[recover] replicas = 1`` (replicas restore from each other); with ``max_restarts > 0`` torchrun restarts the
-    job after a rank dies and every rank refills from the keepers instead of from disk."""
-
-    keepers: list[str] = field(default_factory=list)
-    """Keeper addresses ``HOST:PORT`` in node order for multi-node jobs (start ``python -m
-    titan_recover.recover.snapshot --port P`` on every node); empty: the launcher starts one on this node."""
-
-    def __post_init__(self) -> None:
-        if self.interval < 0:
-            raise ValueError(f"recover.snapshot.interval must be >= 0 (0: off), got {self.interval}")
-        bad = [k for k in self.keepers if not k.rpartition(":")[2].isdigit() or not k.rpartition(":")[0]]
-        if bad:
-            raise ValueError(f"recover.snapshot.keepers must be HOST:PORT addresses, got {bad}")
-
-
-INCONCLUSIVE_ACTIONS = ("stop", "continue")
-
-
-@dataclass(kw_only=True, slots=True)
-class LocalizeConfig:
-    """``[recover.localize]``: naming silent corruption and stragglers by consensus among replicas (docs/scout.md)."""
-
-    vote: bool = True
-    """Every rank signs its parameter shard (a 32-bit integer sum of its bits) into each step's reduction; the
-    members vote by strict majority before the step commits: an outlier replica is evicted and its microbatches
-    are computed by the others in the same step."""
-
-    replay_interval: int = 0
-    """Every this many steps one sampled microbatch is computed again by the two members after its holder and the
-    three gradient-and-loss signatures are voted on: catches corruption of a computation, which the reduction
-    would spread to every replica (0: off; needs deterministic kernels, which CPU and TorchTitan's
-    ``debug.deterministic`` give)."""
-
-    replay_seed: int = 0
-    """Seed of the sampled microbatch (a function of seed and step, the same on every rank)."""
-
-    on_inconclusive: str = "stop"
-    """Replicas disagree without a strict majority (two replicas, or a tie): ``stop`` the job without committing
-    the step (resume from the newest verified checkpoint), or ``continue`` (report it and commit)."""
-
-    straggler_threshold: float = 3.5
-    """Robust z-score (median / MAD over replicas) of time per microbatch above which a replica is slow."""
-
-    straggler_confirm_steps: int = 3
-    """Consecutive slow steps that confirm a straggler (and fast ones that clear it)."""
-
-    hang_threshold_s: float = 0.0
-    """Start a hang observer process next to every replica group: when a rank's progress beacon has not moved for
-    this long it names the rank behind or the diverged collective and writes a report (0: no observer). Must
-    exceed the longest step phase (one microbatch's forward and backward, the optimizer step)."""
-
-    end_hung: bool = True
-    """The observer ends a hung replica's processes, so that the others treat it as failed (and the launcher may
-    restart it)."""
-
-    def __post_init__(self) -> None:
-        if self.replay_interval < 0:
-            raise ValueError(f"recover.localize.replay_interval must be >= 0 (0: off), got {self.replay_interval}")
-        if self.on_inconclusive not in INCONCLUSIVE_ACTIONS:
-            raise ValueError(f"recover.localize.on_inconclusive must be one of {', '.join(INCONCLUSIVE_ACTIONS)}, "
-                             f"got {self.on_inconclusive!r}")
-        if self.hang_threshold_s < 0:
-            raise ValueError(f"recover.localize.hang_threshold_s must be >= 0 (0: no observer), got {self.hang_threshold_s}")
-        if self.straggler_threshold <= 0 or self.straggler_confirm_steps < 1:
-            raise ValueError("recover.localize.straggler_threshold must be > 0 and straggler_confirm_steps >= 1, "
-                             f"got {self.straggler_threshold} and {self.straggler_confirm_steps}")
-
-    @property
-    def witnesses(self) -> bool:
-        """Signatures travel in the reduction (a vote or a replay is on)."""
-        return self.vote or self.replay_interval > 0
-
-
 MODES = ("sync", "diloco", "checkpoint_restart")
-
-
-@dataclass(kw_only=True, slots=True)
-class DilocoConfig:
-    """``[recover.diloco]``: Decoupled DiLoCo, learners that never wait for each other (docs/diloco.md)."""
-
-    inner_steps: int = 50
-    """H: every fragment is sent to the syncer once every H inner steps of a learner."""
-
-    fragments: int = 4
-    """F: the parameters are split into F contiguous fragments whose syncs are staggered over the H steps."""
-
-    outer_lr: float = 0.7
-    """Learning rate of the syncer's outer optimizer (SGD with Nesterov momentum)."""
-
-    outer_momentum: float = 0.9
-    """Nesterov momentum of the outer optimizer (0: plain SGD)."""
-
-    min_quorum: int = 2
-    """A fragment's round merges once this many learners delivered a delta (fewer when fewer are alive)."""
-
-    max_window_s: float = 30.0
-    """Longest grace window after the quorum: a later learner is never waited for longer than this."""
-
-    checkpoint_interval_s: float = 60.0
-    """The syncer writes its state (global fragments, outer optimizer, versions, progress) this often: a syncer
-    crash costs at most this much of merged progress."""
-
-    eval_interval_s: float = 30.0
-    """The syncer evaluates the global model on the validation slice this often (0: only at start and end)."""
-
-    eval_microbatches: int = 4
-    """Size of the validation slice, in replica microbatches: the ids right after the job's training budget."""
-
-    syncer_max_restarts: int = 3
-    """How often the launcher restarts a syncer that crashed (it resumes from its checkpoint)."""
-
-    syncer_port: int = 0
-    """TCP port of the syncer's store; 0 picks a free one (its address is published through the coordinator)."""
-
-    def __post_init__(self) -> None:
-        for name in ("inner_steps", "fragments", "min_quorum", "eval_microbatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"recover.diloco.{name} must be >= 1, got {getattr(self, name)}")
-        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
-            raise ValueError("recover.diloco.outer_lr must be > 0 and outer_momentum in [0, 1), got "
-                             f"{self.outer_lr} and {self.outer_momentum}")
-        for name in ("max_window_s", "checkpoint_interval_s", "eval_interval_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"recover.diloco.{name} must be >= 0, got {getattr(self, name)}")
-        if self.checkpoint_interval_s == 0:
-            raise ValueError("recover.diloco.checkpoint_interval_s must be > 0: it bounds what a syncer crash costs")
-        if self.syncer_max_restarts < 0:
-            raise ValueError(f"recover.diloco.syncer_max_restarts must be >= 0, got {self.syncer_max_restarts}")
 
 
 @dataclass(kw_only=True, slots=True)

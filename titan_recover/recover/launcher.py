@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from titan_recover.recover.member import (
+from titan_recover.recover.groups.member import (
     connect,
     COORDINATOR_ENV,
     INCARNATION_ENV,
@@ -25,9 +25,9 @@ from titan_recover.recover.member import (
     REPLICA_ENV,
     RUN_DIR_ENV,
 )
-from titan_recover.recover.chaos import JOB_START_ENV
-from titan_recover.recover.diloco import DilocoKeys
-from titan_recover.recover.protocol import Keys
+from titan_recover.recover.chaos.monkey import JOB_START_ENV
+from titan_recover.recover.diloco.rules import DilocoKeys
+from titan_recover.recover.groups.protocol import Keys
 
 GRACE_S = 10.0
 
@@ -134,7 +134,7 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
     # would each take every core and thrash. Share the cores unless the user chose.
     base_env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(recover.groups * ranks_per_replica)))
     coordinator = _spawn(
-        [sys.executable, "-m", "titan_recover.recover.coordinator", "--replicas", str(recover.groups),
+        [sys.executable, "-m", "titan_recover.recover.groups.coordinator", "--replicas", str(recover.groups),
          "--ranks-per-replica", str(ranks_per_replica), "--run-dir", run_dir, "--host", "127.0.0.1",
          "--port", str(recover.coordinator_port), "--recover-json", json.dumps(asdict(recover)),
          "--address-file", address_file],
@@ -169,7 +169,7 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
                 if slot.observer is not None and slot.observer.poll() is None:
                     _signal_group(slot.observer, signal.SIGTERM)
                 slot.observer = _spawn(
-                    [sys.executable, "-m", "titan_recover.recover.observer", "--run-dir", run_dir, "--replica",
+                    [sys.executable, "-m", "titan_recover.recover.scout.observer", "--run-dir", run_dir, "--replica",
                      str(slot.index), "--incarnation", str(slot.incarnation), "--ranks", str(ranks_per_replica),
                      "--threshold-s", str(threshold), *(["--end-hung"] if recover.localize.end_hung else [])],
                     base_env, f"[observer {slot.index}] ")
@@ -182,7 +182,7 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
 
             def spawn_syncer() -> None:
                 syncer.proc = _spawn(
-                    [sys.executable, "-m", "titan_recover.recover.syncer", "--coordinator", address, "--run-dir",
+                    [sys.executable, "-m", "titan_recover.recover.diloco.syncer", "--coordinator", address, "--run-dir",
                      run_dir, "--positions", str(ranks_per_replica), "--start", str(syncer.incarnation),
                      *([toml_path] if toml_path else []), *overrides],
                     dict(base_env, OMP_NUM_THREADS="1"), "[syncer] ")

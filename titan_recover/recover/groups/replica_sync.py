@@ -3,7 +3,7 @@
 :meth:`ReplicaSync.reduce_once` is the only place a step's cross-replica result is decided. It reduces a buffer
 (a *copy* of the local gradients, with the step's ledger) over the fault-tolerant group, then runs the commit
 barrier: ``commit`` and the buffer holds the sum; ``abort`` (a fault anywhere in the epoch) and the rank has moved
-to the next epoch, where the caller (:mod:`~titan_recover.recover.step_recovery`) completes the step's microbatches
+to the next epoch, where the caller (:mod:`~titan_recover.recover.invariant.step_recovery`) completes the step's microbatches
 and tries again. The start-up broadcast goes through the same commit barrier (as step 0), so that every member
 agrees on the epoch the first step's quotas start from. :meth:`ReplicaSync.admit_pending` runs the admission of
 restarted replicas at a step boundary (docs/phoenix.md): a commit's decision names the ready joiners, the
@@ -19,9 +19,9 @@ import torch
 
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.ftpg import FaultDetected, FaultTolerantGroup, fault_time_and_reason, raise_fault_flag
-from titan_recover.recover.member import read_dropped, read_join_requests, ReplicaMember
-from titan_recover.recover.protocol import (
+from titan_recover.recover.ftpg.gloo import FaultDetected, FaultTolerantGroup, fault_time_and_reason, raise_fault_flag
+from titan_recover.recover.groups.member import read_dropped, read_join_requests, ReplicaMember
+from titan_recover.recover.groups.protocol import (
     CommitDecision,
     decide_commit,
     decode_admission,
@@ -29,7 +29,7 @@ from titan_recover.recover.protocol import (
     Keys,
     ready_to_join,
 )
-from titan_recover.recover.state_transfer import ChecksumError, transfer, TrainingState
+from titan_recover.recover.phoenix.state_transfer import ChecksumError, transfer, TrainingState
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from titan_recover.recover.config import RecoverConfig
-from titan_recover.recover.protocol import decode_members, Heartbeat, Keys
+from titan_recover.recover.groups.protocol import decode_members, Heartbeat, Keys
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ReplicaMember:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.beacon = None
-        """A :class:`~titan_recover.recover.beacon.Beacon` for the hang observer, or None."""
+        """A :class:`~titan_recover.recover.scout.beacon.Beacon` for the hang observer, or None."""
 
     # ---- main thread -------------------------------------------------------------------------------------
     def progress(self, step: int | None = None, phase: str | None = None) -> None:

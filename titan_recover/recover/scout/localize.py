@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from titan_recover.recover.config import LocalizeConfig
-from titan_recover.recover.consensus import (
+from titan_recover.recover.scout.consensus import (
     join_signature,
     replay_plan,
     ReplayPlan,

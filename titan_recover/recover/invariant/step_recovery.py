@@ -1,7 +1,7 @@
 """The step recovery manager: one replica's part of a step, from its quota to the commit (docs/invariant.md).
 
 :meth:`StepRecovery.run` computes this replica's quota of the step's microbatch ids, then loops: catch up with the
-epochs the coordinator has published (each applied to the :class:`~titan_recover.recover.ledger.StepLedger` in
+epochs the coordinator has published (each applied to the :class:`~titan_recover.recover.invariant.ledger.StepLedger` in
 order, computing any ids taken over from lost replicas on top of the preserved local accumulation), reduce the
 accumulation together with the ledger over the fault-tolerant group, and commit, or, on abort, go round again in
 the new epoch. ``max_epochs_per_step`` bounds the loop. Whatever phase a failure hits, the step commits with every
@@ -12,8 +12,8 @@ The manager does not know about models or tensors' meaning: the trainer gives it
 (forward and backward of microbatch ``g``, accumulating locally; with ``witness`` it also returns the signature of
 that microbatch's gradient and loss, and ``"replay"`` leaves nothing accumulated) and ``pack(tail)`` (the flat
 buffer to reduce: the local accumulation followed by ``tail``). With a
-:class:`~titan_recover.recover.localize.Localizer` the tail carries the witnesses' signatures too and the sync
-judges them before the commit (docs/scout.md). It talks to a :class:`~titan_recover.recover.replica_sync.ReplicaSync`
+:class:`~titan_recover.recover.scout.localize.Localizer` the tail carries the witnesses' signatures too and the sync
+judges them before the commit (docs/scout.md). It talks to a :class:`~titan_recover.recover.groups.replica_sync.ReplicaSync`
 (``catch_up``, ``epoch``, ``members_of``, ``reduce_once``, ``committed_epoch``, ``committed_members``,
 ``recoveries``, ``events``), which tests replace with a fake.
 """
@@ -27,10 +27,10 @@ from typing import Callable
 import torch
 
 from titan_recover.recover.config import QuotaConfig
-from titan_recover.recover.ledger import StepLedger
-from titan_recover.recover.localize import Localizer
-from titan_recover.recover.protocol import active_replicas
-from titan_recover.recover.quota import get_policy
+from titan_recover.recover.invariant.ledger import StepLedger
+from titan_recover.recover.scout.localize import Localizer
+from titan_recover.recover.groups.protocol import active_replicas
+from titan_recover.recover.invariant.quota import get_policy
 
 
 @dataclass
@@ -105,7 +105,7 @@ class StepRecovery:
 
     def tail_size(self) -> int:
         """Entries after the local accumulation and loss: ledger (M), speeds (R), evidence (signatures, see
-        :class:`~titan_recover.recover.localize.Localizer`), failures seen (1)."""
+        :class:`~titan_recover.recover.scout.localize.Localizer`), failures seen (1)."""
         return self.per_step + self.replicas + self.evidence_size + 1
 
     def run(self, step: int) -> StepOutcome:

@@ -1,6 +1,6 @@
 """The diloco syncer: global parameters, the outer optimizer, and the merges (docs/diloco.md).
 
-    python -m titan_recover.recover.syncer --coordinator HOST:PORT --run-dir DIR --positions W [--start N]
+    python -m titan_recover.recover.diloco.syncer --coordinator HOST:PORT --run-dir DIR --positions W [--start N]
         [CONFIG.toml] [--section.key value ...]
 
 One process per job, started (and restarted after a crash) by the launcher. It hosts its own store, publishes its
@@ -25,8 +25,8 @@ from datetime import timedelta
 
 import torch
 
-from titan_recover.recover.blobs import delete_blob, get_blob, put_blob
-from titan_recover.recover.diloco import (
+from titan_recover.recover.groups.blobs import delete_blob, get_blob, put_blob
+from titan_recover.recover.diloco.rules import (
     DilocoKeys,
     encode_versions,
     GraceDecision,
@@ -38,10 +38,10 @@ from titan_recover.recover.diloco import (
     Version,
 )
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.learner import requeue_block
-from titan_recover.recover.member import connect
-from titan_recover.recover.protocol import Heartbeat, Keys, LivenessWatch
-from titan_recover.recover.state_transfer import bytes_view
+from titan_recover.recover.diloco.learner import requeue_block
+from titan_recover.recover.groups.member import connect
+from titan_recover.recover.groups.protocol import Heartbeat, Keys, LivenessWatch
+from titan_recover.recover.phoenix.state_transfer import bytes_view
 
 logger = logging.getLogger("titan_recover.syncer")
 
@@ -384,7 +384,7 @@ class Syncer:
         self._log_metrics(now, merge=record)
         for fault in self.faults:
             if fault.step == self.merges:
-                from titan_recover.recover.chaos import FAULTS
+                from titan_recover.recover.chaos.monkey import FAULTS
 
                 self.events.emit("fault_injected", kind=fault.kind, step=self.merges, phase="merge", pid=os.getpid(),
                                  process="syncer")

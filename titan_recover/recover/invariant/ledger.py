@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from titan_recover.recover.protocol import active_replicas
-from titan_recover.recover.quota import Assignment, assign, get_policy, reassign_orphans
+from titan_recover.recover.groups.protocol import active_replicas
+from titan_recover.recover.invariant.quota import Assignment, assign, get_policy, reassign_orphans
 
 
 class LedgerError(RuntimeError):

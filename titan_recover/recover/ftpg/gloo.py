@@ -19,7 +19,7 @@ import torch
 from torch.distributed import PrefixStore, Store
 from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ProcessGroupGloo, ReduceOp
 
-from titan_recover.recover.protocol import Keys
+from titan_recover.recover.groups.protocol import Keys
 
 
 class FaultDetected(RuntimeError):

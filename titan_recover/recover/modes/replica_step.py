@@ -3,7 +3,7 @@
 Called from :class:`titan_recover.trainer.RecoverTrainer`'s hooks; TorchTitan's trainer does everything else.
 In replica mode TorchTitan's loop still drives the step (zero_grad, its gradient-accumulation calls, clipping, the
 optimizer, logging), but its first ``forward_backward_step`` call runs the whole step through
-:class:`~titan_recover.recover.step_recovery.StepRecovery`: this replica's quota of global microbatch ids, fetched
+:class:`~titan_recover.recover.invariant.step_recovery.StepRecovery`: this replica's quota of global microbatch ids, fetched
 by address, forward and backward with the loss scaled by the constant ``1 / tokens of the global batch``; FSDP2
 reduces over the replica's own ranks as usual; across replicas every rank sums its local gradient shards with the
 same position in the other member replicas, together with the step's ledger; lost replicas' ids are computed by
@@ -24,12 +24,12 @@ from titan_recover import platform
 platform.activate()  # before any TorchTitan module that copies the device globals
 
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
-from titan_recover.recover.beacon import Beacon, beacon_path  # noqa: E402
-from titan_recover.recover.chaos import ChaosMonkey  # noqa: E402
-from titan_recover.recover.consensus import fingerprint  # noqa: E402
+from titan_recover.recover.scout.beacon import Beacon, beacon_path  # noqa: E402
+from titan_recover.recover.chaos.monkey import ChaosMonkey  # noqa: E402
+from titan_recover.recover.scout.consensus import fingerprint  # noqa: E402
 from titan_recover.recover.events import EventLog  # noqa: E402
-from titan_recover.recover.localize import DISAGREEMENT, Localizer  # noqa: E402
-from titan_recover.recover.member import (  # noqa: E402
+from titan_recover.recover.scout.localize import DISAGREEMENT, Localizer  # noqa: E402
+from titan_recover.recover.groups.member import (  # noqa: E402
     COORDINATOR_ENV,
     Excluded,
     EXIT_EXCLUDED,
@@ -40,11 +40,11 @@ from titan_recover.recover.member import (  # noqa: E402
     RUN_DIR_ENV,
     TooFewReplicas,
 )
-from titan_recover.recover.protocol import active_replicas  # noqa: E402
-from titan_recover.recover.replica_sync import ReplicaSync  # noqa: E402
-from titan_recover.recover.state_transfer import local_tensor  # noqa: E402
-from titan_recover.recover.step_recovery import StepOutcome, StepRecovery  # noqa: E402
-from titan_recover.recover.verified import attach_verified_load, mark_verified  # noqa: E402
+from titan_recover.recover.groups.protocol import active_replicas  # noqa: E402
+from titan_recover.recover.groups.replica_sync import ReplicaSync  # noqa: E402
+from titan_recover.recover.phoenix.state_transfer import local_tensor  # noqa: E402
+from titan_recover.recover.invariant.step_recovery import StepOutcome, StepRecovery  # noqa: E402
+from titan_recover.recover.scout.verified import attach_verified_load, mark_verified  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The coordinator: hosts the run's TCPStore, judges liveness from heartbeats, forms membership epochs.
 
-    python -m titan_recover.recover.coordinator --replicas R --ranks-per-replica W --run-dir DIR [--port P]
+    python -m titan_recover.recover.groups.coordinator --replicas R --ranks-per-replica W --run-dir DIR [--port P]
 
 One small process per job (started by the launcher, or by hand on the head node of a multi-node job). It decides
 nothing about training itself: it raises fault flags for members that stopped beating or progressing, and after
@@ -24,9 +24,9 @@ from torch.distributed import TCPStore
 
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.ftpg import fault_time_and_reason, raise_fault_flag
-from titan_recover.recover.member import read_join_requests
-from titan_recover.recover.protocol import (
+from titan_recover.recover.ftpg.gloo import fault_time_and_reason, raise_fault_flag
+from titan_recover.recover.groups.member import read_join_requests
+from titan_recover.recover.groups.protocol import (
     all_joined,
     decide_members,
     decode_admission,

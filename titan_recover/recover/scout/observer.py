@@ -1,11 +1,11 @@
 """The hang observer: an out-of-band process per replica group that names who hangs (docs/scout.md).
 
-    python -m titan_recover.recover.observer --run-dir DIR --replica I --incarnation N --ranks W --threshold-s T
+    python -m titan_recover.recover.scout.observer --run-dir DIR --replica I --incarnation N --ranks W --threshold-s T
         [--end-hung]
 
 Started by the launcher next to every start of a replica group's torchrun (``[recover.localize] hang_threshold_s
 > 0``). It is not a thread of the trainer, so it works while every trainer thread is blocked in a collective. It
-only reads the ranks' beacons (:mod:`titan_recover.recover.beacon`, shared memory on the node): a healthy run sends
+only reads the ranks' beacons (:mod:`titan_recover.recover.scout.beacon`, shared memory on the node): a healthy run sends
 nothing beyond them. When some rank's beacon has not moved for ``T`` seconds, :func:`diagnose` names the rank
 that is behind or whose collective diverged; the observer writes ``hang_report_replica{I}_start{N}.json`` to the
 run folder, emits ``hang_detected``, and with ``--end-hung`` ends the replica's processes, so that the
@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from titan_recover.recover.beacon import beacon_path, BeaconRecord, read_beacon
+from titan_recover.recover.scout.beacon import beacon_path, BeaconRecord, read_beacon
 from titan_recover.recover.events import EventLog
 
 logger = logging.getLogger("titan_recover.observer")

@@ -29,17 +29,39 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
-from titan_recover.recover.blobs import get_blob, put_blob
-from titan_recover.recover.state_transfer import bytes_view, tensor_spec, checksum, StateMismatch, TrainingState
+from titan_recover.recover.groups.blobs import get_blob, put_blob
+from titan_recover.recover.phoenix.state_transfer import bytes_view, tensor_spec, checksum, StateMismatch, TrainingState
 
 logger = logging.getLogger(__name__)
 
 KEEPERS_ENV = "TITAN_RECOVER_SNAPSHOT_KEEPERS"
 """Comma-separated HOST:PORT of the keepers, one per node in node order (set by the launcher)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SnapshotConfig:
+    """``[recover.snapshot]``: in-memory snapshots of a job without replicas (docs/phoenix.md)."""
+
+    interval: int = 0
+    """Every this many steps each rank's state goes to the host memory of its buddy node's keeper (0: off). For
+    ``[recover] replicas = 1`` (replicas restore from each other); with ``max_restarts > 0`` torchrun restarts the
+    job after a rank dies and every rank refills from the keepers instead of from disk."""
+
+    keepers: list[str] = field(default_factory=list)
+    """Keeper addresses ``HOST:PORT`` in node order for multi-node jobs (start ``python -m
+    titan_recover.recover.phoenix.snapshot --port P`` on every node); empty: the launcher starts one on this node."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"recover.snapshot.interval must be >= 0 (0: off), got {self.interval}")
+        bad = [k for k in self.keepers if not k.rpartition(":")[2].isdigit() or not k.rpartition(":")[0]]
+        if bad:
+            raise ValueError(f"recover.snapshot.keepers must be HOST:PORT addresses, got {bad}")
 
 
 def buddy_node(node: int, nodes: int) -> int:
@@ -248,7 +270,7 @@ def run_with_keeper(cmd: list[str], env: dict, run_dir: str) -> int:
     address_file = os.path.join(run_dir, "snapshot_keeper.port")
     if os.path.exists(address_file):
         os.remove(address_file)
-    keeper = subprocess.Popen([sys.executable, "-m", "titan_recover.recover.snapshot", "--address-file", address_file],
+    keeper = subprocess.Popen([sys.executable, "-m", "titan_recover.recover.phoenix.snapshot", "--address-file", address_file],
                               env=env, start_new_session=True)
     try:
         port = wait_for_port(address_file, keeper, "snapshot keeper")

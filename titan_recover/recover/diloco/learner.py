@@ -30,8 +30,8 @@ from datetime import timedelta
 
 import torch
 
-from titan_recover.recover.blobs import get_blob, put_blob
-from titan_recover.recover.diloco import (
+from titan_recover.recover.groups.blobs import get_blob, put_blob
+from titan_recover.recover.diloco.rules import (
     decode_versions,
     DilocoKeys,
     due_fragments,
@@ -40,8 +40,8 @@ from titan_recover.recover.diloco import (
     total_blocks,
     Version,
 )
-from titan_recover.recover.member import connect
-from titan_recover.recover.state_transfer import bytes_view, local_tensor
+from titan_recover.recover.groups.member import connect
+from titan_recover.recover.phoenix.state_transfer import bytes_view, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -506,9 +506,9 @@ class Learner:
 def attach_learner(trainer) -> Learner:
     """Join the job as a learner: the event log and fault injection of this rank, heartbeats to the coordinator
     (the syncer reads them), then :meth:`Learner.start`. Sets ``trainer.chaos`` and ``trainer.learner``."""
-    from titan_recover.recover.chaos import ChaosMonkey
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
     from titan_recover.recover.events import EventLog
-    from titan_recover.recover.member import (COORDINATOR_ENV, incarnation_from_env, REPLICA_ENV,
+    from titan_recover.recover.groups.member import (COORDINATOR_ENV, incarnation_from_env, REPLICA_ENV,
                                               ReplicaMember, RUN_DIR_ENV)
 
     config = trainer.config

@@ -176,3 +176,32 @@ def reassign_orphans(policy: str, current: Assignment, survivors: Sequence[int],
     lost = sorted(m for m in current.ids if m not in survivors)
     return Assignment(ids, f"replicas {lost} lost: their {len(orphans)} microbatches to survivors towards "
                            f"{reason}")
+
+
+@dataclass(kw_only=True, slots=True)
+class QuotaConfig:
+    """``[recover.quota]``: the step's global microbatches and who computes which (docs/invariant.md)."""
+
+    policy: str = "even"
+    """Registered quota policy: ``even`` (equal shares), ``throughput`` (shares proportional to measured speed),
+    ``drop`` (baseline with torchft's semantics: a lost replica's microbatches are skipped and the step in which it
+    is lost is discarded)."""
+
+    microbatches: int = 0
+    """M, replica microbatches per step (global ids ``(step - 1) * M ... step * M - 1``). 0: replicas x gradient
+    accumulation steps of one replica, the batch of the same job without failures."""
+
+    exact: bool = False
+    """Accumulate every microbatch's gradient and reduce across replicas in float64, cast back once: the committed
+    gradient then does not depend on which replica computed which microbatch (bitwise-equal failure runs), at twice
+    the gradient memory of the accumulator and twice the bytes reduced."""
+
+    speed_smoothing: float = 0.5
+    """Weight of the newest measurement in the speed estimate of each replica (exponential moving average)."""
+
+    def __post_init__(self) -> None:
+        get_policy(self.policy)  # raises, naming the registered policies
+        if self.microbatches < 0:
+            raise ValueError(f"recover.quota.microbatches must be >= 0 (0: replicas x accumulation), got {self.microbatches}")
+        if not 0 < self.speed_smoothing <= 1:
+            raise ValueError(f"recover.quota.speed_smoothing must be in (0, 1], got {self.speed_smoothing}")
