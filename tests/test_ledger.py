@@ -15,7 +15,7 @@ import torch
 
 from titan_recover.recover.config import QuotaConfig
 from titan_recover.recover.invariant.ledger import LedgerError, StepLedger
-from titan_recover.recover.invariant.step_recovery import StepRecovery
+from titan_recover.recover.invariant.step_recovery import StepConfig, StepRecovery
 
 
 def ledger(policy="even", members=(0, 1, 2, 3), per_step=8, step=2, replicas=4, speeds=None):
@@ -131,7 +131,7 @@ class SimulatedReplicas:
             def members_of(self, epoch):
                 return sim.epochs[epoch]
 
-            def reduce_once(self, _step, buffer, attempt=1):
+            def reduce_once(self, _step, buffer, attempt=1, verify=None):
                 if sim.dies.get(replica) == "reduction":
                     sim.lose(replica)
                     raise SystemExit
@@ -157,20 +157,26 @@ class SimulatedReplicas:
         outcomes: dict[int, object] = {}
 
         def replica_main(r: int) -> None:
-            local = torch.zeros(3, dtype=torch.float64)
+            sim = self
 
-            def compute(g):
-                if self.dies.get(r) == "forward":
-                    self.lose(r)
-                    raise SystemExit
-                self.computed[r].append(g)
-                local.add_(self.value(g))
+            class Worker:
+                numel = 3
 
-            def pack(tail):
-                return torch.cat([local, torch.tensor([0.0]), torch.tensor(tail, dtype=torch.float64)])
+                def __init__(self):
+                    self.local = torch.zeros(3, dtype=torch.float64)
+
+                def compute(self, g, witness=None):
+                    if sim.dies.get(r) == "forward":
+                        sim.lose(r)
+                        raise SystemExit
+                    sim.computed[r].append(g)
+                    self.local.add_(sim.value(g))
+
+                def contribution(self):
+                    return self.local, torch.zeros(()), 0.0
 
             manager = StepRecovery(QuotaConfig(policy=self.policy), replica=r, replicas=self.replicas,
-                                   per_step=self.per_step, sync=self.sync(r), compute=compute, pack=pack)
+                                   per_step=self.per_step, sync=self.sync(r), worker=Worker(), dtype=torch.float64)
             try:
                 outcomes[r] = manager.run(step)
             except SystemExit:
@@ -195,7 +201,7 @@ def test_manager_a_replica_lost_in_forward_has_its_ids_computed_by_survivors():
     assert everything == list(range(6))  # replica 1 computed nothing; all ids once
     expected = sum(sim.value(g) for g in range(6))
     for o in survivors:
-        assert torch.equal(o.summed[:3], expected)
+        assert torch.equal(o.reduced.gradient, expected)
         assert o.recomputed == 2 and o.quotas == {0: 2, 1: 2, 2: 2}
 
 
@@ -205,7 +211,7 @@ def test_manager_a_replica_lost_in_reduction_keeps_the_survivors_accumulation():
     assert outcomes[2] == "dead"
     for r in (0, 1):
         assert outcomes[r].committed == 6
-        assert torch.equal(outcomes[r].summed[:3], sum(sim.value(g) for g in range(6)))
+        assert torch.equal(outcomes[r].reduced.gradient, sum(sim.value(g) for g in range(6)))
     # replica 2's two ids were recomputed by the survivors on top of what they had
     assert sorted(sim.computed[0] + sim.computed[1]) == list(range(6))
 
@@ -217,6 +223,18 @@ def test_manager_drop_discards_the_failed_step_and_commits_fewer():
         assert outcomes[r].committed == 4 and outcomes[r].discarded and outcomes[r].recomputed == 0
 
 
+class IdleWorker:
+    """A worker whose microbatches add nothing (the manager's bookkeeping alone is under test)."""
+
+    numel = 1
+
+    def compute(self, g, witness=None):
+        return None
+
+    def contribution(self):
+        return torch.zeros(1), torch.zeros(()), 0.0
+
+
 def test_manager_gives_up_after_the_epoch_bound():
     class NeverCommits:
         epoch, members, committed_epoch, committed_members = 0, (0, 1), 0, (0, 1)
@@ -225,18 +243,18 @@ def test_manager_gives_up_after_the_epoch_bound():
         def catch_up(self, _step):
             pass
 
-        def reduce_once(self, *_args):
+        def reduce_once(self, *_args, verify=None):
             return False
 
-    manager = StepRecovery(QuotaConfig(), replica=0, replicas=2, per_step=2, sync=NeverCommits(),
-                           compute=lambda g: None, pack=lambda tail: torch.tensor(tail), max_epochs_per_step=2)
+    manager = StepRecovery(QuotaConfig(), replica=0, replicas=2, per_step=2, sync=NeverCommits(), worker=IdleWorker(),
+                           config=StepConfig(max_epochs_per_step=2))
     with pytest.raises(RuntimeError, match="failed in 3 consecutive epochs"):
         manager.run(1)
 
 
 def test_manager_smooths_committed_speeds_and_the_next_plan_uses_them():
     manager = StepRecovery(QuotaConfig(policy="throughput", speed_smoothing=0.5), replica=0, replicas=3,
-                           per_step=10, sync=None, compute=lambda g: None, pack=lambda tail: torch.tensor(tail))
+                           per_step=10, sync=None, worker=IdleWorker())
     manager._update_speeds([2.0, 0.0, 1.0])  # replica 1 computed nothing: no measurement
     manager._update_speeds([4.0, 1.0, 1.0])
     assert manager.speeds == {0: 3.0, 1: 1.0, 2: 1.0}

@@ -23,10 +23,13 @@ class Replica:
         self.step = 0
 
     def state(self) -> TrainingState:
-        return TrainingState([self.model], [self.optimizer], self.scheduler, lambda: self.step, self._set_step)
+        return TrainingState([self.model], [self.optimizer], self.scheduler, train_state=self)
 
-    def _set_step(self, step: int) -> None:
-        self.step = step
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
 
     def train_step(self, batch: int) -> None:
         g = torch.Generator().manual_seed(batch)

@@ -6,15 +6,34 @@ from types import SimpleNamespace
 
 import torch
 
-from titan_recover.data.loader import AddressableDataLoader
-from titan_recover.trainer import RecoverTrainer
+from titan_recover.trainer import RecoverTrainer  # first: it activates the platform before TorchTitan loads
+
+from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
+from titan_recover.metrics import RunMetrics  # noqa: E402
+from titan_recover.recover.modes.base import Mode  # noqa: E402
+
+
+class FakeParts(SimpleNamespace):
+    def batch_layout(self):
+        return self.layout
+
+
+def fake_mode(dp: int, rank: int, accumulation: int) -> Mode:
+    """TorchTitan's data order, as the ``single`` mode (the base mode) gives it."""
+    return Mode(None, parts=FakeParts(gradient_accumulation_steps=accumulation, layout=(dp, rank)))
 
 
 def fake_trainer(dp: int, rank: int, accumulation: int, **extra) -> SimpleNamespace:
-    fake = SimpleNamespace(gradient_accumulation_steps=accumulation, batch_layout=lambda: (dp, rank), learner=None,
-                           **extra)
-    fake.microbatch_order = lambda step: RecoverTrainer.microbatch_order(fake, step)
-    return fake
+    return SimpleNamespace(mode=fake_mode(dp, rank, accumulation), **extra)
+
+
+class CountingMetrics:
+    """The metrics processor's batch counters (``RunMetrics.record_batch`` on them)."""
+
+    record_batch = RunMetrics.record_batch
+
+    def __init__(self):
+        self.ntokens_since_last_log, self.data_loading_times = 0, []
 
 
 def test_each_step_consumes_exactly_its_global_microbatch_ids():
@@ -25,7 +44,7 @@ def test_each_step_consumes_exactly_its_global_microbatch_ids():
         for replica in range(replicas):
             for shard in range(shards):
                 trainer = fake_trainer(replicas * shards, replica * shards + shard, accumulation)
-                for n in trainer.microbatch_order(step):
+                for n in trainer.mode.local_batches(step):
                     g, s = divmod(n, shards)
                     assert s == shard  # a rank only ever reads its own shard's rows
                     ids.append(g)
@@ -42,7 +61,7 @@ def test_batches_start_at_the_next_step_and_split_for_pipeline(default_data):
         dataloader=loader,
         config=SimpleNamespace(training=SimpleNamespace(local_batch_size=4)),
         num_pipeline_parallel_microbatches=2,
-        metrics_processor=SimpleNamespace(ntokens_since_last_log=0, data_loading_times=[]),
+        metrics_processor=CountingMetrics(),
     )
     batches = RecoverTrainer._addressable_batches(trainer, first_step=3)
     first, second = next(batches), next(batches)

@@ -83,10 +83,22 @@ class RunMetrics(MetricsProcessor):
         container.add_logger(JsonlLogger(os.path.join(dump_folder, config.jsonl_file), tags))
         return container
 
-    step_metrics_fn = None
-    """Set by the trainer: a callable returning extra metrics for the step being logged."""
+    _pending: dict[str, Any] | None = None
+
+    def record_batch(self, tokens: int, load_s: float) -> None:
+        """A batch of ``tokens`` was loaded in ``load_s`` seconds (what TorchTitan's own ``batch_generator`` counts
+        for the throughput and data-loading figures of the next log)."""
+        self.ntokens_since_last_log += tokens
+        self.data_loading_times.append(load_s)
+
+    def add_step_metrics(self, metrics: dict[str, Any]) -> None:
+        """Extra metrics for the next logged step (a training mode's own, such as ``recover/*``)."""
+        if self._pending is None:
+            self._pending = {}
+        self._pending.update(metrics)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        if self.step_metrics_fn is not None:
-            extra_metrics = {**(extra_metrics or {}), **self.step_metrics_fn()}
+        if self._pending:
+            extra_metrics = {**(extra_metrics or {}), **self._pending}
+            self._pending = {}
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from titan_recover.recover.diloco.config import DilocoConfig
 from titan_recover.recover.invariant.quota import QuotaConfig
+from titan_recover.recover.invariant.step_recovery import StepConfig
 from titan_recover.recover.phoenix.snapshot import SnapshotConfig
 from titan_recover.recover.scout.config import LocalizeConfig
 
@@ -23,7 +24,8 @@ TIMEOUT_ORDER = (
 )
 
 
-MODES = ("sync", "diloco", "checkpoint_restart")
+MODES = ("single", "sync", "diloco", "checkpoint_restart")
+"""Registered in :mod:`titan_recover.recover.modes` under these names."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,7 +36,8 @@ class RecoverConfig:
     """Replica groups, each a full model copy sharded inside by TorchTitan (its own torchrun). 1: plain run."""
 
     mode: str = "sync"
-    """``sync``: every step commits the same global batch across replica groups (docs/invariant.md). ``diloco``:
+    """The registered training mode (docs/architecture.md). ``single``: plain TorchTitan training of one replica
+    (what ``sync`` means with ``replicas = 1``). ``sync``: every step commits the same global batch across replica groups (docs/invariant.md). ``diloco``:
     each replica group is a learner with its own optimizer and a syncer merges their deltas without ever waiting
     for all of them (docs/diloco.md, ``[recover.diloco]``). ``checkpoint_restart``: the baseline the others are
     measured against (docs/evidence.md): the same job as one torchrun whose replica groups are TorchTitan's
@@ -81,13 +84,11 @@ class RecoverConfig:
     startup_timeout_s: float = 300.0
     """How long the coordinator waits for all replicas to register before forming epoch 0 without the missing."""
 
-    max_epochs_per_step: int = 8
-    """Bound on membership changes within one step, so an endless failure loop becomes a clear error."""
-
     save_final_parameters: bool = False
     """At the end, every rank writes its local parameter shards to ``<run>/final_parameters/`` (to compare runs)."""
 
     quota: QuotaConfig = field(default_factory=QuotaConfig)
+    step: StepConfig = field(default_factory=StepConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     localize: LocalizeConfig = field(default_factory=LocalizeConfig)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
@@ -97,6 +98,9 @@ class RecoverConfig:
             raise ValueError(f"recover.replicas must be >= 1, got {self.replicas}")
         if self.mode not in MODES:
             raise ValueError(f"recover.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "single" and self.replicas > 1:
+            raise ValueError(f"recover.mode = \"single\" trains one replica, got recover.replicas = {self.replicas}; "
+                             "set mode = \"sync\" (or \"diloco\", \"checkpoint_restart\") for replica groups")
         if self.mode == "diloco":
             if self.replicas < 2:
                 raise ValueError("recover.mode = \"diloco\" needs learners: set recover.replicas >= 2")
@@ -128,8 +132,6 @@ class RecoverConfig:
                 f"recover.min_replicas must be between 1 and recover.replicas ({self.replicas}), "
                 f"got {self.min_replicas}"
             )
-        if self.max_epochs_per_step < 1:
-            raise ValueError(f"recover.max_epochs_per_step must be >= 1, got {self.max_epochs_per_step}")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "join_window_s", "collective_timeout_s",
                      "agree_timeout_s", "progress_timeout_s", "startup_timeout_s"):
             if getattr(self, name) <= 0:
@@ -144,23 +146,29 @@ class RecoverConfig:
                 )
 
     @property
+    def resolved_mode(self) -> str:
+        """The mode that runs: ``sync`` with one replica is ``single``."""
+        return "single" if self.mode == "sync" and self.replicas == 1 else self.mode
+
+    @property
     def enabled(self) -> bool:
         """Replica groups that survive each other (sync or diloco): the launcher's coordinator and one torchrun per
         group."""
-        return self.replicas > 1 and self.mode != "checkpoint_restart"
+        return self.resolved_mode in ("sync", "diloco")
 
     @property
     def checkpoint_restart_mode(self) -> bool:
-        return self.mode == "checkpoint_restart"
+        return self.resolved_mode == "checkpoint_restart"
 
     @property
     def diloco_mode(self) -> bool:
-        return self.enabled and self.mode == "diloco"
+        return self.resolved_mode == "diloco"
 
     @staticmethod
     def from_dict(fields: dict) -> "RecoverConfig":
         """The inverse of ``dataclasses.asdict`` (how the launcher hands the section to its child processes)."""
         return RecoverConfig(**{**fields, "quota": QuotaConfig(**fields.get("quota", {})),
+                                "step": StepConfig(**fields.get("step", {})),
                                 "snapshot": SnapshotConfig(**fields.get("snapshot", {})),
                                 "localize": LocalizeConfig(**fields.get("localize", {})),
                                 "diloco": DilocoConfig(**fields.get("diloco", {}))})

@@ -81,7 +81,7 @@ def _stall(_monkey, _spec) -> None:
 @register_fault("desync")
 def _desync(monkey, _spec) -> None:
     """At phase ``collective``: this rank issues a different collective than its peers (another shape)."""
-    monkey.desync = True
+    monkey.desync_due = True
 
 
 @register_fault("raise")
@@ -235,7 +235,8 @@ class ChaosMonkey:
         self._index = {id(f): i for i, f in enumerate(schedule)}  # a fault's place in the job's schedule
         self.events = events
         self.slowdown = 1.0
-        self.desync = False
+        self.desync_due = False
+        """A ``desync`` fired: the next collective issued through :meth:`collective` diverges."""
         self._fired: set[int] = set()
         self.tensors: dict[str, Callable[[], list[torch.Tensor]]] = {}
         """Where bit flips land: ``parameter`` / ``gradient`` -> this rank's local tensors (set by the trainer)."""
@@ -284,7 +285,19 @@ class ChaosMonkey:
             return False
         return True
 
-    def after_compute(self, step: int, elapsed_s: float) -> None:
+    def collective(self, issue: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        """``issue`` (a collective on one tensor) as a faulty rank calls it: once a ``desync`` fired, the next call
+        issues another collective than its peers (a tensor of another shape), as torchft injects faults through a
+        process-group wrapper."""
+        def issue_or_diverge(tensor: torch.Tensor) -> None:
+            if self.desync_due:
+                self.desync_due = False
+                tensor = torch.zeros(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
+            issue(tensor)
+
+        return issue_or_diverge
+
+    def after_compute(self, elapsed_s: float) -> None:
         """Called after every microbatch: a ``slow`` rank sleeps so the microbatch took ``factor`` times as long."""
         if self.slowdown > 1:
             time.sleep(elapsed_s * (self.slowdown - 1))

@@ -33,7 +33,12 @@ EXIT_EXCLUDED = 75
 
 
 class TooFewReplicas(RuntimeError):
-    """Fewer than ``min_replicas`` replicas remain: the job stops."""
+    """Fewer than ``min_replicas`` replicas remain, or replicas disagree without a majority: the job stops."""
+
+    def __init__(self, reason: str, *, untrusted: bool = False):
+        super().__init__(reason)
+        self.untrusted = untrusted
+        """Replicas disagreed without a majority: no replica's state can be trusted (none is saved)."""
 
 
 class Excluded(RuntimeError):
@@ -144,7 +149,8 @@ class ReplicaMember:
             # The coordinator writes `stop` before it publishes the epoch: read the epoch first, then `stop`, so
             # that a rank seeing the new epoch also sees a stop that came with it.
             if self.store.check([Keys.STOP]):
-                raise TooFewReplicas(self.store.get(Keys.STOP).decode())
+                raise TooFewReplicas(self.store.get(Keys.STOP).decode(),
+                                     untrusted=self.store.check([Keys.STOP_UNTRUSTED]))
             if epoch > after:
                 members, reason = decode_members(self.store.get(Keys.members(epoch)))
                 if self.replica not in members:

@@ -14,6 +14,8 @@ class Keys:
 
     EPOCH = "epoch"
     STOP = "stop"
+    STOP_UNTRUSTED = "stop/untrusted"
+    """Set before ``STOP`` when replicas disagree without a majority: no replica's state may be saved."""
     FINISHED = "finished"
 
     @staticmethod

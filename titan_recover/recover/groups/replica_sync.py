@@ -53,11 +53,6 @@ class ReplicaSync:
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
         self.committed_epoch = -1  # epoch of the last commit (start-up broadcast or step): quotas start from it
         self.committed_members: tuple[int, ...] = ()
-        self.verify = None
-        """``verify(step, reduced_buffer) -> Refusal | None``: the witnesses' votes, judged between the reduction
-        and the commit barrier (docs/scout.md); set by the step recovery manager when localisation is on."""
-        self.disagreement: str | None = None
-        """Set when this rank stopped the job because replicas disagreed without a majority."""
 
     @property
     def epoch(self) -> int:
@@ -121,7 +116,7 @@ class ReplicaSync:
     def broadcast_from_lowest(self, tensors: list[torch.Tensor]) -> None:
         """Make this position's tensors equal to the lowest member replica's (used at start), then commit as
         step 0 so that every member agrees on the epoch the first step starts from."""
-        for _ in range(self.config.max_epochs_per_step + 1):
+        for _ in range(self.config.step.max_epochs_per_step + 1):
             self.catch_up(step=None)
             # staged in host memory: the fault-tolerant group is gloo, whatever device the parameters live on
             flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
@@ -139,13 +134,16 @@ class ReplicaSync:
                 self._committed()
                 return
             self._next_epoch(step=0)
-        raise RuntimeError(f"start-up broadcast failed in {self.config.max_epochs_per_step + 1} consecutive epochs")
+        raise RuntimeError(f"start-up broadcast failed in {self.config.step.max_epochs_per_step + 1} consecutive epochs")
 
     def _committed(self) -> None:
         self.committed_epoch, self.committed_members = self.epoch, self.members
 
-    def reduce_once(self, step: int, buffer: torch.Tensor, attempt: int = 1) -> bool:
+    def reduce_once(self, step: int, buffer: torch.Tensor, attempt: int = 1, verify=None) -> bool:
         """Sum ``buffer`` in place over the current epoch's members and run the commit barrier.
+
+        ``verify(reduced_buffer) -> Refusal | None``: the witnesses' votes, judged between the reduction and the
+        commit barrier (docs/scout.md).
 
         True: committed, ``buffer`` holds the sum. False: aborted, this rank is now in the next epoch (``buffer``
         is garbage). Raises ``TooFewReplicas`` / ``Excluded`` when the next epoch says so.
@@ -158,7 +156,7 @@ class ReplicaSync:
             self.member.progress(phase="commit")
             if self.chaos is not None:
                 self.chaos.maybe_inject(step, "commit")
-            refusal = self.verify(step, buffer) if self.verify is not None else None
+            refusal = verify(buffer) if verify is not None else None
             if refusal is not None:
                 decision = self._refuse(step, refusal)
             else:
@@ -184,7 +182,7 @@ class ReplicaSync:
         for replica in refusal.evict:
             store.set(Keys.evicted(self.epoch, replica), f"step {step}: {refusal.reason}")
         if refusal.stop is not None:
-            self.disagreement = refusal.stop
+            store.set(Keys.STOP_UNTRUSTED, "1")
             store.set(Keys.STOP, refusal.stop)
         raise_fault_flag(store, self.epoch, f"replica {self.member.replica} position {self.member.rank}: "
                                             f"{refusal.reason}")
@@ -210,7 +208,7 @@ class ReplicaSync:
             if not admitting:  # a fault came first: the joiners stay ready and are asked again at a later commit
                 return
         label = f"admit{admitted_after}"
-        for _ in range(self.config.max_epochs_per_step + 1):
+        for _ in range(self.config.step.max_epochs_per_step + 1):
             joiners = tuple(m for m in self.members if m in admitting)
             if not joiners:
                 return  # every joiner was lost; training goes on as it was
@@ -235,7 +233,7 @@ class ReplicaSync:
                 return
             self._next_epoch(step)
         raise RuntimeError(f"admission after step {admitted_after} failed in "
-                           f"{self.config.max_epochs_per_step + 1} consecutive epochs")
+                           f"{self.config.step.max_epochs_per_step + 1} consecutive epochs")
 
     def _hold_for_restarts(self, step: int) -> None:
         """``recover.rejoin_wait_s``: hold this step boundary for a dropped group that the launcher restarts

@@ -1,36 +1,73 @@
 """The step recovery manager: one replica's part of a step, from its quota to the commit (docs/invariant.md).
 
 :meth:`StepRecovery.run` computes this replica's quota of the step's microbatch ids, then loops: catch up with the
-epochs the coordinator has published (each applied to the :class:`~titan_recover.recover.invariant.ledger.StepLedger` in
-order, computing any ids taken over from lost replicas on top of the preserved local accumulation), reduce the
+epochs the coordinator has published (each applied to the :class:`~titan_recover.recover.invariant.ledger.StepLedger`
+in order, computing any ids taken over from lost replicas on top of the preserved local accumulation), reduce the
 accumulation together with the ledger over the fault-tolerant group, and commit, or, on abort, go round again in
-the new epoch. ``max_epochs_per_step`` bounds the loop. Whatever phase a failure hits, the step commits with every
-id accumulated exactly once, which :meth:`StepLedger.check` verifies on the reduced ledger before the gradient is
-used.
+the new epoch. ``[recover.step] max_epochs_per_step`` bounds the loop. Whatever phase a failure hits, the step
+commits with every id accumulated exactly once, which :meth:`StepLedger.check` verifies on the reduced ledger
+before the gradient is used.
 
-The manager does not know about models or tensors' meaning: the trainer gives it ``compute(g, witness=None)``
-(forward and backward of microbatch ``g``, accumulating locally; with ``witness`` it also returns the signature of
-that microbatch's gradient and loss, and ``"replay"`` leaves nothing accumulated) and ``pack(tail)`` (the flat
-buffer to reduce: the local accumulation followed by ``tail``). With a
-:class:`~titan_recover.recover.scout.localize.Localizer` the tail carries the witnesses' signatures too and the sync
-judges them before the commit (docs/scout.md). It talks to a :class:`~titan_recover.recover.groups.replica_sync.ReplicaSync`
-(``catch_up``, ``epoch``, ``members_of``, ``reduce_once``, ``committed_epoch``, ``committed_members``,
-``recoveries``, ``events``), which tests replace with a fake.
+The manager does not know about models: it is given a *worker* (:class:`MicrobatchWorker`: forward and backward of
+microbatch ``g``, accumulating locally, and this rank's contribution to the reduction) and a *sync* (``catch_up``,
+``epoch``, ``members``, ``members_of``, ``reduce_once``, ``committed_epoch``, ``committed_members``,
+``recoveries``, ``events``: a :class:`~titan_recover.recover.groups.replica_sync.ReplicaSync`), which tests replace
+with fakes. The buffer it reduces is laid out by :class:`~titan_recover.recover.invariant.reduction.ReductionLayout`.
+With a :class:`~titan_recover.recover.scout.localize.Localizer` the buffer carries the witnesses' signatures too and
+the sync judges them before the commit (docs/scout.md).
+
+Managers are registered by name (``[recover.step] manager``); ``recompute`` is the one described here.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 
-from titan_recover.recover.config import QuotaConfig
-from titan_recover.recover.invariant.ledger import StepLedger
-from titan_recover.recover.scout.localize import Localizer
 from titan_recover.recover.groups.protocol import active_replicas
-from titan_recover.recover.invariant.quota import get_policy
+from titan_recover.recover.invariant.ledger import StepLedger
+from titan_recover.recover.invariant.quota import get_policy, QuotaConfig
+from titan_recover.recover.invariant.reduction import Reduced, ReductionLayout
+from titan_recover.registry import Registry
+
+STEP_MANAGERS: Registry[type] = Registry("step recovery manager")
+"""``[recover.step] manager`` name -> manager class."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StepConfig:
+    """``[recover.step]``: the step recovery manager (docs/invariant.md)."""
+
+    manager: str = "recompute"
+    """Registered step recovery manager. ``recompute``: survivors compute a lost replica's microbatch ids in the
+    same step, on top of what they accumulated, and the step commits the failure-free global batch."""
+
+    max_epochs_per_step: int = 8
+    """Bound on membership changes within one step (and one admission), so an endless failure loop becomes a clear
+    error."""
+
+    def __post_init__(self) -> None:
+        STEP_MANAGERS.get(self.manager)  # raises, naming the registered managers
+        if self.max_epochs_per_step < 1:
+            raise ValueError(f"recover.step.max_epochs_per_step must be >= 1, got {self.max_epochs_per_step}")
+
+
+class MicrobatchWorker(Protocol):
+    """What the manager computes with (one replica group's rank; tests use a fake)."""
+
+    numel: int
+    """Elements of this rank's local gradient accumulation."""
+
+    def compute(self, g: int, witness: str | None = None) -> int | None:
+        """Forward and backward of microbatch ``g``, accumulated locally. ``witness``: also return the signature of
+        ``g``'s gradient and loss; ``"replay"`` leaves nothing accumulated (docs/scout.md)."""
+
+    def contribution(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(gradient, loss, mean_loss)``: the local accumulation (flat), its summed loss share and the mean token
+        loss of what this rank computed in the step (0: nothing)."""
 
 
 @dataclass
@@ -38,8 +75,8 @@ class StepOutcome:
     """What one committed step did (the same on every rank of every member, except the timings)."""
 
     step: int
-    summed: torch.Tensor
-    """The reduced buffer: the summed accumulation, then the ledger and speeds (see :meth:`StepRecovery.run`)."""
+    reduced: Reduced
+    """The reduced buffer, by section."""
     committed: int
     """Microbatches committed (M, or fewer with ``drop``)."""
     participants: int
@@ -60,36 +97,48 @@ class StepOutcome:
 
 
 @dataclass
-class StepRecovery:
-    config: QuotaConfig
-    replica: int
-    replicas: int
-    per_step: int
-    sync: object
-    compute: Callable[..., int | None]
-    pack: Callable[[list[float]], torch.Tensor]
-    max_epochs_per_step: int = 8
-    active: int = 0
-    """Replicas holding quota (``[recover] replicas``); members beyond them are spares. 0: every member."""
-    agree_speed: Callable[[float], float] | None = None
-    """Make this replica's ranks agree on its measured speed (a max over the replica's own ranks)."""
-    speeds: dict[int, float] = field(default_factory=dict)
-    """Smoothed microbatches per second per replica, updated from every commit (identical on every rank)."""
-    degraded: bool = False
-    """Capacity was lost (a replica lost, or fewer than ``active`` replicas holding quota) and has not come back."""
-    localizer: Localizer | None = None
-    """Signatures, votes, replays and stragglers (docs/scout.md); None: none."""
-    signature: Callable[[], int] | None = None
-    """This rank's parameter signature (read just before each reduction: the state the step's update applies to)."""
+class _Progress:
+    """One step's running state in the manager."""
 
-    def __post_init__(self) -> None:
-        self.policy = get_policy(self.config.policy)
+    ledger: StepLedger
+    done: list[int]
+    speeds: list[float]
+    replay_signature: int | None = None
+    failed: bool = False
+    recovery_s: float = 0.0
+
+
+@STEP_MANAGERS.register("recompute")
+class StepRecovery:
+    def __init__(self, quota: QuotaConfig, *, replica: int, replicas: int, per_step: int, sync, worker: MicrobatchWorker,
+                 config: StepConfig | None = None, active: int = 0,
+                 agree_speed: Callable[[float], float] | None = None, localizer=None,
+                 signature: Callable[[], int] | None = None, dtype: torch.dtype = torch.float32):
+        """``replicas``: replica groups of the job (active and spares); ``active``: those holding quota
+        (``[recover] replicas``; 0: every member). ``agree_speed``: make this replica's ranks agree on its measured
+        speed. ``localizer``: signatures, votes, replays and stragglers (docs/scout.md). ``signature``: this rank's
+        parameter signature, read just before each reduction (the state the step's update applies to)."""
+        self.quota, self.config = quota, config or StepConfig()
+        self.replica, self.replicas, self.per_step, self.active = replica, replicas, per_step, active
+        self.sync, self.worker = sync, worker
+        self.agree_speed, self.localizer, self.signature = agree_speed, localizer, signature
+        self.dtype = dtype
+        self.policy = get_policy(quota.policy)
+        self.layout = ReductionLayout(gradients=worker.numel, microbatches=per_step, replicas=replicas,
+                                      evidence=localizer.size if localizer is not None else 0)
+        self.speeds: dict[int, float] = {}
+        """Smoothed microbatches per second per replica, updated from every commit (identical on every rank)."""
+        self.degraded = False
+        """Capacity was lost (a replica lost, or fewer than ``active`` replicas holding quota) and has not come
+        back."""
         self._holding: tuple[int, ...] = ()
-        self.evidence_size = self.localizer.size if self.localizer is not None else 0
-        if self.evidence_size:
-            end = -1  # the evidence sits just before the failure flag
-            self.sync.verify = lambda step, buffer: self.localizer.judge(
-                step, self.sync.members, buffer[end - self.evidence_size : end].tolist())
+
+    # the speed estimates travel with a replica's state (state transfer), as TorchTitan's Stateful components do
+    def state_dict(self) -> dict:
+        return {"speeds": {str(r): v for r, v in self.speeds.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.speeds = {int(r): v for r, v in state["speeds"].items()}
 
     def plan(self, step: int) -> StepLedger:
         sync = self.sync
@@ -100,95 +149,112 @@ class StepRecovery:
         else:
             # every survivor of the last commit agrees on its epoch; later epochs are applied in order below
             epoch, members = sync.committed_epoch, sync.committed_members
-        return StepLedger(self.config.policy, step, self.per_step, members, epoch, self.active or self.replicas,
+        return StepLedger(self.quota.policy, step, self.per_step, members, epoch, self.active or self.replicas,
                           dict(self.speeds), active=self.active)
 
-    def tail_size(self) -> int:
-        """Entries after the local accumulation and loss: ledger (M), speeds (R), evidence (signatures, see
-        :class:`~titan_recover.recover.scout.localize.Localizer`), failures seen (1)."""
-        return self.per_step + self.replicas + self.evidence_size + 1
-
     def run(self, step: int) -> StepOutcome:
-        sync = self.sync
-        sync.recoveries = []
+        self.sync.recoveries = []
         ledger = self.plan(step)
         quotas = {m: ledger.quota(m) for m in ledger.members}
         self._note_capacity(step, ledger)
-        done: list[int] = []
+        progress, compute_s = self._compute_quota(step, ledger)
+        for attempt in range(1, self.config.max_epochs_per_step + 2):
+            self._take_over(step, progress, attempt)
+            buffer = self._pack(progress)
+            reducing = time.perf_counter()
+            if self.sync.reduce_once(step, buffer, attempt, verify=self._verifier(step)):
+                return self._committed(step, progress, buffer, quotas, attempt, compute_s,
+                                       wait_s=time.perf_counter() - reducing)
+            progress.recovery_s += time.perf_counter() - reducing
+        raise RuntimeError(
+            f"step {step}: the reduction failed in {self.config.max_epochs_per_step + 1} consecutive epochs "
+            f"(recover.step.max_epochs_per_step = {self.config.max_epochs_per_step}); giving up"
+        )
+
+    def _compute_quota(self, step: int, ledger: StepLedger) -> tuple[_Progress, float]:
+        """This replica's own ids (a sampled replay first, while nothing is accumulated), and its measured speed."""
+        progress = _Progress(ledger=ledger, done=[], speeds=[0.0] * self.replicas)
         own = list(ledger.ids(self.replica))
-        replay_signature = None
         plan = None
         if self.localizer is not None:
             plan = self.localizer.replay_for(step, ledger.assignment.ids, ledger.members)
         if plan is not None and self.replica in plan.replayers:
-            # first, while nothing is accumulated: the replayed gradient is signed and dropped
-            replay_signature = self.compute(plan.microbatch, witness="replay")
+            # the replayed gradient is signed and dropped
+            progress.replay_signature = self.worker.compute(plan.microbatch, witness="replay")
         start = time.perf_counter()
         if plan is not None and plan.microbatch in own:  # the holder computes it first too, and keeps it
             own.remove(plan.microbatch)
-            replay_signature = self.compute(plan.microbatch, witness="holder")
-            done.append(plan.microbatch)
+            progress.replay_signature = self.worker.compute(plan.microbatch, witness="holder")
+            progress.done.append(plan.microbatch)
         for g in own:
-            self.compute(g)
-            done.append(g)
+            self.worker.compute(g)
+            progress.done.append(g)
         compute_s = time.perf_counter() - start
-        speed = len(done) / compute_s if done and compute_s > 0 else 0.0
+        speed = len(progress.done) / compute_s if progress.done and compute_s > 0 else 0.0
         if self.agree_speed is not None and self.policy.uses_speeds:
             speed = self.agree_speed(speed)
-        speeds = [0.0] * self.replicas
-        speeds[self.replica] = speed
-        recovery_s = 0.0
-        failed = False
-        for attempt in range(1, self.max_epochs_per_step + 2):
-            recovering = time.perf_counter()
-            sync.catch_up(step)
-            changed = ledger.epoch < sync.epoch
-            failed = failed or changed or attempt > 1
-            while ledger.epoch < sync.epoch:
-                transition = ledger.advance(ledger.epoch + 1, sync.members_of(ledger.epoch + 1))
-                mine = transition.extra.get(self.replica, ())
-                if transition.lost:
-                    sync.events.emit("microbatches_reassigned", step=step, epoch=transition.epoch,
-                                     lost=list(transition.lost), taken=list(mine),
-                                     extra={str(m): list(v) for m, v in transition.extra.items()},
-                                     reason=transition.reason)
-                for g in mine:
-                    self.compute(g)
-                    done.append(g)
-            if changed or attempt > 1:
-                recovery_s += time.perf_counter() - recovering
-            evidence = []
-            if self.evidence_size:
-                evidence = self.localizer.evidence(self.signature() if self.signature else None, replay_signature)
-            buffer = self.pack(ledger.vector(done) + speeds + evidence + [1.0 if failed else 0.0])
-            reducing = time.perf_counter()
-            committed = sync.reduce_once(step, buffer, attempt)
-            if committed:
-                wait_s = time.perf_counter() - reducing
-                tail = buffer[-self.tail_size():].tolist()
-                count = ledger.check(tail[: self.per_step])
-                measured = tail[self.per_step : self.per_step + self.replicas]
-                self._update_speeds(measured)
-                if self.localizer is not None:
-                    self.localizer.observe_speeds(step, measured)
-                # the reduced failure flag is the same for every member, so all discard or none (torchft's
-                # should_commit is such an all-reduce of errors too)
-                saw_failure = tail[-1] > 0
-                if ledger.transitions and any(t.lost for t in ledger.transitions):
-                    self.degraded = True
-                elif self.degraded and len(self._holding) >= (self.active or len(self._holding)):
-                    self.degraded = False
-                    sync.events.emit("full_strength", step=step, epoch=sync.epoch, holding=list(self._holding))
-                return StepOutcome(
-                    step=step, summed=buffer, committed=count, participants=len(sync.members), quotas=quotas,
-                    recomputed=ledger.recomputed, mine=len(done), attempts=attempt,
-                    discarded=saw_failure and not self.policy.redistributes,
-                    compute_s=compute_s, wait_s=wait_s, recovery_s=recovery_s,
-                )
-            recovery_s += time.perf_counter() - reducing
-        raise RuntimeError(
-            f"step {step}: the reduction failed in {self.max_epochs_per_step + 1} consecutive epochs "
-            f"(recover.max_epochs_per_step = {self.max_epochs_per_step}); giving up"
+        progress.speeds[self.replica] = speed
+        return progress, compute_s
+
+    def _take_over(self, step: int, progress: _Progress, attempt: int) -> None:
+        """Move to the coordinator's newest epoch, computing the ids of replicas lost on the way."""
+        sync, ledger = self.sync, progress.ledger
+        recovering = time.perf_counter()
+        sync.catch_up(step)
+        changed = ledger.epoch < sync.epoch
+        progress.failed = progress.failed or changed or attempt > 1
+        while ledger.epoch < sync.epoch:
+            transition = ledger.advance(ledger.epoch + 1, sync.members_of(ledger.epoch + 1))
+            mine = transition.extra.get(self.replica, ())
+            if transition.lost:
+                sync.events.emit("microbatches_reassigned", step=step, epoch=transition.epoch,
+                                 lost=list(transition.lost), taken=list(mine),
+                                 extra={str(m): list(v) for m, v in transition.extra.items()},
+                                 reason=transition.reason)
+            for g in mine:
+                self.worker.compute(g)
+                progress.done.append(g)
+        if changed or attempt > 1:
+            progress.recovery_s += time.perf_counter() - recovering
+
+    def _pack(self, progress: _Progress) -> torch.Tensor:
+        gradient, loss, mean_loss = self.worker.contribution()
+        losses = [0.0] * self.replicas
+        losses[self.replica] = mean_loss
+        evidence = []
+        if self.layout.evidence:
+            evidence = self.localizer.evidence(self.signature() if self.signature else None,
+                                               progress.replay_signature)
+        return self.layout.pack(gradient, loss=loss, ledger=progress.ledger.vector(progress.done),
+                                speeds=progress.speeds, losses=losses, evidence=evidence, failed=progress.failed,
+                                dtype=self.dtype)
+
+    def _verifier(self, step: int):
+        """The witnesses' votes, judged on the reduced buffer before the commit barrier (docs/scout.md)."""
+        if not self.layout.evidence:
+            return None
+        return lambda buffer: self.localizer.judge(step, self.sync.members, self.layout.read(buffer).evidence)
+
+    def _committed(self, step: int, progress: _Progress, buffer: torch.Tensor, quotas: dict[int, int], attempt: int,
+                   compute_s: float, wait_s: float) -> StepOutcome:
+        sync, ledger = self.sync, progress.ledger
+        reduced = self.layout.read(buffer)
+        count = ledger.check(reduced.ledger)
+        self._update_speeds(reduced.speeds)
+        if self.localizer is not None:
+            self.localizer.observe_speeds(step, reduced.speeds)
+        if ledger.transitions and any(t.lost for t in ledger.transitions):
+            self.degraded = True
+        elif self.degraded and len(self._holding) >= (self.active or len(self._holding)):
+            self.degraded = False
+            sync.events.emit("full_strength", step=step, epoch=sync.epoch, holding=list(self._holding))
+        # the reduced failure flag is the same for every member, so all discard or none (torchft's should_commit
+        # is such an all-reduce of errors too)
+        return StepOutcome(
+            step=step, reduced=reduced, committed=count, participants=len(sync.members), quotas=quotas,
+            recomputed=ledger.recomputed, mine=len(progress.done), attempts=attempt,
+            discarded=reduced.failed and not self.policy.redistributes,
+            compute_s=compute_s, wait_s=wait_s, recovery_s=progress.recovery_s,
         )
 
     def _note_capacity(self, step: int, ledger: StepLedger) -> None:
@@ -203,7 +269,7 @@ class StepRecovery:
         self._holding = holding
 
     def _update_speeds(self, measured: list[float]) -> None:
-        alpha = self.config.speed_smoothing
+        alpha = self.quota.speed_smoothing
         for replica, speed in enumerate(measured):
             if speed <= 0:
                 continue

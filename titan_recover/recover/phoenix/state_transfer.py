@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import xxhash
@@ -53,11 +53,12 @@ class TrainingState:
     optimizers: Iterable[torch.optim.Optimizer]
     schedulers: Any
     """An object with ``state_dict()`` / ``load_state_dict()`` (TorchTitan's LR scheduler container)."""
-    get_step: Callable[[], int]
-    set_step: Callable[[int], None]
-    get_extra: Callable[[], dict[str, Any]] | None = None
-    """More JSON-able state a step needs (the trainer's token count, the quota policy's speed estimates)."""
-    set_extra: Callable[[dict[str, Any]], None] | None = None
+    train_state: Any
+    """The trainer's step and tokens seen, as TorchTitan's checkpointer holds them (``state_dict()`` /
+    ``load_state_dict()``; its ``"step"`` is the step the state belongs to)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """More state a step needs, by name, each with ``state_dict()`` / ``load_state_dict()`` of JSON-able values
+    (the quota policy's speed estimates)."""
 
     def ensure_optimizer_state(self) -> None:
         """Create the optimizer state a fresh replica lacks (torch optimizers create it on their first step), so
@@ -91,17 +92,18 @@ class TrainingState:
         rng = {"cpu": _b64(torch.get_rng_state())}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-        return {"step": self.get_step(), "schedulers": self.schedulers.state_dict(), "param_groups": groups,
-                "rng": rng, "extra": self.get_extra() if self.get_extra is not None else {}}
+        train_state = self.train_state.state_dict()
+        return {"step": train_state["step"], "train_state": train_state, "schedulers": self.schedulers.state_dict(),
+                "param_groups": groups, "rng": rng, "extra": {name: s.state_dict() for name, s in self.extra.items()}}
 
     def load_metadata(self, meta: dict[str, Any]) -> None:
-        self.set_step(meta["step"])
+        self.train_state.load_state_dict(meta["train_state"])
         self.schedulers.load_state_dict(meta["schedulers"])
         for opt, groups in zip(self.optimizers, meta["param_groups"]):
             for group, values in zip(opt.param_groups, groups):
                 group.update(values)
-        if self.set_extra is not None:
-            self.set_extra(meta["extra"])
+        for name, stateful in self.extra.items():
+            stateful.load_state_dict(meta["extra"][name])
         torch.set_rng_state(_unb64(meta["rng"]["cpu"]))
         if "cuda" in meta["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([_unb64(s) for s in meta["rng"]["cuda"]])

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from titan_recover.recover.config import LocalizeConfig
+from titan_recover.recover.scout.config import LocalizeConfig
 from titan_recover.recover.scout.consensus import (
     join_signature,
     replay_plan,

@@ -1,0 +1,63 @@
+"""``[recover] mode = "diloco"``: the replica group is a Decoupled DiLoCo learner (docs/diloco.md).
+
+TorchTitan's own step trains the learner's data block; before every step the learner claims the next block from
+the job's counter (no block left: training ends), after it the learner sends its due fragments to the syncer and
+mixes in newer global ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from titan_recover.recover.chaos.monkey import ChaosMonkey
+from titan_recover.recover.diloco.learner import Learner
+from titan_recover.recover.events import EventLog
+from titan_recover.recover.groups.member import ReplicaMember, incarnation_from_env
+from titan_recover.recover.modes.base import Mode, register_mode, TrainerParts
+from titan_recover.recover.modes.sync import replica_environment
+
+
+@register_mode("diloco")
+class DilocoMode(Mode):
+    def __init__(self, config, *, parts: TrainerParts):
+        super().__init__(config, parts=parts)
+        learner, address, run_dir = replica_environment(config)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        incarnation = incarnation_from_env()
+        events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{learner}/{rank}", replica=learner, rank=rank)
+        self.step = 0
+        self.chaos = ChaosMonkey(config.chaos.schedule(config.recover.groups, world), learner, rank, events,
+                                 incarnation=incarnation, run_dir=run_dir)
+        parts.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
+        self.member = ReplicaMember(config.recover, replica=learner, rank=rank, ranks_per_replica=world,
+                                    address=address, incarnation=incarnation)
+        self.member.register()
+        self.learner = Learner(parts, self.member, events, learner=learner, learners=config.recover.replicas,
+                               incarnation=incarnation, coordinator_address=address)
+
+    def start(self, step: int) -> int:
+        """A restarted learner continues the job's step count."""
+        return self.learner.start(self.config.recover.startup_timeout_s, step)
+
+    def should_continue(self, scheduled: bool) -> bool:
+        return self.learner.has_work()
+
+    def local_batches(self, step: int):
+        yield from self.learner.local_batch_indices()
+
+    def train_step(self, step: int, titan_step) -> None:
+        self.step = step
+        self.parts.metrics_processor.add_step_metrics(self.learner.metrics())
+        titan_step()
+        self.learner.after_inner_step(step)
+
+    def train(self, run) -> None:
+        run()
+        self.learner.finish(timeout_s=self.config.recover.agree_timeout_s)
+        return None
+
+    def close(self) -> None:
+        self.learner.close()
+        self.member.close()

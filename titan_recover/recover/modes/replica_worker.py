@@ -1,0 +1,162 @@
+"""A replica group's rank as the step recovery manager's worker: microbatches by id, accumulated locally.
+
+:meth:`ReplicaWorker.compute` fetches this rank's shard of replica microbatch ``g`` from the addressable loader and
+runs TorchTitan's own forward and backward on it, with the loss scaled by the constant ``1 / tokens of the global
+batch`` (never by the live replicas), so the summed gradient of any assignment of ids is the failure-free one.
+FSDP2 reduces over the replica's own ranks as usual. With ``[recover.quota] exact`` every microbatch's gradient is
+moved into a float64 accumulator right away (the committed gradient then does not depend on who computed what).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from titan_recover.recover.modes.base import TrainerParts
+from titan_recover.recover.phoenix.state_transfer import local_tensor
+from titan_recover.recover.scout.consensus import fingerprint
+
+
+def local_parameters(model_parts) -> list[torch.Tensor]:
+    return [local_tensor(p.data) for m in model_parts for p in m.parameters()]
+
+
+def _nothing(*_args) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class ComputeHooks:
+    """Where liveness and fault injection meet a microbatch's computation (the mode chooses them)."""
+
+    before: Callable[[int], None] = _nothing
+    """``before(step)``: the microbatch is about to be fetched and run."""
+    after_backward: Callable[[], None] = _nothing
+    """Its backward finished (its gradient is in ``.grad``)."""
+    after: Callable[[int, float], None] = _nothing
+    """``after(step, seconds)``: it is accumulated; ``seconds`` of compute since its data was loaded."""
+
+
+class ReplicaWorker:
+    def __init__(self, parts: TrainerParts, *, per_step: int, exact: bool, hooks: ComputeHooks = ComputeHooks()):
+        """``per_step``: M, microbatches of the global batch."""
+        self.parts = parts
+        config = parts.config
+        self.exact = exact
+        self.shard_degree, self.shard_rank = parts.batch_layout()
+        self.local_batch = config.training.local_batch_size
+        self.tokens_per_microbatch = self.shard_degree * self.local_batch * config.training.seq_len
+        """Tokens of one replica microbatch (all its shards)."""
+        self.global_tokens = torch.tensor(per_step * self.tokens_per_microbatch, device=parts.device)
+        self.params = [p for m in parts.model_parts for p in m.parameters() if p.requires_grad]
+        self.numel = sum(local_tensor(p).numel() for p in self.params)
+        self.hooks = hooks
+        self.step = 0
+        self._loss = torch.zeros((), dtype=torch.float64, device=parts.device)
+        self._computed = 0
+        self._loaded = False
+        self._accumulator: torch.Tensor | None = None
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._loss.zero_()
+        self._computed = 0
+        self._loaded = False
+        if self.exact:
+            if self._accumulator is None:
+                self._accumulator = torch.zeros(self.numel, dtype=torch.float64, device=self.parts.device)
+            self._accumulator.zero_()
+
+    def compute(self, g: int, witness: str | None = None) -> int | None:
+        """Forward and backward of replica microbatch ``g`` (this rank's shard of it), accumulated locally.
+
+        ``witness``: called before anything was accumulated in this step; returns the signature of ``g``'s
+        gradient shards and loss. ``"holder"`` keeps the gradient, ``"replay"`` drops it (docs/scout.md)."""
+        self.hooks.before(self.step)
+        replay = witness == "replay"
+        inputs, targets, loaded = self._fetch(g, record=not replay)
+        pp = self.parts.parallel_dims.pp_enabled
+        loss = self.parts.forward_backward(input_dict=inputs if pp else inputs[0],
+                                           labels=targets if pp else targets[0],
+                                           global_valid_tokens=self.global_tokens)
+        self.hooks.after_backward()
+        last_stage = not pp or self.parts.pp_has_last_stage
+        signature = None
+        if witness is not None:
+            grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+            signature = fingerprint(grads, extra=[float(loss.detach().sum())] if last_stage else [])
+        if replay:
+            for p in self.params:
+                p.grad = None
+            return signature
+        if last_stage:
+            self._loss += loss.detach().to(torch.float64).sum()
+        self._computed += 1
+        if self.exact:
+            self._move_gradients_to_accumulator()
+        self.hooks.after(self.step, time.perf_counter() - loaded)
+        return signature
+
+    def _fetch(self, g: int, record: bool):
+        """This rank's shard of microbatch ``g``, split into the pipeline's chunks, on the device."""
+        parts = self.parts
+        start = time.perf_counter()
+        input_dict, labels = parts.dataloader.microbatch(g, self.shard_rank, shard_degree=self.shard_degree,
+                                                         batch_size=self.local_batch)
+        loaded = time.perf_counter()
+        chunks = parts.pp_microbatches
+        inputs, targets = [], []
+        for c in range(chunks):
+            part = slice(c * self.local_batch // chunks, (c + 1) * self.local_batch // chunks)
+            inputs.append({k: v[part].to(parts.device) for k, v in input_dict.items()})
+            targets.append(labels[part].to(parts.device))
+            if record:
+                parts.metrics_processor.record_batch(targets[-1].numel(), (loaded - start) / chunks)
+                self._loaded = True
+        return inputs, targets, loaded
+
+    def _move_gradients_to_accumulator(self) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = local_tensor(p).numel()
+                if p.grad is not None:
+                    g = local_tensor(p.grad)
+                    self._accumulator[offset : offset + n].add_(g.reshape(-1))
+                    g.zero_()
+                offset += n
+
+    def contribution(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(gradient, loss, mean_loss)``: the local accumulation (flat, float64 in exact mode), the summed loss
+        share and the mean token loss of what this rank computed in the step (0: nothing)."""
+        if self.exact:
+            gradient = self._accumulator
+        else:
+            gradient = torch.cat([
+                (local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))).reshape(-1)
+                for p in self.params
+            ])
+        local_tokens = self._computed * self.local_batch * self.parts.config.training.seq_len
+        mean_loss = float(self._loss) * float(self.global_tokens) / local_tokens if local_tokens else 0.0
+        return gradient, self._loss, mean_loss
+
+    def write_gradient(self, summed: torch.Tensor, scale: float) -> None:
+        """The committed gradient into the parameters' ``.grad`` (``scale``: 1 unless ``drop`` lost
+        microbatches)."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = local_tensor(p.grad)
+                part = summed[offset : offset + g.numel()].view_as(g)
+                g.copy_((part * scale if scale != 1 else part).to(g.dtype))
+                offset += g.numel()
+        if not self._loaded:  # a spare computed nothing; TorchTitan averages the loading times it logs
+            self.parts.metrics_processor.record_batch(0, 0.0)
+
+    def parameter_signature(self) -> int:
+        return fingerprint(local_parameters(self.parts.model_parts))

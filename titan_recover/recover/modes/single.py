@@ -1,0 +1,84 @@
+"""``single`` and ``checkpoint_restart``: TorchTitan's own step, with fault injection and in-memory snapshots.
+
+``single`` is a job without replica groups (``[recover] replicas = 1``): faults scheduled in ``[chaos]`` fire at
+its phases and, with ``[recover.snapshot] interval``, every rank's state goes to a keeper's memory after each
+interval (restored by the checkpoint manager when torchrun restarts the job, docs/phoenix.md).
+``checkpoint_restart`` is the baseline of docs/evidence.md: the replica groups are TorchTitan's replicated
+data-parallel dimension, so events and faults name a rank by (replica, rank) as in the replica-group job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from titan_recover.recover.chaos.monkey import ChaosMonkey
+from titan_recover.recover.events import EventLog
+from titan_recover.recover.groups.member import incarnation_from_env
+from titan_recover.recover.modes.base import Mode, register_mode, TrainerParts
+from titan_recover.recover.phoenix.snapshot import KEEPERS_ENV, Snapshots
+from titan_recover.recover.phoenix.state_transfer import TrainingState
+
+
+@register_mode("single")
+class SingleMode(Mode):
+    def __init__(self, config, *, parts: TrainerParts):
+        super().__init__(config, parts=parts)
+        world = torch.distributed.get_world_size()
+        groups, replica, rank = self.position(torch.distributed.get_rank(), world)
+        self.events = EventLog(os.path.join(config.dump_folder, "events.jsonl"), f"{replica}/{rank}",
+                               replica=replica, rank=rank)
+        self.step = 0
+        self._started = False
+        self.chaos = None
+        schedule = config.chaos.schedule(groups, world // groups)
+        if schedule:
+            self.chaos = ChaosMonkey(schedule, replica, rank, self.events, incarnation=incarnation_from_env(),
+                                     run_dir=config.dump_folder)
+            parts.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
+        self.snapshots = None
+        if config.recover.snapshot.interval:
+            state = TrainingState(parts.model_parts, list(parts.optimizers), parts.lr_schedulers,
+                                  train_state=parts.train_state)
+            keepers = config.recover.snapshot.keepers or [k for k in os.environ.get(KEEPERS_ENV, "").split(",") if k]
+            self.snapshots = Snapshots(state, keepers=keepers, rank=torch.distributed.get_rank(), ranks=world,
+                                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)), events=self.events)
+            parts.optimizers.register_step_pre_hook(lambda *_args, **_kwargs: self.snapshots.before_optimizer())
+
+    def position(self, rank: int, world: int) -> tuple[int, int, int]:
+        """``(groups, replica, rank in the replica)`` this rank's events and faults are named by."""
+        return 1, 0, rank
+
+    def train_step(self, step: int, titan_step) -> None:
+        self.step = step
+        if not self._started:  # a (re)start of the job, and the step it resumed from
+            self.events.emit("training_started", console=False, resumed_from=step - 1,
+                             incarnation=incarnation_from_env())
+            self._started = True
+        titan_step()
+        if self.snapshots is not None and step % self.config.recover.snapshot.interval == 0:
+            self.snapshots.take(step)
+
+    def forward_backward(self, step: int, **batch) -> torch.Tensor:
+        if self.chaos is None:
+            return self.parts.forward_backward(**batch)
+        self.chaos.maybe_inject(step, "forward")
+        start = time.perf_counter()
+        loss = self.parts.forward_backward(**batch)
+        self.chaos.after_compute(time.perf_counter() - start)  # a ``slow`` rank sleeps here
+        return loss
+
+    def close(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.wait()  # a send thread still inside the store client at exit would abort the process
+
+
+@register_mode("checkpoint_restart")
+class CheckpointRestartMode(SingleMode):
+    def position(self, rank: int, world: int) -> tuple[int, int, int]:
+        from titan_recover.config.validate import resolve_layout
+
+        replica, replica_rank = resolve_layout(self.config.parallelism, world).replica_position(rank)
+        return self.config.recover.replicas, replica, replica_rank
