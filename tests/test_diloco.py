@@ -37,7 +37,8 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
     """Three learners' send threads deliver to a real syncer store; learner 2 has been slow (3x the sync period)
     and is not waited for; the published global fragment is the Nesterov outer step on the token-weighted mean
     of the two deltas, bit for bit, and a pull thread fetches it."""
-    from titan_recover.recover.diloco.learner import Delta, DeltaSender, GlobalPuller, offer_parameters
+    from titan_recover.recover.diloco.messages import offer_parameters
+    from titan_recover.recover.diloco.transport import Delta, DeltaSender, GlobalPuller
     from titan_recover.recover.diloco.syncer import Arrivals, Syncer
 
     config = _config("--recover.diloco.outer_lr", "0.5", "--recover.diloco.outer_momentum", "0.9")
@@ -93,7 +94,7 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
 
 
 def test_a_delta_queued_while_the_syncer_is_away_absorbs_the_next_one():
-    from titan_recover.recover.diloco.learner import Delta
+    from titan_recover.recover.diloco.transport import Delta
 
     first = Delta(1, 4, 100, (1, 3), torch.tensor([1.0, 2.0]))
     first.absorb(Delta(1, 8, 50, (1, 4), torch.tensor([0.5, -2.0])))
@@ -198,7 +199,7 @@ def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
 
 
 def test_a_block_given_back_is_taken_once_and_given_back_once():
-    from titan_recover.recover.diloco.learner import claim_requeued, requeue_block
+    from titan_recover.recover.diloco.blocks import claim_requeued, requeue_block
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     store.set(DilocoKeys.block(1), "7 24")  # learner 1 died training block 7

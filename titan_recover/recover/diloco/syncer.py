@@ -38,7 +38,7 @@ from titan_recover.recover.diloco.rules import (
     Version,
 )
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.diloco.learner import requeue_block
+from titan_recover.recover.diloco.blocks import requeue_block
 from titan_recover.recover.groups.member import connect
 from titan_recover.recover.groups.protocol import Heartbeat, Keys, LivenessWatch
 from titan_recover.recover.phoenix.state_transfer import bytes_view
