@@ -37,8 +37,10 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
     """Three learners' send threads deliver to a real syncer store; learner 2 has been slow (3x the sync period)
     and is not waited for; the published global fragment is the Nesterov outer step on the token-weighted mean
     of the two deltas, bit for bit, and a pull thread fetches it."""
-    from titan_recover.recover.diloco.learner import Delta, DeltaSender, GlobalPuller, offer_parameters
-    from titan_recover.recover.diloco.syncer import Arrivals, Syncer
+    from titan_recover.recover.diloco.messages import offer_parameters
+    from titan_recover.recover.diloco.transport import Delta, DeltaSender, GlobalPuller
+    from titan_recover.recover.diloco.syncer.rounds import Arrivals
+    from titan_recover.recover.diloco.syncer.service import Syncer
 
     config = _config("--recover.diloco.outer_lr", "0.5", "--recover.diloco.outer_momentum", "0.9")
     coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -56,8 +58,8 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
     syncer._judge_liveness()
     assert syncer.alive == {0, 1, 2}
     # what the syncer learned before: fragment 0's period is 1 s; learner 2 sends every 3 s, last 0.5 s ago
-    syncer.period_s[0] = 1.0
-    syncer.arrivals[(2, 0)] = Arrivals(last_at=now - 0.5, interval_s=3.0, tokens=1024)
+    syncer.rounds.period_s[0] = 1.0
+    syncer.rounds.arrivals[(2, 0)] = Arrivals(last_at=now - 0.5, interval_s=3.0, tokens=1024)
 
     deltas = {0: torch.tensor([1.0, -2.0, 0.5, 0.0, 4.0, 1.0]), 1: torch.tensor([3.0, 0.0, -1.0, 2.0, 0.0, 1.0])}
     tokens = {0: 3072, 1: 1024}  # learner 0 trained three times the tokens since its last send
@@ -66,7 +68,7 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
         for sender, (i, d) in zip(senders, deltas.items()):
             sender.submit(Delta(0, 4, tokens[i], (syncer.generation, 0), d.clone()))
             assert sender.drain(timeout_s=10)
-        _wait(lambda: syncer._receive(time.time()) >= 0 and len(syncer.rounds[0].deltas) == 2)
+        _wait(lambda: syncer._receive(time.time()) >= 0 and len(syncer.rounds.open[0].deltas) == 2)
         syncer._maybe_merge(0, time.time())
     finally:
         for sender in senders:
@@ -93,7 +95,7 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
 
 
 def test_a_delta_queued_while_the_syncer_is_away_absorbs_the_next_one():
-    from titan_recover.recover.diloco.learner import Delta
+    from titan_recover.recover.diloco.transport import Delta
 
     first = Delta(1, 4, 100, (1, 3), torch.tensor([1.0, 2.0]))
     first.absorb(Delta(1, 8, 50, (1, 4), torch.tensor([0.5, -2.0])))
@@ -198,7 +200,7 @@ def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
 
 
 def test_a_block_given_back_is_taken_once_and_given_back_once():
-    from titan_recover.recover.diloco.learner import claim_requeued, requeue_block
+    from titan_recover.recover.diloco.blocks import claim_requeued, requeue_block
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     store.set(DilocoKeys.block(1), "7 24")  # learner 1 died training block 7
@@ -213,7 +215,7 @@ def test_a_block_given_back_is_taken_once_and_given_back_once():
 
 
 def test_the_global_model_is_assembled_from_row_shards_and_not_from_column_shards():
-    from titan_recover.recover.diloco.syncer import assemble_rows
+    from titan_recover.recover.diloco.syncer.global_model import assemble_rows
 
     w, b = torch.arange(12.0).reshape(4, 3), torch.arange(4.0)
     rows = [{"names": ["w", "b"], "shapes": [[2, 3], [2]], "global_shapes": [[4, 3], [4]]}] * 2

@@ -11,6 +11,7 @@ from titan_recover.recover.diloco.rules import (
     merge_deltas,
     OuterOptimizer,
     quorum_reached,
+    quorum_size,
     split_fragments,
     token_weights,
 )
@@ -46,6 +47,13 @@ def test_quorum_and_token_weighted_merge():
     assert merged.dtype == torch.float64 and merged.tolist() == [1.0, 6.0]
     with pytest.raises(ValueError, match="a merge needs tokens"):
         token_weights({0: 0})
+
+
+def test_the_quorum_shrinks_to_the_learners_alive_or_delivered():
+    assert quorum_size(2, alive={0, 1, 2}, delivered=[]) == 2
+    assert quorum_size(3, alive={0}, delivered=[0]) == 1  # the others are dead: one learner merges alone
+    assert quorum_size(3, alive={0}, delivered=[2]) == 2  # a dead learner's delta still counts
+    assert quorum_reached({0: 10}, quorum_size(3, alive={0}, delivered=[0]))
 
 
 def test_grace_window_waits_only_while_the_late_tokens_outweigh_the_delay():

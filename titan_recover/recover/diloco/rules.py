@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import AbstractSet, Iterable, Mapping, Sequence
 
 import torch
 
@@ -47,8 +47,15 @@ def due_fragments(step: int, fragments: int, period: int) -> list[int]:
     return [f for f in range(fragments) if step % period == fragment_offset(f, fragments, period) % period]
 
 
-def quorum_reached(delivered: Mapping[int, int], min_quorum: int) -> bool:
-    return len(delivered) >= min_quorum
+def quorum_size(min_quorum: int, alive: AbstractSet[int], delivered: Iterable[int]) -> int:
+    """Deltas a fragment's round needs before it may merge: ``min_quorum``, fewer when fewer learners are alive or
+    delivered (a delta of a learner that died since counts, it is not lost)."""
+    return min(min_quorum, len(set(alive) | set(delivered)))
+
+
+def quorum_reached(delivered: Mapping[int, int], quorum: int) -> bool:
+    """``delivered``: learner -> tokens of its delta in the open round."""
+    return len(delivered) >= quorum
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,85 @@
+"""The data-block protocol in the coordinator's store (docs/diloco.md, "A learner: Data").
+
+A data block is one inner step's replica microbatches. Learners claim blocks from the job's counter, record the
+block they train and the blocks they finished; the block of a learner that died is given back (by the syncer on
+losing it, or by the learner's restart) and the next claim of any learner takes it first. Every decision that two
+processes may race for (give back, take a given-back block, count a block trained) is a compare-and-set on an
+absent key, so it happens once. Used by the learner and the syncer; talks only to the store passed in.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from titan_recover.recover.diloco.rules import DilocoKeys
+
+
+def set_once(store, key: str, who: str) -> bool:
+    """Compare-and-set on an absent key: True for the one call whose value landed (each call writes a value of
+    its own, so a caller that already holds the key does not take it again)."""
+    token = f"{who}/{uuid.uuid4().hex}"
+    return store.compare_set(key, "", token) == token.encode()
+
+
+def claim_block(coordinator, who: str) -> int:
+    """The next block to train: one given back by a dead learner if any is free, else the next of the counter
+    (past the budget once it is all claimed: the caller compares)."""
+    block = claim_requeued(coordinator, who)
+    return block if block is not None else coordinator.add(DilocoKeys.NEXT_BLOCK, 1) - 1
+
+
+def record_training(coordinator, learner: int, block: int, step: int) -> None:
+    """``learner`` trains ``block`` at inner step ``step`` (what is given back if it dies now)."""
+    coordinator.set(DilocoKeys.block(learner), f"{block} {step}")
+
+
+def record_trained(coordinator, learner: int, block: int, step: int, who: str) -> None:
+    """``learner`` finished ``block`` at inner step ``step``: nothing to give back; the block counts as trained
+    once, whoever finished it first."""
+    coordinator.set(DilocoKeys.block(learner), f"done {step}")
+    if set_once(coordinator, DilocoKeys.done_of(block), who):
+        coordinator.add(DilocoKeys.BLOCKS_DONE, 1)
+
+
+def blocks_trained(coordinator) -> int:
+    return int(coordinator.add(DilocoKeys.BLOCKS_DONE, 0))
+
+
+def last_step(coordinator, learner: int) -> int | None:
+    """The inner step of the block ``learner`` trained or finished last (its restart continues from it), or None
+    before its first claim."""
+    if not coordinator.check([DilocoKeys.block(learner)]):
+        return None
+    return int(coordinator.get(DilocoKeys.block(learner)).split()[1])
+
+
+def share_claim(coordinator, learner: int, incarnation: int, count: int, block: int) -> None:
+    """Rank 0's ``count``-th claim, for the learner's other ranks (:func:`read_claim`)."""
+    coordinator.set(DilocoKeys.claim(learner, incarnation, count), str(block))
+
+
+def read_claim(coordinator, learner: int, incarnation: int, count: int) -> int:
+    """Waits (the store's timeout) for rank 0's ``count``-th claim."""
+    return int(coordinator.get(DilocoKeys.claim(learner, incarnation, count)))
+
+
+def requeue_block(coordinator, learner: int, who: str) -> int | None:
+    """Give back the block a dead learner was training, unless it finished it or someone gave it back already;
+    returns the block given back. The syncer (on losing the learner) and the learner's restart both try."""
+    if not coordinator.check([DilocoKeys.block(learner)]):
+        return None
+    block, _ = coordinator.get(DilocoKeys.block(learner)).decode().split()
+    if block == "done" or not set_once(coordinator, DilocoKeys.requeued_of(int(block)), who):
+        return None
+    number = coordinator.add(DilocoKeys.REQUEUED, 1) - 1
+    coordinator.set(DilocoKeys.requeue(number), block)
+    return int(block)
+
+
+def claim_requeued(coordinator, who: str) -> int | None:
+    """Take a block given back by a dead learner, if any is free."""
+    for number in range(coordinator.add(DilocoKeys.REQUEUED, 0)):
+        key = DilocoKeys.requeue(number)
+        if coordinator.check([key]) and set_once(coordinator, DilocoKeys.requeue_owner(number), who):
+            return int(coordinator.get(key))
+    return None

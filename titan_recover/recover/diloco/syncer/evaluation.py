@@ -1,0 +1,26 @@
+"""The global model's validation loss (docs/diloco.md, "End of the job and metrics"), computed in the syncer
+process by :mod:`titan_recover.evaluate`, the code that evaluates a synchronous run's final parameters."""
+
+from __future__ import annotations
+
+import torch
+
+
+class GlobalEvaluator:
+    """Loss on the validation slice (``eval_microbatches`` replica microbatch ids right after the budget). Needs the
+    run's whole config (model, tokenizer, data); the validator is built at the first evaluation."""
+
+    def __init__(self, config, positions: int):
+        self.config, self.positions = config, positions
+        self.validator = None
+
+    def loss(self, parameters: dict[str, torch.Tensor]) -> float:
+        if self.validator is None:
+            # imported here: titan_recover.evaluate loads TorchTitan's model and data code
+            from titan_recover.config.validate import resolve_layout
+            from titan_recover.evaluate import Validator
+
+            layout = resolve_layout(self.config.parallelism, self.positions)  # a learner's mesh
+            self.validator = Validator(self.config, self.config.recover.diloco.eval_microbatches,
+                                       shard_degree=layout.dp_shard)
+        return self.validator.loss(parameters)

@@ -1,0 +1,37 @@
+"""Which learners the syncer still expects deltas from (docs/diloco.md, "Liveness"): alive while no rank's
+heartbeat in the coordinator's store stayed unchanged for ``heartbeat_timeout_s`` on the syncer's own clock (only
+over time it was watching), and not reported done."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from titan_recover.recover.groups.protocol import Heartbeat, Keys, LivenessWatch
+
+LIVENESS_EVERY_S = 0.2
+
+
+class LearnerLiveness:
+    def __init__(self, coordinator, *, learners: int, ranks: int, heartbeat_timeout_s: float):
+        self.coordinator, self.learners, self.ranks = coordinator, learners, ranks
+        self.watch = LivenessWatch(heartbeat_timeout_s, math.inf, max_gap_s=2 * LIVENESS_EVERY_S)
+
+    def judge(self) -> tuple[set[int], set[int]]:
+        """(learners alive, learners done: every rank reported done)."""
+        alive, done, beats = set(), set(), {}
+        for learner in range(self.learners):
+            if all(self.coordinator.check([Keys.done(learner, rank)]) for rank in range(self.ranks)):
+                done.add(learner)
+                continue
+            keys = [Keys.heartbeat(learner, rank) for rank in range(self.ranks)]
+            if all(self.coordinator.check([k]) for k in keys):
+                beats[learner] = [Heartbeat.decode(raw) for raw in self.coordinator.multi_get(keys)]
+        # judged on the syncer's own clock, over the time it watched (a merge that kept it busy is not held against
+        # the learners); any start of a learner counts: its restart is alive
+        self.watch.look(time.monotonic(),
+                        {(learner, rank): b for learner, bs in beats.items() for rank, b in enumerate(bs)})
+        for learner, bs in beats.items():
+            if self.watch.judge(learner, range(self.ranks), bs[0].incarnation).alive:
+                alive.add(learner)
+        return alive, done

@@ -1,0 +1,247 @@
+"""The syncer (docs/diloco.md, "The syncer"): start, the loop, merges and the end of the job.
+
+It hosts its own store, publishes its address and generation through the coordinator's store, takes the first
+complete parameter offer of a learner as the initial global model (or resumes from its checkpoint), and then loops:
+read the learners' deltas, close every fragment's round once its quorum delivered and the grace window says so,
+merge with token weights, step the outer optimizer, publish the new version. It never waits for a learner it does
+not expect (dead, or not worth it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+
+from titan_recover.recover.diloco.blocks import blocks_trained, requeue_block
+from titan_recover.recover.diloco.messages import read_offer
+from titan_recover.recover.diloco.rules import DilocoKeys, total_blocks
+from titan_recover.recover.diloco.syncer.checkpoint import (checkpoint_path, global_model_path, load_checkpoint,
+                                                            save_atomically)
+from titan_recover.recover.diloco.syncer.evaluation import GlobalEvaluator
+from titan_recover.recover.diloco.syncer.global_model import GlobalModel
+from titan_recover.recover.diloco.syncer.inbox import Inbox
+from titan_recover.recover.diloco.syncer.liveness import LearnerLiveness, LIVENESS_EVERY_S
+from titan_recover.recover.diloco.syncer.metrics import Progress, SyncerMetrics
+from titan_recover.recover.diloco.syncer.rounds import merge_record, Rounds
+from titan_recover.recover.events import EventLog
+from titan_recover.recover.groups.member import connect
+from titan_recover.recover.groups.protocol import Keys
+
+logger = logging.getLogger("titan_recover.syncer")
+
+POLL_S = 0.02
+FINAL_QUIET_S = 1.0
+
+
+class Syncer:
+    """``config``: the run's config (``[recover]``, ``[recover.diloco]``, ``[training]``, ``[chaos]``,
+    ``[metrics]``, and what the validation loss needs). ``positions``: ranks per learner. ``start``: how many times
+    the syncer was started before."""
+
+    def __init__(self, config, *, coordinator_address: str, run_dir: str, positions: int, start: int = 0,
+                 host: str = "127.0.0.1", port: int = 0):
+        self.config, self.options = config, config.recover.diloco
+        self.learners, self.positions = config.recover.replicas, positions
+        self.blocks = total_blocks(config.training.steps, self.learners)
+        self.run_dir = run_dir
+        self.coordinator = connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
+        self.store = _serve_store(host, port)
+        self.generation = self.coordinator.add(DilocoKeys.GENERATION, 1)
+        self.address = f"{host}:{self.store.port}"
+        self.who = f"syncer.{self.generation}"
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "syncer", start=start,
+                               generation=self.generation)
+        self.faults = [f for f in config.chaos.schedule(self.learners, positions)
+                       if f.process == "syncer" and f.incarnation == start]
+        self.model = GlobalModel(positions=positions, outer_lr=self.options.outer_lr,
+                                 outer_momentum=self.options.outer_momentum)
+        self.progress = Progress()
+        self.rounds: Rounds | None = None  # once the model's fragments are known
+        self.inbox = Inbox(self.store, learners=self.learners, positions=positions)
+        self.liveness = LearnerLiveness(self.coordinator, learners=self.learners, ranks=positions,
+                                        heartbeat_timeout_s=config.recover.heartbeat_timeout_s)
+        self.metrics = SyncerMetrics(run_dir, config.metrics, start)
+        self.evaluator = GlobalEvaluator(config, positions)
+        self.alive: set[int] = set()
+        self.done: set[int] = set()
+        self.end_reason = ""
+        self.val_loss: float | None = None
+        self._liveness_at = 0.0
+        self._checkpoint_at = time.monotonic()
+        self._eval_at = time.monotonic()
+
+    @property
+    def versions(self) -> list[int]:
+        return self.model.versions
+
+    # ---- start -------------------------------------------------------------------------------------------
+    def publish_address(self) -> None:
+        self.coordinator.set(DilocoKeys.SYNCER, f"{self.address} {self.generation}")
+
+    def initialize(self, timeout_s: float) -> None:
+        state = load_checkpoint(checkpoint_path(self.run_dir))
+        if state is not None:
+            self._load(state)
+        else:
+            self._take_offer(timeout_s)
+            self.rounds = Rounds(self.model.fragments)
+        for f in range(self.model.fragments):
+            self.model.publish(self.store, f)
+        self.model.publish_versions(self.store, self.generation)
+        self.events.emit("syncer_started", resumed=state is not None, versions=list(self.versions),
+                         merges=self.progress.merges, merged_tokens=self.progress.merged_tokens,
+                         fragments=self.model.fragments, address=self.address)
+        if state is None:
+            self._checkpoint()
+
+    def _take_offer(self, timeout_s: float) -> None:
+        """The first learner whose every position offered its parameters gives the initial global model."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for learner in range(self.learners):
+                offer = read_offer(self.store, learner, self.positions)
+                if offer is not None:
+                    self.model.build(*offer)
+                    self.events.emit("initial_model", from_learner=learner,
+                                     parameters=sum(f.numel() for f in offer[1]))
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError("no learner offered its parameters within recover.startup_timeout_s")
+            time.sleep(POLL_S)
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {**self.model.state_dict(), **self.progress.state_dict(), "period_s": list(self.rounds.period_s)}
+
+    def _load(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+        self.progress.load_state_dict(state)
+        self.rounds = Rounds(self.model.fragments, period_s=state["period_s"])
+
+    def _checkpoint(self) -> None:
+        save_atomically(self._state(), checkpoint_path(self.run_dir))
+        self._checkpoint_at = time.monotonic()
+
+    # ---- learners ----------------------------------------------------------------------------------------
+    def _judge_liveness(self) -> None:
+        """A learner lost (neither alive nor done) gives back the block it was training."""
+        alive, done = self.liveness.judge()
+        for learner in sorted(self.alive - alive - done):
+            given_back = requeue_block(self.coordinator, learner, self.who)
+            self.events.emit("learner_lost", learner=learner, reason="no heartbeat", requeued_block=given_back)
+        self.alive, self.done = alive, done
+
+    def _receive(self, now: float) -> int:
+        """Deliver every delta complete in every position to its round; the pieces read."""
+        received, deliveries = self.inbox.receive()
+        for delivery in deliveries:
+            self.rounds.deliver(delivery, now)
+        return received
+
+    # ---- rounds ------------------------------------------------------------------------------------------
+    def _maybe_merge(self, fragment: int, now: float, final: bool = False) -> None:
+        quorum = self.rounds.merge_quorum(fragment, now, self.alive, min_quorum=self.options.min_quorum,
+                                          max_window_s=self.options.max_window_s, final=final)
+        if quorum is not None:
+            self._merge(fragment, now, quorum, final)
+
+    def _merge(self, fragment: int, now: float, quorum: int, final: bool) -> None:
+        closed = self.rounds.close(fragment, now)
+        version = self.model.merge(fragment, closed.deltas, closed.tokens)
+        self.model.publish(self.store, fragment)
+        self.model.publish_versions(self.store, self.generation)
+        self.progress.record_merge(fragment, self.model.fragments, closed.tokens, closed.steps)
+        record = merge_record(closed, fragment=fragment, version=version, generation=self.generation,
+                              alive=self.alive, quorum=quorum, min_quorum=self.options.min_quorum, now=now,
+                              final=final)
+        self.events.emit("fragment_merged", **record)
+        self.metrics.log(now, self.progress, len(self.alive), merge=record)
+        self._inject_faults()
+
+    def _inject_faults(self) -> None:
+        """``[chaos]`` faults of the syncer fire right after their merge (``step``: merges so far)."""
+        for fault in self.faults:
+            if fault.step == self.progress.merges:
+                from titan_recover.recover.chaos.monkey import FAULTS
+
+                self.events.emit("fault_injected", kind=fault.kind, step=self.progress.merges, phase="merge",
+                                 pid=os.getpid(), process="syncer")
+                FAULTS.get(fault.kind)(None, fault)
+
+    # ---- evaluation --------------------------------------------------------------------------------------
+    def evaluate(self, now: float) -> float | None:
+        """The global model's validation loss; None when the positions' shards do not assemble by rows."""
+        parameters = self.model.parameters()
+        if parameters is None:
+            return None
+        self.val_loss = self.evaluator.loss(parameters)
+        self._eval_at = time.monotonic()
+        self.metrics.log(now, self.progress, len(self.alive), val_loss=self.val_loss)
+        self.events.emit("global_evaluated", merges=self.progress.merges, versions=list(self.versions),
+                         val_loss=self.val_loss, merged_tokens=self.progress.merged_tokens)
+        return self.val_loss
+
+    # ---- loop --------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.publish_address()
+        self.initialize(self.config.recover.startup_timeout_s)
+        self.evaluate(time.time())
+        quiet_since = None
+        while True:
+            now = time.time()
+            received = self._tick(now)
+            if self._over():
+                quiet_since = None if received else (quiet_since or time.monotonic())
+                if quiet_since is not None and time.monotonic() - quiet_since > FINAL_QUIET_S:
+                    return self.finish()
+            time.sleep(POLL_S)
+
+    def _tick(self, now: float) -> int:
+        """One pass of the loop: liveness, deltas, merges, and the checkpoint and evaluation when due."""
+        if now - self._liveness_at > LIVENESS_EVERY_S:
+            self._judge_liveness()
+            self._liveness_at = now
+        received = self._receive(now)
+        for f in range(self.model.fragments):
+            self._maybe_merge(f, now)
+        if time.monotonic() - self._checkpoint_at > self.options.checkpoint_interval_s:
+            self._checkpoint()
+        if self.options.eval_interval_s and time.monotonic() - self._eval_at > self.options.eval_interval_s:
+            self.evaluate(now)
+        return received
+
+    def _over(self) -> bool:
+        """Every learner ended, or the budget is trained and every live learner has sent its last deltas (a learner
+        still restarting is not waited for: the blocks it held were given back and trained by others)."""
+        if self.coordinator.check([DilocoKeys.LEARNERS_OVER]):
+            self.end_reason = "every learner ended"
+            return True
+        if blocks_trained(self.coordinator) >= self.blocks and not self.alive:
+            self.end_reason = f"the budget's {self.blocks} blocks are trained and no learner is running"
+            return True
+        return False
+
+    def finish(self) -> int:
+        """Every learner ended: merge what is left, evaluate, save the global model and the checkpoint."""
+        now = time.time()
+        for f in range(self.model.fragments):
+            self._maybe_merge(f, now, final=True)
+        val_loss = self.evaluate(now)
+        parameters = self.model.parameters()
+        if parameters is not None:
+            save_atomically(parameters, global_model_path(self.run_dir))
+        self._checkpoint()
+        self.events.emit("syncer_finished", reason=self.end_reason, merges=self.progress.merges,
+                         blocks_done=blocks_trained(self.coordinator), merged_tokens=self.progress.merged_tokens,
+                         goodput_tokens_per_s=self.progress.goodput(now), elapsed_s=now - self.progress.started_at,
+                         val_loss=val_loss, versions=list(self.versions))
+        self.metrics.close()
+        self.coordinator.set(Keys.FINISHED, "1")
+        return 0
+
+
+def _serve_store(host: str, port: int):
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
