@@ -88,6 +88,21 @@ def exact_reference(tmp_path_factory, default_data) -> pathlib.Path:
     return folder
 
 
+HSDP_REFERENCE_STEPS = 3
+
+
+@pytest.fixture(scope="session")
+def hsdp_reference(tmp_path_factory, default_data):
+    """train_configs/hsdp.toml (TorchTitan's native HSDP: 2 replicas x FSDP2 over 2) with the tiny model,
+    failure-free, run once: the layout test of HSDP and the reference of what replica groups log. Returns
+    (folder, console output)."""
+    folder = tmp_path_factory.mktemp("hsdp_reference")
+    proc = launch("train_configs/hsdp.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb",
+                  "--training.steps", str(HSDP_REFERENCE_STEPS), "--dump_folder", str(folder), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return folder, proc.stdout + proc.stderr
+
+
 TP_REFERENCE_STEPS = 6
 
 

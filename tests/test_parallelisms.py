@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import check_layout, launch, TP_REFERENCE_STEPS
+from conftest import check_layout, HSDP_REFERENCE_STEPS, launch, read_metrics, TP_REFERENCE_STEPS
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,6 +27,10 @@ def test_layout_trains(name, default_data, tmp_path, request):
         folder, output = request.getfixturevalue("tp_reference")
         check_layout(output, folder, LAYOUTS[name], TP_REFERENCE_STEPS)
         return
+    if name == "hsdp":  # the reference of what replica groups log
+        folder, output = request.getfixturevalue("hsdp_reference")
+        check_layout(output, folder, LAYOUTS[name], HSDP_REFERENCE_STEPS)
+        return
     proc = launch(
         f"train_configs/{name}.toml",
         "--model.flavor", "tiny",
@@ -36,3 +40,24 @@ def test_layout_trains(name, default_data, tmp_path, request):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_layout(proc.stdout + proc.stderr, tmp_path, LAYOUTS[name], STEPS)
+
+
+def test_replica_groups_log_what_native_hsdp_logs(hsdp_reference, tmp_path):
+    """The same job as fault-tolerant replica groups (2 x FSDP2 over 2, a coordinator) logs TorchTitan's own
+    metrics as TorchTitan's native HSDP does: the mean loss of the global batch, the largest mean loss of a
+    data-parallel rank, and the global tokens seen, at every step (float summation order aside)."""
+    hsdp, _ = hsdp_reference
+    proc = launch("train_configs/replicas.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb",
+                  "--training.steps", str(HSDP_REFERENCE_STEPS), "--dump_folder", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    native = {r["step"]: r for r in read_metrics(hsdp)}
+    logged = read_metrics(tmp_path)
+    assert sorted({r["replica"] for r in logged}) == [0, 1]
+    assert sorted(r["step"] for r in logged) == sorted(list(range(1, HSDP_REFERENCE_STEPS + 1)) * 2)
+    for record in logged:
+        reference = native[record["step"]]
+        assert record["n_tokens_seen"] == reference["n_tokens_seen"]
+        for key in ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss"):
+            assert record[key] == pytest.approx(reference[key], rel=1e-5), (key, record["step"])
+    # the largest rank's mean loss is not the global mean: the comparison above is not met trivially
+    assert any(r["loss_metrics/global_max_loss"] > r["loss_metrics/global_avg_loss"] * (1 + 1e-4) for r in logged)

@@ -1,8 +1,7 @@
 """A Decoupled DiLoCo learner (docs/diloco.md): one replica group training on its own, sending fragment deltas to
 the syncer without waiting and mixing in the global fragments it publishes.
 
-Called from :class:`titan_recover.trainer.RecoverTrainer`'s hooks with ``[recover] mode = "diloco"`` (through
-:func:`attach_learner`); TorchTitan's loop, inner optimizer (AdamW), parallelisms and logging are untouched. Per rank
+Driven by the ``diloco`` training mode (:mod:`titan_recover.recover.modes.diloco`); TorchTitan's loop, inner optimizer (AdamW), parallelisms and logging are untouched. Per rank
 (a *position*: the same rank of every learner holds the same shards):
 
 * data: before every inner step the learner claims the next data block (:mod:`.blocks`) and trains its replica
@@ -42,25 +41,28 @@ def _encode(version: Version) -> int:
 class Learner:
     """One rank of a learner: its fragments, data blocks, and the send and pull threads.
 
-    The trainer calls :meth:`has_work` before every inner step, :meth:`local_batch_indices` for its microbatches,
-    :meth:`after_inner_step`, and :meth:`finish` (or :meth:`close` on an error) at the end."""
+    The mode calls :meth:`start`, then :meth:`has_work` before every inner step, :meth:`local_batch_indices` for its
+    microbatches, :meth:`after_inner_step`, and :meth:`finish` (or :meth:`close` on an error) at the end. ``parts``:
+    what TorchTitan built (:class:`~titan_recover.recover.modes.base.TrainerParts`)."""
 
-    def __init__(self, trainer, member, events, *, learner: int, learners: int, incarnation: int,
+    def __init__(self, parts, member, events, *, learner: int, learners: int, incarnation: int,
                  coordinator_address: str):
-        config = trainer.config
+        config = parts.config
         self.options = config.recover.diloco
-        self.trainer, self.member, self.events = trainer, member, events
+        self.parts, self.member, self.events = parts, member, events
+        self.step = 0
+        """The last inner step this learner trained (the job's count: a restart continues it)."""
         self.learner, self.learners, self.incarnation = learner, learners, incarnation
         self.position = torch.distributed.get_rank()
         self.positions = torch.distributed.get_world_size()
-        self.params = [p for m in trainer.model_parts for p in m.parameters()]
-        self.names = parameter_names(trainer.model_parts)
+        self.params = [p for m in parts.model_parts for p in m.parameters()]
+        self.names = parameter_names(parts.model_parts)
         self.local = LocalFragments(self.params, self.options.fragments,
                                     where=f"learner {learner} position {self.position}")
         self.fragments = self.local.count
         self.adopted: list[Version] = [(-1, -1)] * self.fragments
-        self.batch_degree, self.batch_rank = trainer.batch_layout()
-        self.accumulation = trainer.gradient_accumulation_steps
+        self.batch_degree, self.batch_rank = parts.batch_layout()
+        self.accumulation = parts.gradient_accumulation_steps
         self.tokens_per_step = (self.accumulation * self.batch_degree * config.training.local_batch_size
                                 * config.training.seq_len)
         self.tokens_since = [0] * self.fragments
@@ -75,10 +77,12 @@ class Learner:
         self.puller = GlobalPuller(coordinator_address, position=self.position, fragments=self.fragments)
 
     # ---- start -------------------------------------------------------------------------------------------
-    def start(self, timeout_s: float) -> None:
+    def start(self, timeout_s: float, step: int) -> int:
         """Offer this rank's parameters as the initial global model (the syncer takes the first complete offer
         unless it resumed from its checkpoint), adopt every global fragment, and give back the block this learner's
-        previous start was training (a restart)."""
+        previous start was training (a restart). Returns the step to count from: ``step``, or the job's count a
+        restarted learner continues."""
+        self.step = step
         deadline = time.monotonic() + timeout_s
         link = SyncerLink(self.coordinator_address)
         while (store := link.current()) is None:
@@ -93,15 +97,16 @@ class Learner:
         given_back = None
         step = blocks.last_step(self.coordinator, self.learner)
         if step is not None:  # a restart: continue the step count
-            self.trainer.step = step
+            self.step = step
             if self.position == 0:  # the block the previous start was training goes back to the pool
                 given_back = blocks.requeue_block(self.coordinator, self.learner, self.who)
         if self.positions > 1:
             torch.distributed.barrier()  # every rank read the step before rank 0 may claim a block
         if self.position == 0:
             self.events.emit("learner_started", incarnation=self.incarnation, versions=[list(v) for v in self.adopted],
-                             requeued_block=given_back, step=self.trainer.step, fragments=self.fragments,
+                             requeued_block=given_back, step=self.step, fragments=self.fragments,
                              blocks=self.blocks)
+        return self.step
 
     def _wait(self, deadline: float, what: str) -> None:
         self.member.progress(phase="startup")
@@ -125,8 +130,8 @@ class Learner:
         if self.position == 0:
             block = blocks.claim_block(self.coordinator, self.who)
             if block < self.blocks:
-                blocks.record_training(self.coordinator, self.learner, block, self.trainer.step)
-                self.events.emit("block_claimed", console=False, block=block, step=self.trainer.step,
+                blocks.record_training(self.coordinator, self.learner, block, self.step)
+                self.events.emit("block_claimed", console=False, block=block, step=self.step,
                                  incarnation=self.incarnation)
             if self.positions > 1:
                 blocks.share_claim(self.coordinator, self.learner, self.incarnation, self.claims, block)
@@ -142,14 +147,15 @@ class Learner:
 
     def _set_learning_rate(self, step: int) -> None:
         """The inner schedule follows the job's progress (the block), not this learner's own step count."""
-        for scheduler in self.trainer.lr_schedulers.schedulers:
-            scheduler.last_epoch = step - 1
-            for group, base, lr_lambda in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
-                                              scheduler.lr_lambdas):
-                group["lr"] = base * lr_lambda(step - 1)
+        # through TorchTitan's own Stateful interface: the schedule's position, then one step to it, which sets
+        # every parameter group's learning rate to ``base * lambda(step - 1)``
+        schedulers = self.parts.lr_schedulers
+        schedulers.load_state_dict({"last_epoch": step - 2})
+        schedulers.step()
 
     # ---- after every inner step --------------------------------------------------------------------------
     def after_inner_step(self, step: int) -> None:
+        self.step = step
         self.member.progress(step=step, phase="sync")
         for f in range(self.fragments):
             self.tokens_since[f] += self.tokens_per_step
@@ -173,7 +179,7 @@ class Learner:
             if not agreed[f] or codes[f] <= _encode(self.adopted[f]):
                 continue
             version, global_flat = ready[f]
-            self.local.mix(f, global_flat.to(self.trainer.device))
+            self.local.mix(f, global_flat.to(self.parts.device))
             self.adopted[f] = version
             self.adoptions += 1
 
@@ -181,7 +187,7 @@ class Learner:
         """Per fragment: every rank of the learner holds the same version (one all-reduce of ``2F`` integers)."""
         if self.positions == 1:
             return [True] * self.fragments
-        both = torch.tensor(codes + [-c for c in codes], dtype=torch.int64, device=self.trainer.device)
+        both = torch.tensor(codes + [-c for c in codes], dtype=torch.int64, device=self.parts.device)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
         highest, lowest = both[: self.fragments].tolist(), [-c for c in both[self.fragments :].tolist()]
         return [hi == lo for hi, lo in zip(highest, lowest)]
@@ -191,7 +197,7 @@ class Learner:
         """Send what every fragment gained since its last send."""
         for f in range(self.fragments):
             if self.tokens_since[f]:
-                self.send(f, self.trainer.step)
+                self.send(f, self.step)
 
     def finish(self, timeout_s: float) -> None:
         """The budget is claimed and this learner's last block trained: flush, wait until every delta left, and
@@ -199,7 +205,7 @@ class Learner:
         self.flush()
         drained = self.sender.drain(timeout_s)
         if self.position == 0:
-            self.events.emit("learner_finished", step=self.trainer.step, sent=self.sender.sent, drained=drained,
+            self.events.emit("learner_finished", step=self.step, sent=self.sender.sent, drained=drained,
                              adoptions=self.adoptions)
         self.close()
         self.member.finish()  # done: the syncer stops expecting deltas from this rank
@@ -216,37 +222,3 @@ class Learner:
             "diloco/adoptions": self.adoptions,
             "diloco/oldest_version": min(v[1] for v in self.adopted),
         }
-
-
-def attach_learner(trainer) -> Learner:
-    """Join the job as a learner: the event log and fault injection of this rank, heartbeats to the coordinator
-    (the syncer reads them), then :meth:`Learner.start`. Sets ``trainer.chaos`` and ``trainer.learner``.
-
-    The wiring of the other packages (events, chaos, membership) into the trainer: to be replaced by the diloco
-    mode's registered class (``modes``)."""
-    from titan_recover.recover.chaos.monkey import ChaosMonkey
-    from titan_recover.recover.events import EventLog
-    from titan_recover.recover.groups.member import (COORDINATOR_ENV, incarnation_from_env, REPLICA_ENV,
-                                                     ReplicaMember, RUN_DIR_ENV)
-
-    config = trainer.config
-    for name in (REPLICA_ENV, COORDINATOR_ENV):
-        if name not in os.environ:
-            raise RuntimeError(f"[recover] mode = \"diloco\" but {name} is not set: start learners with "
-                               "./run_train.sh (docs/diloco.md)")
-    learner = int(os.environ[REPLICA_ENV])
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    incarnation = incarnation_from_env()
-    run_dir = os.environ.get(RUN_DIR_ENV, config.dump_folder)
-    events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{learner}/{rank}", replica=learner, rank=rank)
-    trainer.chaos = ChaosMonkey(config.chaos.schedule(config.recover.groups, world), learner, rank, events,
-                                incarnation=incarnation, run_dir=run_dir)
-    trainer.optimizers.register_step_pre_hook(lambda *_: trainer.chaos.maybe_inject(trainer.step, "optimizer"))
-    member = ReplicaMember(config.recover, replica=learner, rank=rank, ranks_per_replica=world,
-                           address=os.environ[COORDINATOR_ENV], incarnation=incarnation)
-    member.register()
-    trainer.learner = Learner(trainer, member, events, learner=learner, learners=config.recover.replicas,
-                              incarnation=incarnation, coordinator_address=os.environ[COORDINATOR_ENV])
-    trainer.learner.start(config.recover.startup_timeout_s)
-    trainer.metrics_processor.step_metrics_fn = trainer.learner.metrics
-    return trainer.learner
