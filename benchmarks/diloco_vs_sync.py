@@ -69,7 +69,7 @@ def fired(events: list[dict]) -> int:
 
 
 def sync_result(folder: str, events: list[dict], args) -> tuple[float, float, int]:
-    from titan_recover.config.loader import build_config
+    from titan_recover.job_config import build_config
     from titan_recover.evaluate import plain_name, Validator
 
     start = next(e["time"] for e in events if e["event"] == "epoch_formed" and e["epoch"] == 0)

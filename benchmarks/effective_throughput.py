@@ -88,7 +88,7 @@ def fault_schedule(args) -> str:
 
 
 def tokens_per_step(args) -> int:
-    from titan_recover.config.loader import build_config
+    from titan_recover.job_config import build_config
 
     training = build_config(CONFIG, job_overrides(args)).training
     return training.seq_len * training.local_batch_size * args.replicas

@@ -26,7 +26,7 @@ def from_toml():
     from torchtitan.trainer import Trainer
 
     from titan_recover.config.apply import settable_fields
-    from titan_recover.config.loader import build_config
+    from titan_recover.job_config import build_config
 
     config = build_config(os.environ["STOCK_TOML"], json.loads(os.environ.get("STOCK_OVERRIDES", "[]")))
     values = {name: getattr(config, name) for name in settable_fields(Trainer.Config())}

@@ -10,7 +10,7 @@ import pytest
 import tomli
 
 from titan_recover.config.apply import ConfigError
-from titan_recover.config.loader import build_config
+from titan_recover.job_config import build_config
 from titan_recover.config.render import render_toml
 from titan_recover.config.validate import check_batch, resolve_layout
 

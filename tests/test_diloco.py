@@ -20,7 +20,7 @@ from titan_recover.recover.groups.protocol import Heartbeat, Keys
 
 
 def _config(*overrides: str):
-    from titan_recover.config.loader import build_config
+    from titan_recover.job_config import build_config
 
     return build_config("train_configs/diloco.toml", ["--model.flavor", "tiny", "--metrics.no_enable_wandb",
                                                       *overrides])

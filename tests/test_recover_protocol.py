@@ -7,7 +7,7 @@ import time
 import pytest
 
 from titan_recover.config.apply import ConfigError
-from titan_recover.config.loader import build_config
+from titan_recover.job_config import build_config
 from titan_recover.recover.chaos.monkey import ChaosConfig, FaultSpec
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import describe_beats

@@ -108,7 +108,7 @@ def checkpoint_restart_job(config, toml_path: str | None, overrides: list[str]):
     torchrun whose replicated data-parallel dimension is the replica groups (same global batch, same microbatch
     ids), TorchTitan's checkpoints, and torchrun restarting every process on any failure. Returns the job's config
     and the overrides its processes get."""
-    from titan_recover.config.loader import build_config
+    from titan_recover.job_config import build_config
 
     recover = config.recover
     if config.parallelism.data_parallel_replicate_degree != 1:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{m.name:8s} {m.flavor:12s} {m.hardware}")
             return 0
 
-        from titan_recover.config.loader import build_config
+        from titan_recover.job_config import build_config
         from titan_recover.config.validate import check_batch, resolve_layout
         from titan_recover.platform import active_device
 

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     toml_path = argv.pop(0) if argv and not argv[0].startswith("--") else None
 
-    from titan_recover.config.loader import build_config
+    from titan_recover.job_config import build_config
     from titan_recover.config.validate import check_batch, resolve_layout
 
     config = build_config(toml_path, argv)

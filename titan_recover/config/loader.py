@@ -1,16 +1,8 @@
-"""TOML file + CLI overrides -> ``RecoverTrainer.Config``.
+"""TOML file + CLI overrides, read and applied onto config dataclasses (pure; no TorchTitan import).
 
-Precedence, lowest first:
-
-1. the model's registered TorchTitan config (``[model] name / flavor``, see :mod:`titan_recover.models`);
-2. the project's defaults (addressable data, JSONL metrics, seed 0, run folder ``outputs/<toml name>``);
-3. the platform's defaults (CPU: fp32 parameters, no CUDA graphs);
-4. the TOML file's sections, named like the config's fields (``[training]``, ``[parallelism]``, ...);
-5. CLI overrides in TorchTitan's form: ``--training.steps 20``, ``--training.steps=20``, ``--metrics.enable_wandb``
-   (a bare boolean flag sets it true; ``--metrics.no_enable_wandb`` sets it false).
-
-Then the platform adapts the model spec (SDPA attention and sum-only reductions on CPU) and TorchTitan's own
-config checks run again on the result.
+CLI overrides take TorchTitan's form: ``--training.steps 20``, ``--training.steps=20``, ``--metrics.enable_wandb``
+(a bare boolean flag sets it true; ``--metrics.no_enable_wandb`` sets it false). The whole run's config is
+composed from these by :func:`titan_recover.job_config.build_config`.
 """
 
 from __future__ import annotations
@@ -23,7 +15,6 @@ from typing import Any
 import tomli
 
 from titan_recover.config.apply import (
-    apply_mapping,
     ConfigError,
     convert,
     settable_fields,
@@ -66,7 +57,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str | None]]:
     return out
 
 
-def _model_choice(raw: dict[str, Any], overrides: list[tuple[str, str | None]]) -> tuple[str, str]:
+def model_choice(raw: dict[str, Any], overrides: list[tuple[str, str | None]]) -> tuple[str, str]:
     model = dict(DEFAULT_MODEL)
     section = raw.get("model", {})
     if not isinstance(section, dict):
@@ -99,25 +90,7 @@ def requested_device(raw: dict[str, Any], overrides: list[tuple[str, str | None]
     return device
 
 
-def _as_trainer_config(base, config_cls):
-    return config_cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init})
-
-
-def _project_defaults(config, run_name: str) -> None:
-    from titan_recover.data.loader import AddressableDataLoader
-    from titan_recover.metrics import RunMetrics
-
-    config.dataloader = AddressableDataLoader.Config()
-    base_metrics = config.metrics
-    config.metrics = RunMetrics.Config(
-        **{name: getattr(base_metrics, name) for name in settable_fields(base_metrics) if name != "log_freq"}
-    )
-    config.validator.enable = False  # TorchTitan's validator reads HF datasets; the project's data is offline
-    config.debug.seed = 0
-    config.dump_folder = os.path.join("outputs", run_name)
-
-
-def _apply_override(config, key: str, raw_value: str | None) -> None:
+def apply_override(config, key: str, raw_value: str | None) -> None:
     parts = key.split(".")
     obj, path = config, ""
     for part in parts[:-1]:
@@ -168,64 +141,3 @@ def _convert_cli_value(raw: str, annotation, path: str):
             first_error = first_error or e
     assert first_error is not None
     raise first_error
-
-
-def _recheck_project_sections(obj) -> None:
-    """Re-run ``__post_init__`` checks of the project's sections: TOML values are set after construction."""
-    for name in settable_fields(obj):
-        value = getattr(obj, name)
-        if not dataclasses.is_dataclass(value) or isinstance(value, type):
-            continue
-        if type(value).__module__.startswith("titan_recover") and hasattr(value, "__post_init__"):
-            try:
-                value.__post_init__()
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        _recheck_project_sections(value)
-
-
-def build_config(toml_path: str | None, cli_args: list[str] | None = None, *, device: str | None = None):
-    """Build the fully resolved ``RecoverTrainer.Config`` (raises :class:`ConfigError` on any mistake)."""
-    raw = read_toml(toml_path) if toml_path else {}
-    overrides = parse_overrides(cli_args or [])
-
-    from titan_recover import platform
-
-    resolved_device = platform.activate(device or requested_device(raw, overrides))
-
-    from titan_recover.models import get_model
-    from titan_recover.trainer import RecoverTrainer
-
-    name, flavor = _model_choice(raw, overrides)
-    try:
-        entry = get_model(name, flavor)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    config = _as_trainer_config(entry.base_config(), RecoverTrainer.Config)
-    config.model_spec = entry.model_spec()
-    run_name = pathlib.Path(toml_path).stem if toml_path else f"{name}_{flavor}"
-    _project_defaults(config, run_name)
-    apply_mapping(config, platform.platform_defaults(resolved_device))
-
-    sections = {k: v for k, v in raw.items() if k != "model"}
-    valid = list(settable_fields(config))
-    for key in sections:
-        if key not in valid or key == "model_spec":
-            raise unknown_key_error(key, "", ["model", *[v for v in valid if v != "model_spec"]], what="section")
-    hf_assets_given = "hf_assets_path" in sections or any(k == "hf_assets_path" for k, _ in overrides)
-    apply_mapping(config, sections)
-    for key, value in overrides:
-        if not key.startswith("model."):
-            _apply_override(config, key, value)
-
-    if not hf_assets_given and config.dataloader.dataset_path:
-        config.hf_assets_path = config.dataloader.dataset_path  # the prepared folder holds the tokenizer
-    config.model_spec = platform.adapt_model_spec(config.model_spec, config.platform, resolved_device)
-    if getattr(config.dataloader, "document_positions", False) is None:
-        config.dataloader.document_positions = platform.takes_document_masks(config.model_spec)
-    _recheck_project_sections(config)
-    try:
-        config.__post_init__()  # TorchTitan's own cross-field checks, on the final values
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return config

@@ -5,6 +5,6 @@ the data-block protocol in the coordinator's store (``blocks``), the messages in
 a learner rank (``learner``, ``fragments``, ``transport``) and the syncer process (``syncer/``), configured by
 ``[recover.diloco]``. May import: ``groups`` (membership, liveness, blobs), ``phoenix.state_transfer`` (byte
 views), ``events``; ``chaos`` only where faults are injected (the syncer's own faults).
-TorchTitan-loading code (``titan_recover.config.loader``, ``titan_recover.evaluate``, ``titan_recover.metrics``) is
+TorchTitan-loading code (``titan_recover.job_config``, ``titan_recover.evaluate``, ``titan_recover.metrics``) is
 imported lazily: the run's config is built only in the syncer's process entry (``syncer/__main__.py``).
 """

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     # The run's whole config is rebuilt here, in the process entry point only (it loads TorchTitan): the validation
     # loss evaluates the global model with the run's model, tokenizer and data settings, which a handful of
     # command-line values could not carry. The syncer's own code takes the built config.
-    from titan_recover.config.loader import build_config
+    from titan_recover.job_config import build_config
     from titan_recover.recover.diloco.syncer.service import Syncer
 
     toml_path = rest.pop(0) if rest and not rest[0].startswith("--") else None
