@@ -175,7 +175,7 @@ class SimulatedReplicas:
                 def contribution(self):
                     return self.local, torch.zeros(()), 0.0
 
-            manager = StepRecovery(QuotaConfig(policy=self.policy), replica=r, replicas=self.replicas,
+            manager = StepRecovery(QuotaConfig(policy=self.policy), replica=r, groups=self.replicas,
                                    per_step=self.per_step, sync=self.sync(r), worker=Worker(), dtype=torch.float64)
             try:
                 outcomes[r] = manager.run(step)
@@ -246,14 +246,14 @@ def test_manager_gives_up_after_the_epoch_bound():
         def reduce_once(self, *_args, verify=None):
             return False
 
-    manager = StepRecovery(QuotaConfig(), replica=0, replicas=2, per_step=2, sync=NeverCommits(), worker=IdleWorker(),
+    manager = StepRecovery(QuotaConfig(), replica=0, groups=2, per_step=2, sync=NeverCommits(), worker=IdleWorker(),
                            config=StepConfig(max_epochs_per_step=2))
     with pytest.raises(RuntimeError, match="failed in 3 consecutive epochs"):
         manager.run(1)
 
 
 def test_manager_smooths_committed_speeds_and_the_next_plan_uses_them():
-    manager = StepRecovery(QuotaConfig(policy="throughput", speed_smoothing=0.5), replica=0, replicas=3,
+    manager = StepRecovery(QuotaConfig(policy="throughput", speed_smoothing=0.5), replica=0, groups=3,
                            per_step=10, sync=None, worker=IdleWorker())
     manager._update_speeds([2.0, 0.0, 1.0])  # replica 1 computed nothing: no measurement
     manager._update_speeds([4.0, 1.0, 1.0])
@@ -265,3 +265,22 @@ def test_manager_smooths_committed_speeds_and_the_next_plan_uses_them():
     manager.sync = Committed()
     plan = manager.plan(step=2)
     assert {m: plan.quota(m) for m in (0, 1, 2)} == {0: 6, 1: 2, 2: 2}  # 3 : 1 : 1
+
+
+def test_reduction_layout_packs_and_reads_every_section():
+    from titan_recover.recover.invariant.reduction import ReductionLayout
+
+    layout = ReductionLayout(gradients=3, microbatches=4, groups=2, evidence=2)
+    buffer = layout.pack(torch.tensor([1.0, 2.0, 3.0]), loss=torch.tensor(0.5), ledger=[1, 0, 1, 0], speeds=[2.0, 0.0],
+                         losses=[7.0, 0.0], evidence=[5.0, 6.0], failed=True, dtype=torch.float64)
+    assert buffer.numel() == layout.size == 3 + 1 + 4 + 2 * 2 + 2 + 1
+    summed = buffer + layout.pack(torch.tensor([1.0, 1.0, 1.0]), loss=torch.tensor(0.25), ledger=[0, 1, 0, 1],
+                                  speeds=[0.0, 3.0], losses=[0.0, 8.0], evidence=[0.0, 0.0], failed=False,
+                                  dtype=torch.float64)
+    reduced = layout.read(summed)
+    assert reduced.gradient.tolist() == [2.0, 3.0, 4.0] and reduced.loss == 0.75
+    assert reduced.ledger == [1, 1, 1, 1] and reduced.speeds == [2.0, 3.0] and reduced.losses == [7.0, 8.0]
+    assert reduced.evidence == [5.0, 6.0] and reduced.failed
+    with pytest.raises(ValueError, match="do not fit the layout"):
+        layout.pack(torch.zeros(3), loss=torch.tensor(0.0), ledger=[0] * 4, speeds=[0.0], losses=[0.0, 0.0],
+                    evidence=[0.0, 0.0], failed=False, dtype=torch.float64)

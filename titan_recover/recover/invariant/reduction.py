@@ -38,14 +38,14 @@ class ReductionLayout:
     """G: elements of this rank's local gradient shards, in parameter order."""
     microbatches: int
     """M: microbatch ids of a step."""
-    replicas: int
+    groups: int
     """R: replica groups of the job (active and spares)."""
     evidence: int = 0
     """E: signature entries of the witnesses (0: localisation off)."""
 
     @property
     def size(self) -> int:
-        return self.gradients + 1 + self.microbatches + 2 * self.replicas + self.evidence + 1
+        return self.gradients + 1 + self.microbatches + 2 * self.groups + self.evidence + 1
 
     def pack(self, gradient: torch.Tensor, *, loss: torch.Tensor, ledger: list[float], speeds: list[float],
              losses: list[float], evidence: list[float], failed: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -63,7 +63,7 @@ class ReductionLayout:
         ])
 
     def read(self, buffer: torch.Tensor) -> Reduced:
-        g, m, r, e = self.gradients, self.microbatches, self.replicas, self.evidence
+        g, m, r, e = self.gradients, self.microbatches, self.groups, self.evidence
         tail = buffer[g + 1:].tolist()
         return Reduced(
             gradient=buffer[:g],

@@ -110,21 +110,21 @@ class _Progress:
 
 @STEP_MANAGERS.register("recompute")
 class StepRecovery:
-    def __init__(self, quota: QuotaConfig, *, replica: int, replicas: int, per_step: int, sync, worker: MicrobatchWorker,
+    def __init__(self, quota: QuotaConfig, *, replica: int, groups: int, per_step: int, sync, worker: MicrobatchWorker,
                  config: StepConfig | None = None, active: int = 0,
                  agree_speed: Callable[[float], float] | None = None, localizer=None,
                  signature: Callable[[], int] | None = None, dtype: torch.dtype = torch.float32):
-        """``replicas``: replica groups of the job (active and spares); ``active``: those holding quota
+        """``groups``: replica groups of the job (active and spares); ``active``: those holding quota
         (``[recover] replicas``; 0: every member). ``agree_speed``: make this replica's ranks agree on its measured
         speed. ``localizer``: signatures, votes, replays and stragglers (docs/scout.md). ``signature``: this rank's
         parameter signature, read just before each reduction (the state the step's update applies to)."""
         self.quota, self.config = quota, config or StepConfig()
-        self.replica, self.replicas, self.per_step, self.active = replica, replicas, per_step, active
+        self.replica, self.groups, self.per_step, self.active = replica, groups, per_step, active
         self.sync, self.worker = sync, worker
         self.agree_speed, self.localizer, self.signature = agree_speed, localizer, signature
         self.dtype = dtype
         self.policy = get_policy(quota.policy)
-        self.layout = ReductionLayout(gradients=worker.numel, microbatches=per_step, replicas=replicas,
+        self.layout = ReductionLayout(gradients=worker.numel, microbatches=per_step, groups=groups,
                                       evidence=localizer.size if localizer is not None else 0)
         self.speeds: dict[int, float] = {}
         """Smoothed microbatches per second per replica, updated from every commit (identical on every rank)."""
@@ -149,7 +149,7 @@ class StepRecovery:
         else:
             # every survivor of the last commit agrees on its epoch; later epochs are applied in order below
             epoch, members = sync.committed_epoch, sync.committed_members
-        return StepLedger(self.quota.policy, step, self.per_step, members, epoch, self.active or self.replicas,
+        return StepLedger(self.quota.policy, step, self.per_step, members, epoch, self.active or self.groups,
                           dict(self.speeds), active=self.active)
 
     def run(self, step: int) -> StepOutcome:
@@ -173,7 +173,7 @@ class StepRecovery:
 
     def _compute_quota(self, step: int, ledger: StepLedger) -> tuple[_Progress, float]:
         """This replica's own ids (a sampled replay first, while nothing is accumulated), and its measured speed."""
-        progress = _Progress(ledger=ledger, done=[], speeds=[0.0] * self.replicas)
+        progress = _Progress(ledger=ledger, done=[], speeds=[0.0] * self.groups)
         own = list(ledger.ids(self.replica))
         plan = None
         if self.localizer is not None:
@@ -219,7 +219,7 @@ class StepRecovery:
 
     def _pack(self, progress: _Progress) -> torch.Tensor:
         gradient, loss, mean_loss = self.worker.contribution()
-        losses = [0.0] * self.replicas
+        losses = [0.0] * self.groups
         losses[self.replica] = mean_loss
         evidence = []
         if self.layout.evidence:
@@ -260,7 +260,7 @@ class StepRecovery:
     def _note_capacity(self, step: int, ledger: StepLedger) -> None:
         """Spare promotions and lost capacity, from who holds quota at the start of the step."""
         holding = active_replicas(ledger.members, self.active)
-        promoted = [m for m in holding if m >= (self.active or self.replicas) and m not in self._holding]
+        promoted = [m for m in holding if m >= (self.active or self.groups) and m not in self._holding]
         if promoted and self._holding:
             self.sync.events.emit("spare_promoted", step=step, epoch=ledger.epoch, spares=promoted,
                                   holding=list(holding))

@@ -16,6 +16,7 @@ from titan_recover.recover.diloco.learner import Learner
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import ReplicaMember, incarnation_from_env
 from titan_recover.recover.modes.base import Mode, register_mode, TrainerParts
+from titan_recover.recover.modes.single import forward_backward_with_faults
 from titan_recover.recover.modes.sync import replica_environment
 
 
@@ -52,6 +53,9 @@ class DilocoMode(Mode):
         self.parts.metrics_processor.add_step_metrics(self.learner.metrics())
         titan_step()
         self.learner.after_inner_step(step)
+
+    def forward_backward(self, step: int, **batch) -> torch.Tensor:
+        return forward_backward_with_faults(self.parts, self.chaos, step, batch)
 
     def train(self, run) -> None:
         run()

@@ -22,6 +22,18 @@ from titan_recover.recover.phoenix.snapshot import KEEPERS_ENV, Snapshots
 from titan_recover.recover.phoenix.state_transfer import TrainingState
 
 
+def forward_backward_with_faults(parts: TrainerParts, chaos: ChaosMonkey | None, step: int, batch: dict):
+    """TorchTitan's forward and backward of one microbatch, with the faults scheduled at phase ``forward`` fired
+    before it and a ``slow`` rank's delay after it."""
+    if chaos is None:
+        return parts.forward_backward(**batch)
+    chaos.maybe_inject(step, "forward")
+    start = time.perf_counter()
+    loss = parts.forward_backward(**batch)
+    chaos.after_compute(time.perf_counter() - start)  # a ``slow`` rank sleeps here
+    return loss
+
+
 @register_mode("single")
 class SingleMode(Mode):
     def __init__(self, config, *, parts: TrainerParts):
@@ -62,13 +74,7 @@ class SingleMode(Mode):
             self.snapshots.take(step)
 
     def forward_backward(self, step: int, **batch) -> torch.Tensor:
-        if self.chaos is None:
-            return self.parts.forward_backward(**batch)
-        self.chaos.maybe_inject(step, "forward")
-        start = time.perf_counter()
-        loss = self.parts.forward_backward(**batch)
-        self.chaos.after_compute(time.perf_counter() - start)  # a ``slow`` rank sleeps here
-        return loss
+        return forward_backward_with_faults(self.parts, self.chaos, step, batch)
 
     def close(self) -> None:
         if self.snapshots is not None:

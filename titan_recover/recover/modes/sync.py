@@ -108,7 +108,7 @@ class SyncMode(Mode):
                                        groups=recover.groups, events=self.events)
         self._all_reduce_max = chaos.collective(self._replica_all_reduce_max)
         self.recovery = STEP_MANAGERS.get(recover.step.manager)(
-            recover.quota, config=recover.step, replica=self.replica, replicas=recover.groups,
+            recover.quota, config=recover.step, replica=self.replica, groups=recover.groups,
             active=recover.replicas, per_step=self.per_step, sync=self.sync, worker=self.worker,
             agree_speed=self._agree_speed if world > 1 else None, localizer=self.localizer,
             signature=self.worker.parameter_signature,
