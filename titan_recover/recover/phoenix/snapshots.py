@@ -1,0 +1,267 @@
+"""In-memory snapshots of a job without replicas, the ranks' side: take and restore (docs/phoenix.md "Buddy
+snapshots"). The keeper process that holds them is :mod:`titan_recover.recover.phoenix.keeper`.
+
+With one replica (FSDP2 / TP / PP inside one torchrun) the training state exists once. torchrun's
+``--max-restarts`` restarts every worker of the job when one dies, so a snapshot cannot live in a worker: it lives
+in a **keeper**, a small process per node that holds bytes in host memory. Every ``[recover.snapshot] interval``
+steps, after the optimizer step, each rank records the small state (step, schedule, RNG) and a background thread
+copies its shard's tensors (parameters and optimizer state: what a state transfer sends) into one host buffer
+while the next step's forward and backward run, which only read them; the next optimizer step waits for that copy
+if it is not done (``blocked_s``). The thread then sends the copy to the keeper of its buddy node (``node + 1``);
+a snapshot still being sent when the next one is due is skipped, never waited for. Each rank keeps two slots on
+its keeper and marks a slot complete (its ``meta``: step, size, xxHash3) only after the bytes are stored, having
+deleted the mark before overwriting: a rank dying mid-send leaves its previous snapshot intact.
+
+When the job starts (first start or a restart), after TorchTitan's checkpointer loaded whatever durable checkpoint
+exists, every rank reads every rank's complete slots and restores the newest step that every rank holds
+(:func:`restore_step`), if it is newer than the durable checkpoint's. Every rank decides from the same bytes, so all
+restore the same step or none. A job whose snapshots are gone (the keeper's node died) resumes from the newest
+durable checkpoint, as TorchTitan does. The project's checkpoint manager
+(:class:`titan_recover.checkpoint.RecoverCheckpointManager`) builds the :class:`Snapshots` of a rank and restores
+them in its ``load``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from titan_recover.recover.groups.blobs import get_blob, put_blob
+from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum, StateMismatch, tensor_spec, TrainingState
+
+logger = logging.getLogger(__name__)
+
+KEEPERS_ENV = "TITAN_RECOVER_SNAPSHOT_KEEPERS"
+"""Comma-separated HOST:PORT of the keepers, one per node in node order (set by the launcher's
+:func:`titan_recover.recover.phoenix.keeper.run_with_keeper`)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SnapshotConfig:
+    """``[recover.snapshot]``: in-memory snapshots of a job without replicas (docs/phoenix.md)."""
+
+    interval: int = 0
+    """Every this many steps each rank's state goes to the host memory of its buddy node's keeper (0: off). For
+    ``[recover] replicas = 1`` (replicas restore from each other); with ``max_restarts > 0`` torchrun restarts the
+    job after a rank dies and every rank refills from the keepers instead of from disk."""
+
+    keepers: list[str] = field(default_factory=list)
+    """Keeper addresses ``HOST:PORT`` in node order for multi-node jobs (start ``python -m
+    titan_recover.recover.phoenix.keeper --port P`` on every node); empty: the launcher starts one on this node."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"recover.snapshot.interval must be >= 0 (0: off), got {self.interval}")
+        bad = [k for k in self.keepers if not k.rpartition(":")[2].isdigit() or not k.rpartition(":")[0]]
+        if bad:
+            raise ValueError(f"recover.snapshot.keepers must be HOST:PORT addresses, got {bad}")
+
+
+def keeper_addresses(config: SnapshotConfig, environ=os.environ) -> list[str]:
+    """The keepers of this job in node order: ``[recover.snapshot] keepers`` if listed, else the one the launcher
+    started (an error that says how to get one if neither)."""
+    keepers = list(config.keepers) or [k for k in environ.get(KEEPERS_ENV, "").split(",") if k]
+    if not keepers:
+        raise RuntimeError(
+            f"[recover.snapshot] interval = {config.interval} but no snapshot keeper: start the job with "
+            f"./run_train.sh (it starts one per node) or list them in recover.snapshot.keepers"
+        )
+    return keepers
+
+
+def buddy_node(node: int, nodes: int) -> int:
+    """The node whose keeper holds ``node``'s snapshots: the next one (itself on a single node)."""
+    return (node + 1) % nodes
+
+
+def restore_step(complete: dict[int, set[int]], ranks: int, durable_step: int) -> int | None:
+    """The step to restore from memory: the newest one every rank holds a complete snapshot of, if newer than the
+    durable checkpoint's (``durable_step``, 0 for none). None: train on from the durable checkpoint (or from
+    scratch)."""
+    if sorted(complete) != list(range(ranks)):
+        return None
+    common = set.intersection(*complete.values()) if complete else set()
+    newest = max(common, default=None)
+    return newest if newest is not None and newest > durable_step else None
+
+
+class Keys:
+    @staticmethod
+    def data(rank: int, slot: int) -> str:
+        return f"snapshot/{rank}/{slot}/data"
+
+    @staticmethod
+    def meta(rank: int, slot: int) -> str:
+        return f"snapshot/{rank}/{slot}/meta"
+
+
+def _connect(address: str, timeout_s: float):
+    from torch.distributed import TCPStore
+
+    host, _, port = address.rpartition(":")
+    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, one after the other, in one host buffer."""
+    views = [bytes_view(t) for t in tensors]
+    payload = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
+    at = 0
+    for v in views:
+        payload[at : at + v.numel()].copy_(v.reshape(-1))
+        at += v.numel()
+    return payload
+
+
+def _unpack(payload: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Write ``payload`` (as :func:`_pack` made it) into ``tensors`` in place."""
+    at = 0
+    with torch.no_grad():
+        for t in tensors:
+            view = bytes_view(t)
+            view.copy_(payload[at : at + view.numel()].view_as(view))
+            at += view.numel()
+
+
+class Snapshots:
+    """One rank's snapshots: :meth:`take` after a step (and :meth:`before_optimizer` before every optimizer step),
+    :meth:`restore` at start, :meth:`wait` at the end."""
+
+    def __init__(self, state: TrainingState, *, keepers: list[str], rank: int, ranks: int, local_ranks: int,
+                 events=None, timeout_s: float = 60.0):
+        self.state, self.rank, self.ranks, self.events = state, rank, ranks, events
+        self.timeout_s = timeout_s
+        self.keepers = keepers
+        node = rank // local_ranks
+        self.store = _connect(keepers[buddy_node(node, len(keepers))], timeout_s)
+        self._peer_stores = {}
+        self._local_ranks = local_ranks
+        self._slot = 0
+        self._sender: threading.Thread | None = None
+        self._copied: threading.Event | None = None
+        self.blocked_s = 0.0
+        """Time optimizer steps waited for a snapshot's copy (the only cost on the training thread)."""
+        self.skipped = 0
+        self.taken = 0
+
+    def _store_of(self, rank: int):
+        node = buddy_node(rank // self._local_ranks, len(self.keepers))
+        if rank == self.rank:
+            return self.store
+        if node not in self._peer_stores:
+            self._peer_stores[node] = _connect(self.keepers[node], self.timeout_s)
+        return self._peer_stores[node]
+
+    # ---- taking ------------------------------------------------------------------------------------------
+    def take(self, step: int) -> bool:
+        """Copy this rank's state (training thread) and send it in the background. False: skipped, because the
+        previous snapshot is still being sent."""
+        if self._sender is not None and self._sender.is_alive():
+            self.skipped += 1
+            if self.events is not None:
+                self.events.emit("snapshot_skipped", step=step, reason="the previous snapshot is still being sent")
+            return False
+        tensors = self.state.tensors()
+        # the small state (step, schedule, RNG) now; the tensors are copied by the thread while the next step's
+        # forward and backward run, which only read them: the next optimizer step waits for that copy to finish
+        meta = {"step": step, "meta": self.state.metadata(), "spec": tensor_spec(tensors)}
+        slot = self._slot
+        self._slot = 1 - self._slot
+        self._copied = threading.Event()
+        self._sender = threading.Thread(target=self._copy_and_send, args=(slot, tensors, meta, self._copied),
+                                        daemon=True, name="titan-recover-snapshot")
+        self._sender.start()
+        self.taken += 1
+        return True
+
+    def before_optimizer(self) -> None:
+        """Called before every optimizer step: the parameters and optimizer state may only change once the
+        snapshot being taken has copied them."""
+        if self._copied is not None and not self._copied.is_set():
+            started = time.perf_counter()
+            self._copied.wait()
+            self.blocked_s += time.perf_counter() - started
+
+    def _copy_and_send(self, slot: int, tensors: list[torch.Tensor], meta: dict, copied: threading.Event) -> None:
+        started = time.perf_counter()
+        try:
+            payload = _pack(tensors)
+        finally:
+            copied.set()
+        meta["bytes"] = payload.numel()
+        copy_s = time.perf_counter() - started
+        try:
+            meta["xxh3"] = checksum(payload)
+            self.store.delete_key(Keys.meta(self.rank, slot))  # the slot is not complete while it is rewritten
+            put_blob(self.store, Keys.data(self.rank, slot), payload)
+            self.store.set(Keys.meta(self.rank, slot), json.dumps(meta))
+        except Exception as error:  # the keeper is gone: training goes on, the durable checkpoint remains
+            logger.warning("rank %d: snapshot of step %d not stored: %s", self.rank, meta["step"], error)
+            return
+        if self.events is not None and self.rank == 0:
+            self.events.emit("snapshot_stored", step=meta["step"], bytes=meta["bytes"], copy_s=copy_s,
+                             send_s=time.perf_counter() - started - copy_s, blocked_s=self.blocked_s)
+
+    def wait(self) -> None:
+        """Block until the snapshot being sent is stored (end of training)."""
+        if self._sender is not None:
+            self._sender.join(self.timeout_s)
+
+    # ---- restoring ---------------------------------------------------------------------------------------
+    def _complete(self, rank: int) -> dict[int, tuple[int, dict]]:
+        store = self._store_of(rank)
+        found = {}
+        for slot in (0, 1):
+            key = Keys.meta(rank, slot)
+            if store.check([key]):
+                meta = json.loads(store.get(key))
+                found[meta["step"]] = (slot, meta)
+        return found
+
+    def restore(self, durable_step: int) -> int | None:
+        """Load the newest snapshot every rank holds, if newer than ``durable_step``; returns its step or None."""
+        try:
+            complete = {r: self._complete(r) for r in range(self.ranks)}
+        except Exception as error:  # a keeper is unreachable: its snapshots are gone
+            logger.warning("rank %d: snapshots unreachable (%s); resuming from the durable checkpoint", self.rank, error)
+            return None
+        step = restore_step({r: set(c) for r, c in complete.items() if c}, self.ranks, durable_step)
+        if step is None:
+            return None
+        slot, meta = complete[self.rank][step]
+        started = time.perf_counter()
+        self._load(step, self._read(step, slot, meta), meta)
+        if self.events is not None:
+            self.events.emit("snapshot_restored", step=step, rank=self.rank, bytes=meta["bytes"],
+                             durable_step=durable_step, seconds=time.perf_counter() - started)
+        return step
+
+    def _read(self, step: int, slot: int, meta: dict) -> torch.Tensor:
+        """This rank's payload of ``step`` from its keeper, size and xxHash3 checked."""
+        try:
+            payload = get_blob(self.store, Keys.data(self.rank, slot), meta["bytes"])
+        except ValueError:
+            payload = None
+        if payload is None or checksum(payload) != meta["xxh3"]:
+            raise RuntimeError(f"rank {self.rank}: the snapshot of step {step} in the keeper is damaged "
+                               "(size or xxHash3 differs); remove it or restart the job from the durable checkpoint")
+        return payload
+
+    def _load(self, step: int, payload: torch.Tensor, meta: dict) -> None:
+        """Write ``payload`` into this rank's tensors (layout checked) and load the step's metadata."""
+        if not self.state.tensors():
+            raise StateMismatch("nothing to restore into")
+        self.state.ensure_optimizer_state()
+        tensors = self.state.tensors()
+        if meta["spec"] != tensor_spec(tensors):
+            raise StateMismatch(f"rank {self.rank}: the snapshot of step {step} has another layout than this job "
+                                "(a different model, sharding or optimizer config)")
+        _unpack(payload, tensors)
+        self.state.load_metadata(meta["meta"])
