@@ -1,29 +1,22 @@
-"""The trainer's entry to in-memory snapshots (take: :mod:`.snapshots`, keeper process: :mod:`.keeper`)."""
+"""The trainer's entry to in-memory snapshots, kept for ``titan_recover/trainer.py`` until it takes them itself.
+
+The snapshots live in :mod:`~titan_recover.recover.phoenix.snapshots` (take, restore) and
+:mod:`~titan_recover.recover.phoenix.keeper` (the keeper process); the project's checkpoint manager builds a rank's
+:class:`~titan_recover.recover.phoenix.snapshots.Snapshots` and restores them when TorchTitan's trainer loads.
+"""
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-from titan_recover.recover.phoenix.snapshots import keeper_addresses, Snapshots
+from titan_recover.recover.phoenix.snapshots import Snapshots
 
 
-def attach_snapshots(trainer, events) -> Snapshots:
-    """Snapshots of ``trainer`` every ``[recover.snapshot] interval`` steps, and their restore right after
-    TorchTitan's checkpointer has loaded (or not found) a durable checkpoint."""
-    config = trainer.config.recover.snapshot
-    keepers = keeper_addresses(config)
-    world = torch.distributed.get_world_size()
-    snapshots = Snapshots(trainer.training_state(), keepers=keepers, rank=torch.distributed.get_rank(), ranks=world,
-                          local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)), events=events)
-    load = trainer.checkpointer.load
-
-    def load_then_restore(*args, **kwargs):
-        loaded = load(*args, **kwargs)
-        restored = snapshots.restore(durable_step=trainer.step)
-        return loaded or restored is not None
-
-    trainer.checkpointer.load = load_then_restore
+def attach_snapshots(trainer, events=None) -> Snapshots:
+    """The snapshots the checkpoint manager built for ``trainer`` (``[recover.snapshot] interval > 0``), with the
+    wait for a snapshot's copy before every optimizer step. ``events`` is unused: the snapshots write to the
+    manager's event log (the same file and source)."""
+    snapshots = getattr(trainer.checkpointer, "snapshots", None)
+    if snapshots is None:
+        raise RuntimeError("[recover.snapshot] interval > 0 needs the project's checkpoint manager "
+                           "(titan_recover.checkpoint.RecoverCheckpointManager, which the config loader selects)")
     trainer.optimizers.register_step_pre_hook(lambda *_args, **_kwargs: snapshots.before_optimizer())
     return snapshots
