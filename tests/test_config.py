@@ -164,6 +164,39 @@ def test_print_config_is_valid_toml_that_rebuilds_the_same_config(tmp_path):
     assert render_toml(again) == text  # every value survived the round trip
 
 
+def test_checkpoint_section_selects_the_project_manager_and_keeps_torchtitan_keys(tmp_path):
+    from titan_recover.checkpoint import RecoverCheckpointManager
+
+    path = write(tmp_path, """
+        [checkpoint]
+        enable = true
+        interval = 3
+        keep_latest_k = 4
+        [recover]
+        max_restarts = 1
+        [recover.snapshot]
+        interval = 2
+        """)
+    config = build_config(path, ["--model.flavor", "tiny"])
+    checkpoint = config.checkpoint
+    assert type(checkpoint) is RecoverCheckpointManager.Config and checkpoint._owner is RecoverCheckpointManager
+    assert (checkpoint.enable, checkpoint.interval, checkpoint.keep_latest_k) == (True, 3, 4)
+    assert checkpoint.load_verified is False  # no replica groups: no votes, TorchTitan's newest
+    assert checkpoint._snapshot is config.recover.snapshot and checkpoint._snapshot.interval == 2
+    printed = tomli.loads(render_toml(config))
+    assert "_snapshot" not in printed["checkpoint"] and printed["checkpoint"]["load_verified"] is False
+    assert printed["recover"]["snapshot"]["interval"] == 2  # set in [recover.snapshot], shown there only
+
+    voting = build_config(None, ["--model.flavor", "tiny", "--recover.replicas", "2"])
+    assert voting.checkpoint.load_verified is True and voting.checkpoint._snapshot.interval == 0
+    assert build_config(None, ["--model.flavor", "tiny", "--recover.replicas", "2",
+                               "--recover.localize.vote=false"]).checkpoint.load_verified is False
+    assert build_config(None, ["--model.flavor", "tiny", "--recover.replicas", "2",
+                               "--checkpoint.load_verified=false"]).checkpoint.load_verified is False
+    with pytest.raises(ConfigError, match="unknown key '_snapshot' in \\[checkpoint\\]"):
+        build_config(None, ["--model.flavor", "tiny", "--checkpoint._snapshot.interval", "1"])
+
+
 @pytest.fixture
 def launcher(monkeypatch, capsys):
     """``python -m titan_recover.launch ARGS`` in this process: (exit code, stdout, stderr). Starting any process

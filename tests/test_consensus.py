@@ -255,7 +255,7 @@ def test_localize_config_errors_say_what_to_change():
 
 
 def test_recovery_picks_the_newest_verified_complete_checkpoint(tmp_path):
-    from titan_recover.recover.scout.verified import attach_verified_load, mark_verified, read_verified, step_to_load
+    from titan_recover.recover.scout.verified import mark_verified, read_verified, step_to_load
 
     folder = tmp_path / "checkpoint"
     for step, complete in ((2, True), (4, True), (6, True), (8, False)):
@@ -271,21 +271,7 @@ def test_recovery_picks_the_newest_verified_complete_checkpoint(tmp_path):
     chosen, reason = step_to_load(str(folder))
     assert chosen == 4 and "unverified newer: [6]" in reason
 
-    class Checkpointer:
-        enable, loaded = True, []
-
-        def load(self, step=-1):
-            self.loaded.append(step)
-            return True
-
-    checkpointer = Checkpointer()
-    checkpointer.folder = str(folder)
-    events = Events()
-    attach_verified_load(checkpointer, events)
-    assert checkpointer.load() and checkpointer.loaded == [4]
-    checkpointer.load(step=6)  # an explicit step is the user's choice
-    assert checkpointer.loaded == [4, 6]
-    assert events.records[0]["event"] == "checkpoint_choice" and events.records[0]["step"] == 4
+    # what the checkpoint manager loads with this choice, and its event: tests/test_checkpoint.py
 
     bare = tmp_path / "bare"
     (bare / "step-3").mkdir(parents=True)

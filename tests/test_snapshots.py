@@ -18,7 +18,7 @@ from torch.distributed import TCPStore
 from conftest import launch, read_metrics, TP_REFERENCE_STEPS
 from test_state_transfer import Replica
 from titan_recover.recover.events import read_events
-from titan_recover.recover.phoenix.snapshot import buddy_node, restore_step, Snapshots
+from titan_recover.recover.phoenix.snapshots import buddy_node, restore_step, Snapshots
 
 
 def test_the_newest_step_every_rank_holds_is_restored_if_newer_than_the_durable_checkpoint():

@@ -28,10 +28,16 @@ def _as_trainer_config(base, config_cls):
 
 
 def _project_defaults(config, run_name: str) -> None:
+    from titan_recover.checkpoint import RecoverCheckpointManager
     from titan_recover.data.loader import AddressableDataLoader
     from titan_recover.metrics import RunMetrics
 
     config.dataloader = AddressableDataLoader.Config()
+    base_checkpoint = config.checkpoint
+    ours = settable_fields(RecoverCheckpointManager.Config)
+    config.checkpoint = RecoverCheckpointManager.Config(
+        **{name: getattr(base_checkpoint, name) for name in settable_fields(base_checkpoint) if name in ours}
+    )
     base_metrics = config.metrics
     config.metrics = RunMetrics.Config(
         **{name: getattr(base_metrics, name) for name in settable_fields(base_metrics) if name != "log_freq"}
@@ -39,6 +45,19 @@ def _project_defaults(config, run_name: str) -> None:
     config.validator.enable = False  # TorchTitan's validator reads HF datasets; the project's data is offline
     config.debug.seed = 0
     config.dump_folder = os.path.join("outputs", run_name)
+
+
+def _resolve_checkpoint(config) -> None:
+    """What the project's checkpoint manager needs from other sections: whether recovery loads verified
+    checkpoints (unset: with the parameter vote of replica groups) and the in-memory snapshots to refill from."""
+    from titan_recover.checkpoint import RecoverCheckpointManager
+
+    checkpoint, recover = config.checkpoint, config.recover
+    if not isinstance(checkpoint, RecoverCheckpointManager.Config):
+        return  # another checkpoint manager was chosen
+    if checkpoint.load_verified is None:
+        checkpoint.load_verified = recover.enabled and not recover.diloco_mode and recover.localize.vote
+    checkpoint._snapshot = recover.snapshot
 
 
 def _recheck_project_sections(obj) -> None:
@@ -94,6 +113,7 @@ def build_config(toml_path: str | None, cli_args: list[str] | None = None, *, de
     config.model_spec = platform.adapt_model_spec(config.model_spec, config.platform, resolved_device)
     if getattr(config.dataloader, "document_positions", False) is None:
         config.dataloader.document_positions = platform.takes_document_masks(config.model_spec)
+    _resolve_checkpoint(config)
     _recheck_project_sections(config)
     try:
         config.__post_init__()  # TorchTitan's own cross-field checks, on the final values

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"[titan_recover] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     if keeper_here:
-        from titan_recover.recover.phoenix.snapshot import run_with_keeper
+        from titan_recover.recover.phoenix.keeper import run_with_keeper
 
         return run_with_keeper(cmd, env, os.path.abspath(config.dump_folder))
     os.execve(cmd[0], cmd, env)

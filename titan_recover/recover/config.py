@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from titan_recover.recover.diloco.config import DilocoConfig
 from titan_recover.recover.invariant.quota import QuotaConfig
 from titan_recover.recover.invariant.step_recovery import StepConfig
-from titan_recover.recover.phoenix.snapshot import SnapshotConfig
+from titan_recover.recover.phoenix.snapshots import SnapshotConfig
 from titan_recover.recover.scout.config import LocalizeConfig
 
 # (smaller, larger) pairs that must hold strictly; see docs/replica_groups.md "Timeouts".

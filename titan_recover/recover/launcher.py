@@ -28,6 +28,7 @@ from titan_recover.recover.groups.member import (
 from titan_recover.recover.chaos.monkey import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
 from titan_recover.recover.groups.protocol import Keys
+from titan_recover.recover.servers import wait_for_port
 
 GRACE_S = 10.0
 
@@ -101,19 +102,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def wait_for_port(address_file: str, proc: subprocess.Popen, name: str, timeout_s: float = 60) -> int | None:
-    """The port a child server (coordinator, snapshot keeper) writes to ``address_file`` once it listens; None,
-    with a message, if it exited or did not listen within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(address_file):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            print(f"titan_recover: the {name} did not start", file=sys.stderr)
-            return None
-        time.sleep(0.05)
-    with open(address_file) as fh:
-        return int(fh.read())
 
 
 def cpu_threads_per_process(processes: int) -> int:

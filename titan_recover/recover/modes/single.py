@@ -18,8 +18,6 @@ from titan_recover.recover.chaos.monkey import ChaosMonkey
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import incarnation_from_env
 from titan_recover.recover.modes.base import Mode, register_mode, TrainerParts
-from titan_recover.recover.phoenix.snapshot import KEEPERS_ENV, Snapshots
-from titan_recover.recover.phoenix.state_transfer import TrainingState
 
 
 def forward_backward_with_faults(parts: TrainerParts, chaos: ChaosMonkey | None, step: int, batch: dict):
@@ -50,13 +48,10 @@ class SingleMode(Mode):
             self.chaos = ChaosMonkey(schedule, replica, rank, self.events, incarnation=incarnation_from_env(),
                                      run_dir=config.dump_folder)
             parts.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
-        self.snapshots = None
-        if config.recover.snapshot.interval:
-            state = TrainingState(parts.model_parts, list(parts.optimizers), parts.lr_schedulers,
-                                  train_state=parts.train_state)
-            keepers = config.recover.snapshot.keepers or [k for k in os.environ.get(KEEPERS_ENV, "").split(",") if k]
-            self.snapshots = Snapshots(state, keepers=keepers, rank=torch.distributed.get_rank(), ranks=world,
-                                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)), events=self.events)
+        # the checkpoint manager built the snapshots (it restores them when TorchTitan loads); a snapshot being
+        # copied must be through before the optimizer changes what it copies
+        self.snapshots = getattr(parts.checkpointer, "snapshots", None)
+        if self.snapshots is not None:
             parts.optimizers.register_step_pre_hook(lambda *_args, **_kwargs: self.snapshots.before_optimizer())
 
     def position(self, rank: int, world: int) -> tuple[int, int, int]:

@@ -4,7 +4,8 @@ A checkpoint of step ``s`` holds the state after step ``s``'s optimizer step; th
 reads exactly that state on every member. When step ``s + 1`` commits with the vote on, every position's vote was
 clean (any refusal aborts the commit for every member), so rank 0 of the replica records ``s`` in
 ``<checkpoint folder>/verified_steps.json``. On load, the newest checkpoint whose step is recorded there is the one
-loaded; a folder with checkpoints but no record (a run without votes) loads TorchTitan's newest, with a warning.
+loaded (by :class:`titan_recover.checkpoint.RecoverCheckpointManager`); a folder with checkpoints but no record (a
+run without votes) loads TorchTitan's newest, with a warning.
 The final step of a run has no next vote: its checkpoint stays unverified.
 """
 
@@ -62,20 +63,3 @@ def step_to_load(folder: str) -> tuple[int | None, str]:
     if available and os.path.exists(os.path.join(folder, LEDGER)):
         return None, f"no verified checkpoint among {available}: loading the newest, unverified"
     return None, "no verification record: TorchTitan's newest checkpoint"
-
-
-def attach_verified_load(checkpointer, events) -> None:
-    """Make ``checkpointer.load()`` (the newest) load the newest verified checkpoint instead."""
-    load = checkpointer.load
-
-    def load_verified(step: int = -1, **kwargs):
-        if step == -1 and getattr(checkpointer, "enable", True):
-            chosen, reason = step_to_load(checkpointer.folder)
-            if chosen is not None:
-                step = chosen
-            events.emit("checkpoint_choice", step=chosen, reason=reason)
-            if chosen is None and "unverified" in reason:
-                logger.warning("%s", reason)
-        return load(step=step, **kwargs)
-
-    checkpointer.load = load_verified

@@ -1,32 +1,31 @@
-"""In-memory snapshots for layouts without replicas (docs/phoenix.md "Buddy snapshots").
+"""In-memory snapshots of a job without replicas, the ranks' side: take and restore (docs/phoenix.md "Buddy
+snapshots"). The keeper process that holds them is :mod:`titan_recover.recover.phoenix.keeper`.
 
 With one replica (FSDP2 / TP / PP inside one torchrun) the training state exists once. torchrun's
 ``--max-restarts`` restarts every worker of the job when one dies, so a snapshot cannot live in a worker: it lives
-in a **keeper**, a small process per node that holds bytes in host memory (a c10d ``TCPStore`` server, nothing
-else). Every ``[recover.snapshot] interval`` steps, after the optimizer step, each rank records the small state
-(step, schedule, RNG) and a background thread copies its shard's tensors (parameters and optimizer state: what a
-state transfer sends) into one host buffer while the next step's forward and backward run, which only read them;
-the next optimizer step waits for that copy if it is not done (``blocked_s``). The thread then sends the copy to
-the keeper of its buddy node (``node + 1``); a snapshot still being sent when the next one is due is skipped, never
-waited for. Each rank keeps two slots on its keeper and marks a slot complete (its ``meta``: step, size, xxHash3)
-only after the bytes are stored, having deleted the mark before overwriting: a rank dying mid-send leaves its
-previous snapshot intact.
+in a **keeper**, a small process per node that holds bytes in host memory. Every ``[recover.snapshot] interval``
+steps, after the optimizer step, each rank records the small state (step, schedule, RNG) and a background thread
+copies its shard's tensors (parameters and optimizer state: what a state transfer sends) into one host buffer
+while the next step's forward and backward run, which only read them; the next optimizer step waits for that copy
+if it is not done (``blocked_s``). The thread then sends the copy to the keeper of its buddy node (``node + 1``);
+a snapshot still being sent when the next one is due is skipped, never waited for. Each rank keeps two slots on
+its keeper and marks a slot complete (its ``meta``: step, size, xxHash3) only after the bytes are stored, having
+deleted the mark before overwriting: a rank dying mid-send leaves its previous snapshot intact.
 
 When the job starts (first start or a restart), after TorchTitan's checkpointer loaded whatever durable checkpoint
 exists, every rank reads every rank's complete slots and restores the newest step that every rank holds
 (:func:`restore_step`), if it is newer than the durable checkpoint's. Every rank decides from the same bytes, so all
 restore the same step or none. A job whose snapshots are gone (the keeper's node died) resumes from the newest
-durable checkpoint, as TorchTitan does.
+durable checkpoint, as TorchTitan does. The project's checkpoint manager
+(:class:`titan_recover.checkpoint.RecoverCheckpointManager`) builds the :class:`Snapshots` of a rank and restores
+them in its ``load``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,12 +34,13 @@ from datetime import timedelta
 import torch
 
 from titan_recover.recover.groups.blobs import get_blob, put_blob
-from titan_recover.recover.phoenix.state_transfer import bytes_view, tensor_spec, checksum, StateMismatch, TrainingState
+from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum, StateMismatch, tensor_spec, TrainingState
 
 logger = logging.getLogger(__name__)
 
 KEEPERS_ENV = "TITAN_RECOVER_SNAPSHOT_KEEPERS"
-"""Comma-separated HOST:PORT of the keepers, one per node in node order (set by the launcher)."""
+"""Comma-separated HOST:PORT of the keepers, one per node in node order (set by the launcher's
+:func:`titan_recover.recover.phoenix.keeper.run_with_keeper`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,7 +54,7 @@ class SnapshotConfig:
 
     keepers: list[str] = field(default_factory=list)
     """Keeper addresses ``HOST:PORT`` in node order for multi-node jobs (start ``python -m
-    titan_recover.recover.phoenix.snapshot --port P`` on every node); empty: the launcher starts one on this node."""
+    titan_recover.recover.phoenix.keeper --port P`` on every node); empty: the launcher starts one on this node."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
@@ -62,6 +62,18 @@ class SnapshotConfig:
         bad = [k for k in self.keepers if not k.rpartition(":")[2].isdigit() or not k.rpartition(":")[0]]
         if bad:
             raise ValueError(f"recover.snapshot.keepers must be HOST:PORT addresses, got {bad}")
+
+
+def keeper_addresses(config: SnapshotConfig, environ=os.environ) -> list[str]:
+    """The keepers of this job in node order: ``[recover.snapshot] keepers`` if listed, else the one the launcher
+    started (an error that says how to get one if neither)."""
+    keepers = list(config.keepers) or [k for k in environ.get(KEEPERS_ENV, "").split(",") if k]
+    if not keepers:
+        raise RuntimeError(
+            f"[recover.snapshot] interval = {config.interval} but no snapshot keeper: start the job with "
+            f"./run_train.sh (it starts one per node) or list them in recover.snapshot.keepers"
+        )
+    return keepers
 
 
 def buddy_node(node: int, nodes: int) -> int:
@@ -97,8 +109,30 @@ def _connect(address: str, timeout_s: float):
     return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, one after the other, in one host buffer."""
+    views = [bytes_view(t) for t in tensors]
+    payload = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
+    at = 0
+    for v in views:
+        payload[at : at + v.numel()].copy_(v.reshape(-1))
+        at += v.numel()
+    return payload
+
+
+def _unpack(payload: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Write ``payload`` (as :func:`_pack` made it) into ``tensors`` in place."""
+    at = 0
+    with torch.no_grad():
+        for t in tensors:
+            view = bytes_view(t)
+            view.copy_(payload[at : at + view.numel()].view_as(view))
+            at += view.numel()
+
+
 class Snapshots:
-    """One rank's snapshots: :meth:`take` after a step, :meth:`restore` at start."""
+    """One rank's snapshots: :meth:`take` after a step (and :meth:`before_optimizer` before every optimizer step),
+    :meth:`restore` at start, :meth:`wait` at the end."""
 
     def __init__(self, state: TrainingState, *, keepers: list[str], rank: int, ranks: int, local_ranks: int,
                  events=None, timeout_s: float = 60.0):
@@ -158,15 +192,10 @@ class Snapshots:
     def _copy_and_send(self, slot: int, tensors: list[torch.Tensor], meta: dict, copied: threading.Event) -> None:
         started = time.perf_counter()
         try:
-            views = [bytes_view(t) for t in tensors]
-            payload = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
-            at = 0
-            for v in views:
-                payload[at : at + v.numel()].copy_(v.reshape(-1))
-                at += v.numel()
+            payload = _pack(tensors)
         finally:
             copied.set()
-        meta["bytes"] = at
+        meta["bytes"] = payload.numel()
         copy_s = time.perf_counter() - started
         try:
             meta["xxh3"] = checksum(payload)
@@ -208,6 +237,14 @@ class Snapshots:
             return None
         slot, meta = complete[self.rank][step]
         started = time.perf_counter()
+        self._load(step, self._read(step, slot, meta), meta)
+        if self.events is not None:
+            self.events.emit("snapshot_restored", step=step, rank=self.rank, bytes=meta["bytes"],
+                             durable_step=durable_step, seconds=time.perf_counter() - started)
+        return step
+
+    def _read(self, step: int, slot: int, meta: dict) -> torch.Tensor:
+        """This rank's payload of ``step`` from its keeper, size and xxHash3 checked."""
         try:
             payload = get_blob(self.store, Keys.data(self.rank, slot), meta["bytes"])
         except ValueError:
@@ -215,6 +252,10 @@ class Snapshots:
         if payload is None or checksum(payload) != meta["xxh3"]:
             raise RuntimeError(f"rank {self.rank}: the snapshot of step {step} in the keeper is damaged "
                                "(size or xxHash3 differs); remove it or restart the job from the durable checkpoint")
+        return payload
+
+    def _load(self, step: int, payload: torch.Tensor, meta: dict) -> None:
+        """Write ``payload`` into this rank's tensors (layout checked) and load the step's metadata."""
         if not self.state.tensors():
             raise StateMismatch("nothing to restore into")
         self.state.ensure_optimizer_state()
@@ -222,105 +263,5 @@ class Snapshots:
         if meta["spec"] != tensor_spec(tensors):
             raise StateMismatch(f"rank {self.rank}: the snapshot of step {step} has another layout than this job "
                                 "(a different model, sharding or optimizer config)")
-        at = 0
-        with torch.no_grad():
-            for t in tensors:
-                view = bytes_view(t)
-                view.copy_(payload[at : at + view.numel()].view_as(view))
-                at += view.numel()
+        _unpack(payload, tensors)
         self.state.load_metadata(meta["meta"])
-        if self.events is not None:
-            self.events.emit("snapshot_restored", step=step, rank=self.rank, bytes=meta["bytes"],
-                             durable_step=durable_step, seconds=time.perf_counter() - started)
-        return step
-
-
-def attach_snapshots(trainer, events) -> Snapshots:
-    """Snapshots of ``trainer`` every ``[recover.snapshot] interval`` steps, and their restore right after
-    TorchTitan's checkpointer has loaded (or not found) a durable checkpoint."""
-    config = trainer.config.recover.snapshot
-    keepers = config.keepers or [k for k in os.environ.get(KEEPERS_ENV, "").split(",") if k]
-    if not keepers:
-        raise RuntimeError(
-            f"[recover.snapshot] interval = {config.interval} but no snapshot keeper: start the job with "
-            f"./run_train.sh (it starts one per node) or list them in recover.snapshot.keepers"
-        )
-    world = torch.distributed.get_world_size()
-    snapshots = Snapshots(trainer.training_state(), keepers=keepers, rank=torch.distributed.get_rank(), ranks=world,
-                          local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)), events=events)
-    load = trainer.checkpointer.load
-
-    def load_then_restore(*args, **kwargs):
-        loaded = load(*args, **kwargs)
-        restored = snapshots.restore(durable_step=trainer.step)
-        return loaded or restored is not None
-
-    trainer.checkpointer.load = load_then_restore
-    trainer.optimizers.register_step_pre_hook(lambda *_args, **_kwargs: snapshots.before_optimizer())
-    return snapshots
-
-
-def run_with_keeper(cmd: list[str], env: dict, run_dir: str) -> int:
-    """Start this node's keeper, run ``cmd`` (torchrun) with its address, end the keeper when ``cmd`` ends."""
-    import subprocess
-
-    from titan_recover.recover.launcher import wait_for_port
-
-    os.makedirs(run_dir, exist_ok=True)
-    address_file = os.path.join(run_dir, "snapshot_keeper.port")
-    if os.path.exists(address_file):
-        os.remove(address_file)
-    keeper = subprocess.Popen([sys.executable, "-m", "titan_recover.recover.phoenix.snapshot", "--address-file", address_file],
-                              env=env, start_new_session=True)
-    try:
-        port = wait_for_port(address_file, keeper, "snapshot keeper")
-        if port is None:
-            return 1
-        env = dict(env, **{KEEPERS_ENV: f"127.0.0.1:{port}"})
-        job = subprocess.Popen(cmd, env=env)
-        previous = {s: signal.signal(s, lambda signum, _f: job.send_signal(signum))
-                    for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            return job.wait()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-    finally:
-        keeper.terminate()
-        try:
-            keeper.wait(10)
-        except subprocess.TimeoutExpired:
-            keeper.kill()
-
-
-# ---- the keeper process ------------------------------------------------------------------------------------
-
-
-def serve(port: int, address_file: str | None) -> int:
-    from torch.distributed import TCPStore
-
-    store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    if address_file:
-        with open(address_file + ".tmp", "w") as fh:
-            fh.write(f"{store.port}\n")
-        os.replace(address_file + ".tmp", address_file)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    logger.info("snapshot keeper on port %d", store.port)
-    while not stop.wait(1.0):
-        pass
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="A node's snapshot keeper: host memory for its buddy's snapshots.")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--address-file", help="write the port here once listening")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[snapshot keeper] %(asctime)s %(message)s")
-    return serve(args.port, args.address_file)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
