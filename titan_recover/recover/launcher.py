@@ -21,13 +21,12 @@ from titan_recover.recover.groups.member import (
     connect,
     COORDINATOR_ENV,
     INCARNATION_ENV,
-    read_dropped,
     REPLICA_ENV,
     RUN_DIR_ENV,
 )
 from titan_recover.recover.chaos.monkey import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
-from titan_recover.recover.groups.protocol import Keys
+from titan_recover.recover.groups.keys import GroupKeys, read_dropped
 
 GRACE_S = 10.0
 
@@ -217,9 +216,9 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
                     break
             if watching and coordinator.poll() is None:
                 try:
-                    if store.check([Keys.FINISHED]):
+                    if store.check([GroupKeys.FINISHED]):
                         watching = False  # its store closes soon: stop asking before it does
-                    over = not watching or store.check([Keys.STOP])
+                    over = not watching or store.check([GroupKeys.STOP])
                     dropped = {slot.index: _dropped_incarnation(store, slot.index) for slot in slots}
                 except Exception:
                     watching, over, dropped = False, True, {}

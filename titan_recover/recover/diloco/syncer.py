@@ -40,7 +40,8 @@ from titan_recover.recover.diloco.rules import (
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.diloco.learner import requeue_block
 from titan_recover.recover.groups.member import connect
-from titan_recover.recover.groups.protocol import Heartbeat, Keys, LivenessWatch
+from titan_recover.recover.groups.keys import GroupKeys as Keys
+from titan_recover.recover.groups.protocol import Heartbeat, LivenessWatch
 from titan_recover.recover.phoenix.state_transfer import bytes_view
 
 logger = logging.getLogger("titan_recover.syncer")

@@ -19,14 +19,16 @@ import torch
 
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.ftpg.gloo import FaultDetected, FaultTolerantGroup, fault_time_and_reason, raise_fault_flag
-from titan_recover.recover.groups.member import read_dropped, read_join_requests, ReplicaMember
+from titan_recover.recover.ftpg.base import FaultDetected
+from titan_recover.recover.ftpg.gloo import PolledGlooGroup as FaultTolerantGroup
+from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys as Keys, raise_fault_flag
+from titan_recover.recover.groups.keys import read_dropped, read_join_requests
+from titan_recover.recover.groups.member import ReplicaMember
 from titan_recover.recover.groups.protocol import (
     CommitDecision,
     decide_commit,
     decode_admission,
     encode_admission,
-    Keys,
     ready_to_join,
 )
 from titan_recover.recover.phoenix.state_transfer import ChecksumError, transfer, TrainingState
