@@ -121,6 +121,10 @@ class Coordinator:
     def _done(self, replica: int, rank: int) -> bool:
         return self.store.check([GroupKeys.done(replica, rank)])
 
+    def _joined(self, epoch: int, replica: int, rank: int) -> bool:
+        """The rank joined ``epoch`` (it is alive), or finished training (it is done, not dead)."""
+        return self.store.check([GroupKeys.join(epoch, replica, rank)]) or self._done(replica, rank)
+
     def _finished(self) -> bool:
         return all(self._done(m, r) for m in self.members for r in range(self.ranks))
 
@@ -180,10 +184,7 @@ class Coordinator:
         candidates = [m for m in self.members if m not in self.excluded]
         window = WatchedTime(self.watch.max_gap_s, time.monotonic())  # a stalled coordinator does not shorten it
         while True:
-            joined = {
-                m: {r for r in range(self.ranks) if self.store.check([GroupKeys.join(target, m, r)]) or self._done(m, r)}
-                for m in self.members
-            }
+            joined = {m: {r for r in range(self.ranks) if self._joined(target, m, r)} for m in self.members}
             window.tick(time.monotonic())
             if all_joined(candidates, joined, self.ranks) or window.elapsed_s > self.config.join_window_s:
                 break
