@@ -32,12 +32,12 @@ def _member(port: int, replica: int, args, results) -> None:
     import torch
     from torch.distributed import TCPStore
 
-    from titan_recover.recover.ftpg.gloo import FaultTolerantGroup
+    from titan_recover.recover.ftpg.base import build_group, FTPGConfig
     from titan_recover.recover.phoenix.state_transfer import TrainingState, transfer
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
-    group = FaultTolerantGroup(store, epoch=0, members=(0, 1), replica=replica, position=0, timeout_s=300.0)
+    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=replica, position=0, timeout_s=300.0)
     torch.manual_seed(replica)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

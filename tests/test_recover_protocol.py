@@ -276,7 +276,7 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
     with what the coordinator saw in the event."""
     from titan_recover.recover.groups.coordinator import Coordinator
     from titan_recover.recover.events import read_events
-    from titan_recover.recover.groups.protocol import Keys
+    from titan_recover.recover.groups.keys import GroupKeys
 
     coordinator = Coordinator(RecoverConfig(replicas=2), replicas=2, ranks_per_replica=1, run_dir=str(tmp_path),
                               host="127.0.0.1")
@@ -284,7 +284,7 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
 
     def beat(*replicas):
         for replica in replicas:
-            coordinator.store.set(Keys.heartbeat(replica, 0), Heartbeat(time.time(), time.time(), 1, "forward").encode())
+            coordinator.store.set(GroupKeys.heartbeat(replica, 0), Heartbeat(time.time(), time.time(), 1, "forward").encode())
 
     for _ in range(10):
         beat(0, 1)
@@ -306,4 +306,16 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
     assert 2.0 <= time.monotonic() - watched_from < 2.0 + 0.5 + stalls
     [detected] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure_detected"]
     assert detected["replica"] == 1 and detected["beats"]["0"]["quiet_s"] >= 2.0 and detected["unwatched_s"] > 2.5
-    assert coordinator.store.check([Keys.fault(0)])
+    assert coordinator.store.check([GroupKeys.fault(0)])
+
+
+def test_the_coordinator_imports_no_client_module():
+    """The coordinator is a process of its own: it shares keys and pure decisions with the ranks, not their code."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; import titan_recover.recover.groups.coordinator; "
+             "print(sorted(m for m in sys.modules if m.startswith('titan_recover.recover.') and "
+             "any(part in m for part in ('groups.member', 'groups.replica_sync', 'ftpg', 'modes'))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -151,10 +151,10 @@ def _member(port: int, replica: int, die_after_broadcasts: int | None, results) 
 
     from torch.distributed import TCPStore
 
-    from titan_recover.recover.ftpg.gloo import FaultDetected, FaultTolerantGroup
+    from titan_recover.recover.ftpg.base import build_group, FaultDetected, FTPGConfig
 
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
-    group = FaultTolerantGroup(store, epoch=0, members=(0, 1), replica=replica, position=0, timeout_s=20.0)
+    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=replica, position=0, timeout_s=20.0)
     me = Replica(seed=replica, hidden=256)
     if replica == 0:
         for batch in range(2):

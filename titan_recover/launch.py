@@ -146,67 +146,69 @@ def prepare_data(config) -> None:
     check_model_data(config.model_spec.model.vocab_size, TokenFileMeta.read(path).vocab_size, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        toml_path, options, overrides = split_args(argv)
-        if options.get("--help") or options.get("-h"):
-            print(__doc__.strip())
-            return 0
-        if options.get("--list-models"):
-            from titan_recover import platform
+def list_models() -> None:
+    from titan_recover import platform
 
-            platform.activate()
-            from titan_recover.models import registered_models
+    platform.activate()
+    from titan_recover.models import registered_models
 
-            for m in registered_models():
-                print(f"{m.name:8s} {m.flavor:12s} {m.hardware}")
-            return 0
+    for m in registered_models():
+        print(f"{m.name:8s} {m.flavor:12s} {m.hardware}")
 
-        from titan_recover.job_config import build_config
-        from titan_recover.config.validate import check_batch, resolve_layout
-        from titan_recover.platform import active_device
 
-        config = build_config(toml_path, overrides)
-        if config.recover.checkpoint_restart_mode:
-            config, overrides = checkpoint_restart_job(config, toml_path, overrides)
-        if options.get("--print-config"):
-            from titan_recover.config.render import render_toml
+def load_config(toml_path: str | None, overrides: list[str]):
+    """The run's config and the overrides its processes get (checkpoint-restart mode adds its own)."""
+    from titan_recover.job_config import build_config
 
-            print(render_toml(config), end="")
-            return 0
+    config = build_config(toml_path, overrides)
+    if config.recover.checkpoint_restart_mode:
+        config, overrides = checkpoint_restart_job(config, toml_path, overrides)
+    return config, overrides
 
-        device = active_device()
-        nnodes = _int_option(options, "--nnodes", 1)
-        nproc = _int_option(options, "--nproc-per-node", 0) if "--nproc-per-node" in options else None
-        if nproc is None:
-            total = _default_nproc(config, device)
-            if total % nnodes:
-                raise ConfigError(f"{total} processes cannot be spread evenly over --nnodes {nnodes}")
-            nproc = total // nnodes
-        layout = resolve_layout(config.parallelism, nproc * nnodes)
-        check_batch(config.training, config.parallelism, layout)
-        if config.recover.enabled:
-            check_replica_layout(config, layout, nnodes)
-        if nnodes > 1 and "--rdzv-endpoint" not in options:
-            raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
-        prepare_data(config)
-    except ConfigError as e:
-        print(f"titan_recover: config error: {e}", file=sys.stderr)
-        return 2
 
-    metrics_rank = 0 if layout.pp == 1 else (layout.world_size // layout.pp) * (layout.pp - 1)
+def check_job(config, options: dict):
+    """Process counts and layout against the config; returns (processes on this node, nodes, layout)."""
+    from titan_recover.config.validate import check_batch, resolve_layout
+    from titan_recover.platform import active_device
+
+    device = active_device()
+    nnodes = _int_option(options, "--nnodes", 1)
+    nproc = _int_option(options, "--nproc-per-node", 0) if "--nproc-per-node" in options else None
+    if nproc is None:
+        total = _default_nproc(config, device)
+        if total % nnodes:
+            raise ConfigError(f"{total} processes cannot be spread evenly over --nnodes {nnodes}")
+        nproc = total // nnodes
+    layout = resolve_layout(config.parallelism, nproc * nnodes)
+    check_batch(config.training, config.parallelism, layout)
     if config.recover.enabled:
-        if options.get("--dry-run"):
-            spares = f" + {config.recover.spares} spare(s)" if config.recover.spares else ""
-            if config.recover.diloco_mode:
-                print(f"coordinator + syncer + {config.recover.replicas} learners x {nproc} processes")
-            else:
-                print(f"coordinator + {config.recover.replicas} replica groups{spares} x {nproc} processes")
-            return 0
-        from titan_recover.recover.launcher import launch_replicas
+        check_replica_layout(config, layout, nnodes)
+    if nnodes > 1 and "--rdzv-endpoint" not in options:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
+    return nproc, nnodes, layout
 
-        return launch_replicas(config, toml_path, overrides, nproc, metrics_rank)
+
+def replica_job(config, options: dict, toml_path: str | None, overrides: list[str], nproc: int,
+                metrics_rank: int) -> int:
+    """Replica groups (sync or diloco): the coordinator and one torchrun per group (recover/launcher.py)."""
+    recover = config.recover
+    if options.get("--dry-run"):
+        spares = f" + {recover.spares} spare(s)" if recover.spares else ""
+        if recover.diloco_mode:
+            print(f"coordinator + syncer + {recover.replicas} learners x {nproc} processes")
+        else:
+            print(f"coordinator + {recover.replicas} replica groups{spares} x {nproc} processes")
+        return 0
+    from titan_recover.recover.launcher import launch_replicas
+
+    return launch_replicas(config, toml_path, overrides, nproc, metrics_rank)
+
+
+def torchrun_command(config, options: dict, toml_path: str | None, overrides: list[str], nproc: int, nnodes: int,
+                     metrics_rank: int) -> tuple[list[str], dict]:
+    """The one torchrun of a job without replica groups, and its environment."""
+    from titan_recover.recover.chaos.monkey import JOB_START_ENV
+
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1:
         cmd += ["--standalone", f"--local-ranks-filter={metrics_rank}"]
@@ -214,8 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={options['--rdzv-endpoint']}"]
         if "--node-rank" in options:
             cmd += [f"--node-rank={options['--node-rank']}"]
-    from titan_recover.recover.chaos.monkey import JOB_START_ENV
-
     env = dict(os.environ, LOG_RANK=str(metrics_rank))
     env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here, across restarts
     if config.recover.max_restarts:
@@ -223,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         cmd += [f"--max-restarts={config.recover.max_restarts}"]
         env["TORCH_GLOO_LAZY_INIT"] = "1"
     cmd += ["-m", "titan_recover.train"] + ([toml_path] if toml_path else []) + overrides
+    return cmd, env
+
+
+def torchrun_job(config, options: dict, toml_path: str | None, overrides: list[str], nproc: int, nnodes: int,
+                 metrics_rank: int) -> int:
+    """A job without replica groups: torchrun replaces this process (or runs next to a snapshot keeper)."""
+    cmd, env = torchrun_command(config, options, toml_path, overrides, nproc, nnodes, metrics_rank)
     keeper_here = config.recover.snapshot.interval > 0 and not config.recover.snapshot.keepers
     if options.get("--dry-run"):
         print(("snapshot keeper + " if keeper_here else "") + shlex.join(cmd))
@@ -234,6 +241,34 @@ def main(argv: list[str] | None = None) -> int:
         return run_with_keeper(cmd, env, os.path.abspath(config.dump_folder))
     os.execve(cmd[0], cmd, env)
     return 0  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        toml_path, options, overrides = split_args(argv)
+        if options.get("--help") or options.get("-h"):
+            print(__doc__.strip())
+            return 0
+        if options.get("--list-models"):
+            list_models()
+            return 0
+        config, overrides = load_config(toml_path, overrides)
+        if options.get("--print-config"):
+            from titan_recover.config.render import render_toml
+
+            print(render_toml(config), end="")
+            return 0
+        nproc, nnodes, layout = check_job(config, options)
+        prepare_data(config)
+    except ConfigError as e:
+        print(f"titan_recover: config error: {e}", file=sys.stderr)
+        return 2
+
+    metrics_rank = 0 if layout.pp == 1 else (layout.world_size // layout.pp) * (layout.pp - 1)
+    if config.recover.enabled:
+        return replica_job(config, options, toml_path, overrides, nproc, metrics_rank)
+    return torchrun_job(config, options, toml_path, overrides, nproc, nnodes, metrics_rank)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """``[recover]``: replica groups, the fault-tolerant group across them, and their timeouts.
 
+The subsections are declared next to their components and composed here: ``[recover.quota]`` and
+``[recover.step]`` (invariant/), ``[recover.ftpg]`` (ftpg/), ``[recover.snapshot]`` (phoenix/),
+``[recover.localize]`` (scout/), ``[recover.diloco]`` (diloco/).
+
 With ``replicas = 1`` (the default) a run is plain TorchTitan training. With ``replicas = R >= 2`` the launcher
 starts a coordinator and R replica groups (see docs/replica_groups.md).
 """
@@ -9,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan_recover.recover.diloco.config import DilocoConfig
+from titan_recover.recover.ftpg.base import FTPGConfig
 from titan_recover.recover.invariant.quota import QuotaConfig
 from titan_recover.recover.invariant.step_recovery import StepConfig
 from titan_recover.recover.phoenix.snapshots import SnapshotConfig
@@ -89,6 +94,7 @@ class RecoverConfig:
 
     quota: QuotaConfig = field(default_factory=QuotaConfig)
     step: StepConfig = field(default_factory=StepConfig)
+    ftpg: FTPGConfig = field(default_factory=FTPGConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     localize: LocalizeConfig = field(default_factory=LocalizeConfig)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
@@ -169,6 +175,7 @@ class RecoverConfig:
         """The inverse of ``dataclasses.asdict`` (how the launcher hands the section to its child processes)."""
         return RecoverConfig(**{**fields, "quota": QuotaConfig(**fields.get("quota", {})),
                                 "step": StepConfig(**fields.get("step", {})),
+                                "ftpg": FTPGConfig(**fields.get("ftpg", {})),
                                 "snapshot": SnapshotConfig(**fields.get("snapshot", {})),
                                 "localize": LocalizeConfig(**fields.get("localize", {})),
                                 "diloco": DilocoConfig(**fields.get("diloco", {}))})

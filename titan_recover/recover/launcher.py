@@ -21,13 +21,12 @@ from titan_recover.recover.groups.member import (
     connect,
     COORDINATOR_ENV,
     INCARNATION_ENV,
-    read_dropped,
     REPLICA_ENV,
     RUN_DIR_ENV,
 )
 from titan_recover.recover.chaos.monkey import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
-from titan_recover.recover.groups.protocol import Keys
+from titan_recover.recover.groups.keys import GroupKeys, read_dropped
 from titan_recover.recover.servers import wait_for_port
 
 GRACE_S = 10.0
@@ -108,156 +107,233 @@ def cpu_threads_per_process(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, processes))
 
 
-def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
-                    metrics_rank: int) -> int:
-    recover = config.recover
-    run_dir = os.path.abspath(config.dump_folder)
-    os.makedirs(run_dir, exist_ok=True)
-    address_file = os.path.join(run_dir, "coordinator.port")
-    if os.path.exists(address_file):
-        os.remove(address_file)
-    base_env = dict(os.environ, **{RUN_DIR_ENV: run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1"})
-    base_env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here
-    # torchrun caps a worker's CPU threads only when it starts several; R single-process replicas on one node
-    # would each take every core and thrash. Share the cores unless the user chose.
-    base_env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(recover.groups * ranks_per_replica)))
-    coordinator = _spawn(
-        [sys.executable, "-m", "titan_recover.recover.groups.coordinator", "--replicas", str(recover.groups),
-         "--ranks-per-replica", str(ranks_per_replica), "--run-dir", run_dir, "--host", "127.0.0.1",
-         "--port", str(recover.coordinator_port), "--recover-json", json.dumps(asdict(recover)),
-         "--address-file", address_file],
-        base_env, "[coordinator] ",
-    )
-    children: list[subprocess.Popen] = [coordinator]
-    stopping = {"signal": None}
+class ReplicaJob:
+    """The running job of one node: the coordinator, a slot per replica group (and the diloco syncer), their starts
+    and restarts, and the cleanup that leaves no process of the run behind."""
 
-    def on_signal(signum, _frame):
-        stopping["signal"] = signum
-        for child in children:
+    def __init__(self, config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
+                 metrics_rank: int):
+        self.recover = config.recover
+        self.toml_path, self.overrides = toml_path, overrides
+        self.ranks, self.metrics_rank = ranks_per_replica, metrics_rank
+        self.run_dir = os.path.abspath(config.dump_folder)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.address_file = os.path.join(self.run_dir, "coordinator.port")
+        if os.path.exists(self.address_file):
+            os.remove(self.address_file)
+        self.base_env = self._base_env()
+        self.children: list[subprocess.Popen] = []
+        """Every process started, for the signal forwarding and the cleanup."""
+        self.stopped_by: int | None = None
+        """The signal (Ctrl-C / SIGTERM) that stops the job, once one came."""
+        self.coordinator: subprocess.Popen | None = None
+        self.address = ""
+        self.store = None
+        self.slots: list[ReplicaSlot] = []
+        self.syncer: ReplicaSlot | None = None
+        self._watching = True  # the coordinator's store can be asked (it lives and has not finished)
+
+    def _base_env(self) -> dict:
+        env = dict(os.environ, **{RUN_DIR_ENV: self.run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1"})
+        env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here
+        # torchrun caps a worker's CPU threads only when it starts several; R single-process replicas on one node
+        # would each take every core and thrash. Share the cores unless the user chose.
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(self.recover.groups * self.ranks)))
+        return env
+
+    def _start(self, cmd: list[str], env: dict, prefix: str) -> subprocess.Popen:
+        proc = _spawn(cmd, env, prefix)
+        self.children.append(proc)
+        return proc
+
+    def on_signal(self, signum, _frame) -> None:
+        """Ctrl-C / SIGTERM: remember it (no restarts from now on) and forward SIGTERM to every child."""
+        self.stopped_by = signum
+        for child in self.children:
             _signal_group(child, signal.SIGTERM)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        port = wait_for_port(address_file, coordinator, "coordinator")
+    # ---- starts ------------------------------------------------------------------------------------------
+    def start_coordinator(self) -> None:
+        recover, run_dir, ranks_per_replica, address_file = self.recover, self.run_dir, self.ranks, self.address_file
+        self.coordinator = self._start(
+            [sys.executable, "-m", "titan_recover.recover.groups.coordinator", "--replicas", str(recover.groups),
+             "--ranks-per-replica", str(ranks_per_replica), "--run-dir", run_dir, "--host", "127.0.0.1",
+             "--port", str(recover.coordinator_port), "--recover-json", json.dumps(asdict(recover)),
+             "--address-file", address_file],
+            self.base_env, "[coordinator] ",
+        )
+
+    def connect(self) -> bool:
+        """Wait for the coordinator's store and connect to it; False if the coordinator did not start."""
+        port = wait_for_port(self.address_file, self.coordinator, "coordinator")
         if port is None:
-            return 1
-        address = f"127.0.0.1:{port}"
-        groups = recover.groups
+            return False
+        self.address = f"127.0.0.1:{port}"
+        self.store = connect(self.address, timeout_s=30)
+        return True
 
-        def spawn(slot: ReplicaSlot) -> None:
-            env = dict(base_env, **{REPLICA_ENV: str(slot.index), INCARNATION_ENV: str(slot.incarnation),
-                                    COORDINATOR_ENV: address, "LOG_RANK": str(metrics_rank)})
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0",
-                   f"--nproc-per-node={ranks_per_replica}", f"--local-ranks-filter={metrics_rank}",
-                   "-m", "titan_recover.train", *([toml_path] if toml_path else []), *overrides]
-            slot.proc = _spawn(cmd, env, f"[replica {slot.index}] ")
-            children.append(slot.proc)
-            threshold = recover.localize.hang_threshold_s
-            if threshold > 0:  # the replica's hang observer, a process of its own (docs/scout.md)
-                if slot.observer is not None and slot.observer.poll() is None:
-                    _signal_group(slot.observer, signal.SIGTERM)
-                slot.observer = _spawn(
-                    [sys.executable, "-m", "titan_recover.recover.scout.observer", "--run-dir", run_dir, "--replica",
-                     str(slot.index), "--incarnation", str(slot.incarnation), "--ranks", str(ranks_per_replica),
-                     "--threshold-s", str(threshold), *(["--end-hung"] if recover.localize.end_hung else [])],
-                    base_env, f"[observer {slot.index}] ")
-                children.append(slot.observer)
+    def start_replicas(self) -> None:
+        """The syncer (diloco mode, docs/diloco.md), then one torchrun per replica group."""
+        if self.recover.diloco_mode:
+            self.syncer = ReplicaSlot(-1, self.recover.diloco.syncer_max_restarts)
+            self.start_syncer()
+        self.slots = [ReplicaSlot(i, self.recover.max_restarts) for i in range(self.recover.groups)]
+        for slot in self.slots:
+            self.start_replica(slot)
 
-        store = connect(address, timeout_s=30)
-        syncer = None
-        if recover.diloco_mode:  # docs/diloco.md: the syncer, restarted from its checkpoint if it crashes
-            syncer = ReplicaSlot(-1, recover.diloco.syncer_max_restarts)
+    def start_replica(self, slot: ReplicaSlot) -> None:
+        """The current start (incarnation) of ``slot``'s torchrun, and its hang observer if localisation asks."""
+        recover, run_dir, ranks_per_replica, metrics_rank = self.recover, self.run_dir, self.ranks, self.metrics_rank
+        toml_path, overrides = self.toml_path, self.overrides
+        env = dict(self.base_env, **{REPLICA_ENV: str(slot.index), INCARNATION_ENV: str(slot.incarnation),
+                                     COORDINATOR_ENV: self.address, "LOG_RANK": str(metrics_rank)})
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0",
+               f"--nproc-per-node={ranks_per_replica}", f"--local-ranks-filter={metrics_rank}",
+               "-m", "titan_recover.train", *([toml_path] if toml_path else []), *overrides]
+        slot.proc = self._start(cmd, env, f"[replica {slot.index}] ")
+        threshold = recover.localize.hang_threshold_s
+        if threshold > 0:  # the replica's hang observer, a process of its own (docs/scout.md)
+            if slot.observer is not None and slot.observer.poll() is None:
+                _signal_group(slot.observer, signal.SIGTERM)
+            slot.observer = self._start(
+                [sys.executable, "-m", "titan_recover.recover.scout.observer", "--run-dir", run_dir, "--replica",
+                 str(slot.index), "--incarnation", str(slot.incarnation), "--ranks", str(ranks_per_replica),
+                 "--threshold-s", str(threshold), *(["--end-hung"] if recover.localize.end_hung else [])],
+                self.base_env, f"[observer {slot.index}] ")
 
-            def spawn_syncer() -> None:
-                syncer.proc = _spawn(
-                    [sys.executable, "-m", "titan_recover.recover.diloco.syncer", "--coordinator", address, "--run-dir",
-                     run_dir, "--positions", str(ranks_per_replica), "--start", str(syncer.incarnation),
-                     *([toml_path] if toml_path else []), *overrides],
-                    dict(base_env, OMP_NUM_THREADS="1"), "[syncer] ")
-                children.append(syncer.proc)
+    def start_syncer(self) -> None:
+        """The syncer's current start; a restart resumes from its checkpoint."""
+        syncer, address, run_dir, ranks_per_replica = self.syncer, self.address, self.run_dir, self.ranks
+        toml_path, overrides = self.toml_path, self.overrides
+        syncer.proc = self._start(
+            [sys.executable, "-m", "titan_recover.recover.diloco.syncer", "--coordinator", address, "--run-dir",
+             run_dir, "--positions", str(ranks_per_replica), "--start", str(syncer.incarnation),
+             *([toml_path] if toml_path else []), *overrides],
+            dict(self.base_env, OMP_NUM_THREADS="1"), "[syncer] ")
 
-            def restart_syncer_if_crashed() -> None:
-                if syncer.proc.poll() not in (None, 0) and syncer.restarts_left > 0 and stopping["signal"] is None:
-                    syncer.restarts_left -= 1
-                    syncer.incarnation += 1
-                    print(f"[titan_recover] the syncer exited with {syncer.proc.returncode}: restarting it from its "
-                          f"checkpoint (start {syncer.incarnation}, {syncer.restarts_left} restart(s) left)",
-                          file=sys.stderr, flush=True)
-                    spawn_syncer()
+    # ---- restarts ----------------------------------------------------------------------------------------
+    def restart_syncer_if_crashed(self) -> None:
+        syncer = self.syncer
+        if syncer.proc.poll() not in (None, 0) and syncer.restarts_left > 0 and self.stopped_by is None:
+            syncer.restarts_left -= 1
+            syncer.incarnation += 1
+            print(f"[titan_recover] the syncer exited with {syncer.proc.returncode}: restarting it from its "
+                  f"checkpoint (start {syncer.incarnation}, {syncer.restarts_left} restart(s) left)",
+                  file=sys.stderr, flush=True)
+            self.start_syncer()
 
-            spawn_syncer()
-        slots = [ReplicaSlot(i, recover.max_restarts) for i in range(groups)]
-        for slot in slots:
-            spawn(slot)
-        watching = True  # the coordinator's store can be asked (it lives and has not finished)
+    def end_if_dropped(self, slot: ReplicaSlot, dropped: dict[int, int | None]) -> None:
+        """A replica dropped from the job is ended, even if stopped or hung."""
+        if slot.running and dropped.get(slot.index) == slot.incarnation != slot.ended_incarnation:
+            slot.ended_incarnation = slot.incarnation
+            print(f"[titan_recover] replica {slot.index} (start {slot.incarnation}) was dropped from the "
+                  "job: ending its processes", file=sys.stderr, flush=True)
+            _signal_group(slot.proc, signal.SIGKILL)
+            _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
+
+    def restart_if_crashed(self, slot: ReplicaSlot, over: bool) -> None:
+        """A replica group that exited with an error is started again while it has restarts left and the job is
+        neither over nor stopping; what is left of its previous start is killed first."""
+        if slot.proc.poll() not in (None, 0) and slot.restarts_left > 0 and not over and self.stopped_by is None:
+            _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
+            slot.restarts_left -= 1
+            slot.incarnation += 1
+            print(f"[titan_recover] replica {slot.index} exited with {slot.proc.returncode}: restarting it "
+                  f"(start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
+                  flush=True)
+            self.start_replica(slot)
+
+    def job_state(self) -> tuple[bool, dict[int, int | None]]:
+        """What the coordinator's store says: (the job is over or stopping, so nothing is restarted; replica ->
+        its incarnation last dropped). Once the coordinator ended or finished, the store is not asked again."""
+        if self._watching and self.coordinator.poll() is None:
+            try:
+                if self.store.check([GroupKeys.FINISHED]):
+                    self._watching = False  # its store closes soon: stop asking before it does
+                over = not self._watching or self.store.check([GroupKeys.STOP])
+                return over, {slot.index: _dropped_incarnation(self.store, slot.index) for slot in self.slots}
+            except Exception:
+                pass
+        self._watching = False
+        return True, {}
+
+    def watch(self) -> None:
+        """Until every replica group has ended: end dropped replicas, restart crashed ones (and the syncer). Ends
+        early once the syncer finished (learners still restarting are not needed) or the coordinator has been gone
+        for GRACE_S (members exit by themselves; a restarted group still waiting for admission, or anything stuck,
+        is ended by the cleanup)."""
         coordinator_ended = None
-        while any(slot.running for slot in slots):
+        while any(slot.running for slot in self.slots):
             time.sleep(0.1)
-            if syncer is not None:
-                if syncer.proc.poll() == 0:  # the budget is trained: learners still restarting are not needed
+            if self.syncer is not None:
+                if self.syncer.proc.poll() == 0:  # the budget is trained
                     break
-                restart_syncer_if_crashed()
-            if coordinator.poll() is not None:
-                # the job is over: members exit by themselves; a restarted group still waiting for admission
-                # (or anything stuck) is ended after the grace period
+                self.restart_syncer_if_crashed()
+            if self.coordinator.poll() is not None:
                 coordinator_ended = coordinator_ended or time.monotonic()
                 if time.monotonic() - coordinator_ended > GRACE_S:
                     break
-            if watching and coordinator.poll() is None:
-                try:
-                    if store.check([Keys.FINISHED]):
-                        watching = False  # its store closes soon: stop asking before it does
-                    over = not watching or store.check([Keys.STOP])
-                    dropped = {slot.index: _dropped_incarnation(store, slot.index) for slot in slots}
-                except Exception:
-                    watching, over, dropped = False, True, {}
-            else:
-                watching, over, dropped = False, True, {}
-            for slot in slots:
-                if slot.running and dropped.get(slot.index) == slot.incarnation != slot.ended_incarnation:
-                    # a replica dropped from the job is ended, even if stopped or hung
-                    slot.ended_incarnation = slot.incarnation
-                    print(f"[titan_recover] replica {slot.index} (start {slot.incarnation}) was dropped from the "
-                          "job: ending its processes", file=sys.stderr, flush=True)
-                    _signal_group(slot.proc, signal.SIGKILL)
-                    _kill_all(processes_of_run(run_dir, replica=slot.index, incarnation=slot.incarnation))
-                if (slot.proc.poll() not in (None, 0) and slot.restarts_left > 0 and not over
-                        and stopping["signal"] is None):
-                    _kill_all(processes_of_run(run_dir, replica=slot.index, incarnation=slot.incarnation))
-                    slot.restarts_left -= 1
-                    slot.incarnation += 1
-                    print(f"[titan_recover] replica {slot.index} exited with {slot.proc.returncode}: restarting it "
-                          f"(start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
-                          flush=True)
-                    spawn(slot)
-        codes = [slot.proc.returncode for slot in slots]
+            over, dropped = self.job_state()
+            for slot in self.slots:
+                self.end_if_dropped(slot, dropped)
+                self.restart_if_crashed(slot, over)
+
+    # ---- the end -----------------------------------------------------------------------------------------
+    def result(self) -> int:
+        """The job's exit code (once the replica groups ended): 128 + the signal that stopped it, 1 if the syncer
+        did not save the global model or fewer than ``min_replicas`` groups finished training, else 0."""
+        codes = [slot.proc.returncode for slot in self.slots]
         finished = sum(1 for c in codes if c == 0)
-        print(f"[titan_recover] replica exit codes {codes}; {finished} of {groups} finished training",
+        print(f"[titan_recover] replica exit codes {codes}; {finished} of {self.recover.groups} finished training",
               file=sys.stderr, flush=True)
-        if stopping["signal"] is not None:
-            return 128 + stopping["signal"]
-        if syncer is not None:  # the learners are over: the syncer merges what is left and saves the global model
-            if syncer.proc.poll() is None:
-                store.set(DilocoKeys.LEARNERS_OVER, "1")
-            deadline = time.monotonic() + recover.agree_timeout_s
-            while syncer.proc.poll() != 0 and time.monotonic() < deadline:
-                restart_syncer_if_crashed()
-                if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0:
-                    break
-                time.sleep(0.1)
-            print(f"[titan_recover] syncer exit code {syncer.proc.poll()}", file=sys.stderr, flush=True)
-            if syncer.proc.poll() != 0:
-                return 1
-        return 0 if finished >= recover.min_replicas else 1
-    finally:
-        for child in children:
+        if self.stopped_by is not None:
+            return 128 + self.stopped_by
+        if self.syncer is not None and not self.finish_syncer():
+            return 1
+        return 0 if finished >= self.recover.min_replicas else 1
+
+    def finish_syncer(self) -> bool:
+        """The learners are over: the syncer merges what is left and saves the global model (restarted if it
+        crashes, within ``agree_timeout_s``). True if it did."""
+        syncer = self.syncer
+        if syncer.proc.poll() is None:
+            self.store.set(DilocoKeys.LEARNERS_OVER, "1")
+        deadline = time.monotonic() + self.recover.agree_timeout_s
+        while syncer.proc.poll() != 0 and time.monotonic() < deadline:
+            self.restart_syncer_if_crashed()
+            if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0:
+                break
+            time.sleep(0.1)
+        print(f"[titan_recover] syncer exit code {syncer.proc.poll()}", file=sys.stderr, flush=True)
+        return syncer.proc.poll() == 0
+
+    def cleanup(self) -> None:
+        """SIGTERM to every child still running, SIGKILL after GRACE_S, then any process carrying the run's
+        marker."""
+        for child in self.children:
             if child.poll() is None:
                 _signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
-        while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        while any(c.poll() is None for c in self.children) and time.monotonic() < deadline:
             time.sleep(0.05)
-        for child in children:
+        for child in self.children:
             _signal_group(child, signal.SIGKILL)
-        _kill_all(processes_of_run(run_dir))
+        _kill_all(processes_of_run(self.run_dir))
+
+
+def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
+                    metrics_rank: int) -> int:
+    """Run the replica-group job to its end; returns the launcher's exit code (:meth:`ReplicaJob.result`)."""
+    job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank)
+    job.start_coordinator()
+    previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if not job.connect():
+            return 1
+        job.start_replicas()
+        job.watch()
+        return job.result()
+    finally:
+        job.cleanup()
         for s, handler in previous.items():
             signal.signal(s, handler)

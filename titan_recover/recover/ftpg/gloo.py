@@ -1,4 +1,4 @@
-"""The fault-tolerant process group: one gloo group per (membership epoch, shard position), errors not hangs.
+"""The ``gloo`` backend of the fault-tolerant group: one gloo group per (membership epoch, shard position).
 
 gloo gives no error to ring peers of a dead rank that are not its neighbours, and ``abort()`` does not release
 a pending operation. So every collective here is issued asynchronously and polled: it completes, or it fails
@@ -19,32 +19,12 @@ import torch
 from torch.distributed import PrefixStore, Store
 from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ProcessGroupGloo, ReduceOp
 
-from titan_recover.recover.groups.protocol import Keys
+from titan_recover.recover.ftpg.base import FaultDetected, FaultTolerantGroup, FTPGConfig, register_backend
+from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
 
 
-class FaultDetected(RuntimeError):
-    """A collective across replicas failed, timed out, or another member raised the epoch's fault flag."""
-
-    def __init__(self, reason: str, *, raised_here: bool):
-        super().__init__(reason)
-        self.reason = reason
-        self.raised_here = raised_here
-
-
-def raise_fault_flag(store: Store, epoch: int, reason: str) -> str:
-    """Set ``fault/e{epoch}`` unless set already; returns the flag's (first writer's) value."""
-    value = f"{time.time():.6f}|{reason}"
-    stored = store.compare_set(Keys.fault(epoch), "", value)
-    return stored.decode() if isinstance(stored, bytes) else stored
-
-
-def fault_time_and_reason(raw: bytes | str) -> tuple[float, str]:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    t, _, reason = text.partition("|")
-    return float(t), reason
-
-
-class FaultTolerantGroup:
+@register_backend("gloo")
+class PolledGlooGroup(FaultTolerantGroup):
     """The gloo group of one shard position over one epoch's member replicas (``tag``: a second group of the same
     epoch and position over some of them, such as a state transfer's donor and joiners)."""
 
@@ -57,35 +37,27 @@ class FaultTolerantGroup:
         replica: int,
         position: int,
         timeout_s: float,
-        poll_s: float = 0.01,
+        config: FTPGConfig | None = None,
         on_poll=None,
         tag: str = "",
     ):
-        if replica not in members:
-            raise ValueError(f"replica {replica} is not a member of epoch {epoch} ({members})")
         self.store, self.epoch, self.members = store, epoch, members
         self.replica, self.position = replica, position
-        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.timeout_s = timeout_s
+        self.poll_s = (config or FTPGConfig()).poll_s
         self.on_poll = on_poll  # called at every poll: a rank waiting on its peers is alive and not hung
         self.group_rank = members.index(replica)
         self.pg = ProcessGroupGloo(
-            PrefixStore(Keys.group_prefix(epoch, position, tag), store),
+            PrefixStore(GroupKeys.group_prefix(epoch, position, tag), store),
             self.group_rank,
             len(members),
             timedelta(seconds=timeout_s),
         )
 
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         self._run("allreduce", lambda: self.pg.allreduce([tensor], opts))
-
-    def broadcast_(self, tensor: torch.Tensor, root_replica: int) -> None:
-        self.broadcast_many_([tensor], root_replica)
 
     def broadcast_many_(self, tensors: list[torch.Tensor], root_replica: int, on_each=None) -> None:
         """Broadcast each tensor in order, all issued at once (gloo runs them back to back); ``on_each(i)`` is
@@ -96,7 +68,7 @@ class FaultTolerantGroup:
         self._run("broadcast", lambda: [self.pg.broadcast([t], opts) for t in tensors], on_each)
 
     def _run(self, name: str, issue, on_each=None) -> None:
-        fault_key = Keys.fault(self.epoch)
+        fault_key = GroupKeys.fault(self.epoch)
         start = time.monotonic()
         deadline = start + self.timeout_s
         try:

@@ -19,13 +19,12 @@ import sys
 import time
 from dataclasses import asdict
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from torch.distributed import TCPStore
 
-from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.ftpg.gloo import fault_time_and_reason, raise_fault_flag
-from titan_recover.recover.groups.member import read_join_requests
+from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag, read_join_requests
 from titan_recover.recover.groups.protocol import (
     all_joined,
     decide_members,
@@ -35,9 +34,11 @@ from titan_recover.recover.groups.protocol import (
     Heartbeat,
     LivenessWatch,
     WatchedTime,
-    Keys,
     ready_to_join,
 )
+
+if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
+    from titan_recover.recover.config import RecoverConfig
 
 logger = logging.getLogger("titan_recover.coordinator")
 
@@ -95,16 +96,16 @@ class Coordinator:
             return 1
         while not self._terminate:
             if self._finished():
-                stopped = self.store.check([Keys.STOP])
+                stopped = self.store.check([GroupKeys.STOP])
                 self.events.emit("job_finished", epoch=self.epoch, members=list(self.members), stopped=stopped)
-                self.store.set(Keys.FINISHED, "1")
+                self.store.set(GroupKeys.FINISHED, "1")
                 time.sleep(FINISH_LINGER_S)  # let clients that poll the store (the launcher) see it before it closes
                 return 1 if stopped else 0
-            if not self.store.check([Keys.STOP]):  # after a stop, only keep serving the store to the survivors
+            if not self.store.check([GroupKeys.STOP]):  # after a stop, only keep serving the store to the survivors
                 self._watch_liveness()
-                if self.store.check([Keys.fault(self.epoch)]):
+                if self.store.check([GroupKeys.fault(self.epoch)]):
                     self._form_next_epoch()
-                elif self.store.check([Keys.admission(self.epoch)]):
+                elif self.store.check([GroupKeys.admission(self.epoch)]):
                     self._admit()
             time.sleep(TICK_S)
         return 0
@@ -113,7 +114,7 @@ class Coordinator:
         """Diloco mode: learners never form epochs; this store is the job's stable meeting point (the syncer's
         address, the data-block counter, heartbeats) until the syncer reports the job finished."""
         while not self._terminate:
-            if self.store.check([Keys.FINISHED]):
+            if self.store.check([GroupKeys.FINISHED]):
                 self.events.emit("job_finished", mode="diloco")
                 time.sleep(FINISH_LINGER_S)
                 return 0
@@ -121,17 +122,21 @@ class Coordinator:
         return 0
 
     def _done(self, replica: int, rank: int) -> bool:
-        return self.store.check([Keys.done(replica, rank)])
+        return self.store.check([GroupKeys.done(replica, rank)])
+
+    def _joined(self, epoch: int, replica: int, rank: int) -> bool:
+        """The rank joined ``epoch`` (it is alive), or finished training (it is done, not dead)."""
+        return self.store.check([GroupKeys.join(epoch, replica, rank)]) or self._done(replica, rank)
 
     def _finished(self) -> bool:
         return all(self._done(m, r) for m in self.members for r in range(self.ranks))
 
     # ---- epochs ------------------------------------------------------------------------------------------
     def _registered(self, replica: int) -> bool:
-        return all(self.store.check([Keys.register(replica, r)]) for r in range(self.ranks))
+        return all(self.store.check([GroupKeys.register(replica, r)]) for r in range(self.ranks))
 
     def _registered_incarnation(self, replica: int) -> int:
-        return int(self.store.get(Keys.register(replica, 0)).decode().split(",")[3])
+        return int(self.store.get(GroupKeys.register(replica, 0)).decode().split(",")[3])
 
     def _form_first_epoch(self) -> bool:
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -151,7 +156,7 @@ class Coordinator:
         keys = [(m, r) for m in watched for r in range(self.ranks) if not self._done(m, r)]
         if not keys:
             return
-        raw = self.store.multi_get([Keys.heartbeat(m, r) for m, r in keys])
+        raw = self.store.multi_get([GroupKeys.heartbeat(m, r) for m, r in keys])
         now = time.monotonic()  # after the read: what it returned is the store's state at about this time
         beats = {key: Heartbeat.decode(value) for key, value in zip(keys, raw)}
         self.watch.look(now, beats)
@@ -170,22 +175,19 @@ class Coordinator:
                                  unwatched_s=round(self.watch.time.unwatched_s, 3))
 
     def _form_next_epoch(self) -> None:
-        fault_time, reason = fault_time_and_reason(self.store.get(Keys.fault(self.epoch)))
+        fault_time, reason = fault_time_and_reason(self.store.get(GroupKeys.fault(self.epoch)))
         noticed = time.time()
         self.events.emit("fault_flag", epoch=self.epoch, reason=reason, raised_at=fault_time)
         target = self.epoch + 1
         for replica in self.members:  # members that voted a replica out (docs/scout.md)
-            if replica not in self.excluded and self.store.check([Keys.evicted(self.epoch, replica)]):
+            if replica not in self.excluded and self.store.check([GroupKeys.evicted(self.epoch, replica)]):
                 self.excluded.add(replica)
                 self.events.emit("replica_evicted", epoch=self.epoch, replica=replica,
-                                 reason=self.store.get(Keys.evicted(self.epoch, replica)).decode())
+                                 reason=self.store.get(GroupKeys.evicted(self.epoch, replica)).decode())
         candidates = [m for m in self.members if m not in self.excluded]
         window = WatchedTime(self.watch.max_gap_s, time.monotonic())  # a stalled coordinator does not shorten it
         while True:
-            joined = {
-                m: {r for r in range(self.ranks) if self.store.check([Keys.join(target, m, r)]) or self._done(m, r)}
-                for m in self.members
-            }
+            joined = {m: {r for r in range(self.ranks) if self._joined(target, m, r)} for m in self.members}
             window.tick(time.monotonic())
             if all_joined(candidates, joined, self.ranks) or window.elapsed_s > self.config.join_window_s:
                 break
@@ -197,7 +199,7 @@ class Coordinator:
 
     def _admit(self) -> None:
         """Members committed a step and asked to admit ready joiners: publish the grown epoch (docs/phoenix.md)."""
-        step, requested = decode_admission(self.store.get(Keys.admission(self.epoch)))
+        step, requested = decode_admission(self.store.get(GroupKeys.admission(self.epoch)))
         requests = {}
         for replica in requested:
             asked = read_join_requests(self.store, replica, self.ranks)
@@ -210,7 +212,7 @@ class Coordinator:
                              incarnation=self.incarnation[replica])
         withdrawn = sorted(set(requested) - set(admitted))
         reason = f"admitted {list(admitted)} after step {step}" + (f"; {withdrawn} no longer ready" if withdrawn else "")
-        self.store.set(Keys.admitted(self.epoch + 1), encode_admission(step, admitted))
+        self.store.set(GroupKeys.admitted(self.epoch + 1), encode_admission(step, admitted))
         self._publish(self.epoch + 1, tuple(sorted(self.members + admitted)), (), reason, timing={})
 
     def _publish(self, epoch: int, members: tuple[int, ...], removed: tuple[int, ...], reason: str,
@@ -218,15 +220,15 @@ class Coordinator:
         for replica in removed:
             self.dropped[replica] = self.incarnation.get(replica, 0)
             self.watch.forget(replica)
-            self.store.set(Keys.dropped(replica), f"{self.dropped[replica]}|{time.time():.6f}")
-        self.store.set(Keys.members(epoch), encode_members(members, reason))
+            self.store.set(GroupKeys.dropped(replica), f"{self.dropped[replica]}|{time.time():.6f}")
+        self.store.set(GroupKeys.members(epoch), encode_members(members, reason))
         self.epoch, self.members = epoch, members
         too_few = len(members) < self.config.min_replicas
         if too_few:
             message = (f"only {len(members)} replica(s) left {list(members)} after losing {list(removed)}, "
                        f"fewer than recover.min_replicas = {self.config.min_replicas}: stopping")
-            self.store.set(Keys.STOP, message)
-        self.store.set(Keys.EPOCH, str(epoch))
+            self.store.set(GroupKeys.STOP, message)
+        self.store.set(GroupKeys.EPOCH, str(epoch))
         self.events.emit("epoch_formed", epoch=epoch, members=list(members), removed=list(removed), reason=reason,
                          **timing)
         if too_few:
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[coordinator] %(asctime)s %(message)s")
     fields = json.loads(args.recover_json)
+    from titan_recover.recover.config import RecoverConfig  # the process entry: the launcher's [recover] section
+
     config = RecoverConfig.from_dict(fields)
     coordinator = Coordinator(config, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
                               run_dir=args.run_dir, host=args.host, port=args.port)

@@ -13,11 +13,15 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from torch.distributed import TCPStore
 
-from titan_recover.recover.config import RecoverConfig
-from titan_recover.recover.groups.protocol import decode_members, Heartbeat, Keys
+from titan_recover.recover.groups.keys import GroupKeys
+from titan_recover.recover.groups.protocol import decode_members, Heartbeat
+
+if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
+    from titan_recover.recover.config import RecoverConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,22 +58,6 @@ def incarnation_from_env(environ=os.environ) -> int:
     torchrun's own (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT``, as in scripts/slurm_replicas.sh). One of
     the two restarts a group, never both (the launcher runs torchrun with ``--max-restarts 0``)."""
     return int(environ.get(INCARNATION_ENV, 0)) + int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-
-
-def read_dropped(store: TCPStore, replica: int) -> tuple[int, float] | None:
-    """``(incarnation, time)`` of ``replica``'s start last removed from an epoch, or None (never dropped)."""
-    if not store.check([Keys.dropped(replica)]):
-        return None
-    incarnation, _, when = store.get(Keys.dropped(replica)).decode().partition("|")
-    return int(incarnation), float(when)
-
-
-def read_join_requests(store: TCPStore, replica: int, ranks: int) -> dict[int, int] | None:
-    """rank -> incarnation of ``replica``'s ranks that asked to join, or None until every rank has."""
-    keys = [Keys.join_request(replica, r) for r in range(ranks)]
-    if not all(store.check([k]) for k in keys):
-        return None
-    return {r: int(v) for r, v in enumerate(store.multi_get(keys))}
 
 
 def connect(address: str, timeout_s: float) -> TCPStore:
@@ -114,7 +102,7 @@ class ReplicaMember:
 
     def register(self) -> None:
         self.store.set(
-            Keys.register(self.replica, self.rank),
+            GroupKeys.register(self.replica, self.rank),
             f"{os.getpid()},{socket.gethostname()},{self.ranks_per_replica},{self.incarnation}",
         )
         self._beat(self.store)
@@ -126,7 +114,7 @@ class ReplicaMember:
         failure. Never called on an error path: a crashed rank must look dead. The heartbeat thread stops first:
         once every rank is done the coordinator closes the store, and a beat after that would fail loudly."""
         self.close()
-        self.store.set(Keys.done(self.replica, self.rank), "1")
+        self.store.set(GroupKeys.done(self.replica, self.rank), "1")
 
     def close(self) -> None:
         self._stop.set()
@@ -134,11 +122,11 @@ class ReplicaMember:
             self._thread.join(timeout=2 * self.config.heartbeat_interval_s + 1)
 
     def current_epoch(self) -> int:
-        return int(self.store.get(Keys.EPOCH)) if self.store.check([Keys.EPOCH]) else -1
+        return int(self.store.get(GroupKeys.EPOCH)) if self.store.check([GroupKeys.EPOCH]) else -1
 
     def members_of(self, epoch: int) -> tuple[int, ...]:
         """Members the coordinator published for ``epoch`` (kept in the store for the whole run)."""
-        return decode_members(self.store.get(Keys.members(epoch)))[0]
+        return decode_members(self.store.get(GroupKeys.members(epoch)))[0]
 
     def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason)."""
@@ -148,11 +136,11 @@ class ReplicaMember:
             epoch = self.current_epoch()
             # The coordinator writes `stop` before it publishes the epoch: read the epoch first, then `stop`, so
             # that a rank seeing the new epoch also sees a stop that came with it.
-            if self.store.check([Keys.STOP]):
-                raise TooFewReplicas(self.store.get(Keys.STOP).decode(),
-                                     untrusted=self.store.check([Keys.STOP_UNTRUSTED]))
+            if self.store.check([GroupKeys.STOP]):
+                raise TooFewReplicas(self.store.get(GroupKeys.STOP).decode(),
+                                     untrusted=self.store.check([GroupKeys.STOP_UNTRUSTED]))
             if epoch > after:
-                members, reason = decode_members(self.store.get(Keys.members(epoch)))
+                members, reason = decode_members(self.store.get(GroupKeys.members(epoch)))
                 if self.replica not in members:
                     raise Excluded(f"replica {self.replica} left out of epoch {epoch}: {reason}")
                 self.epoch, self.members = epoch, members
@@ -167,15 +155,15 @@ class ReplicaMember:
 
     def wait_for_admission(self, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """A joiner asks to be admitted (``join_request``) and blocks until an epoch includes this replica."""
-        self.store.set(Keys.join_request(self.replica, self.rank), str(self.incarnation))
+        self.store.set(GroupKeys.join_request(self.replica, self.rank), str(self.incarnation))
         deadline = time.monotonic() + timeout_s
         while True:
             self.progress()
-            if self.store.check([Keys.FINISHED]) or self.store.check([Keys.STOP]):
+            if self.store.check([GroupKeys.FINISHED]) or self.store.check([GroupKeys.STOP]):
                 raise JobOver(f"replica {self.replica}: the job ended before this replica was admitted")
             epoch = self.current_epoch()
             if epoch > self.epoch:
-                members, reason = decode_members(self.store.get(Keys.members(epoch)))
+                members, reason = decode_members(self.store.get(GroupKeys.members(epoch)))
                 if self.replica in members:
                     self.epoch, self.members = epoch, members
                     self.admitted = True
@@ -190,7 +178,7 @@ class ReplicaMember:
     # ---- heartbeat thread --------------------------------------------------------------------------------
     def _beat(self, store: TCPStore) -> None:
         beat = Heartbeat(time.time(), self._progress, self._step, self._phase, self.incarnation)
-        store.set(Keys.heartbeat(self.replica, self.rank), beat.encode())
+        store.set(GroupKeys.heartbeat(self.replica, self.rank), beat.encode())
 
     def _heartbeat_loop(self) -> None:
         store = self._hb_store
@@ -211,16 +199,16 @@ class ReplicaMember:
                                    store_s + beaten - woke, self._step, self._phase)
                 last_beat = beaten
                 try:
-                    if not self.admitted or not store.check([Keys.EPOCH]):
+                    if not self.admitted or not store.check([GroupKeys.EPOCH]):
                         continue
-                    epoch = int(store.get(Keys.EPOCH))
-                    members, _ = decode_members(store.get(Keys.members(epoch)))
-                    if self.replica not in members and not store.check([Keys.STOP]):
+                    epoch = int(store.get(GroupKeys.EPOCH))
+                    members, _ = decode_members(store.get(GroupKeys.members(epoch)))
+                    if self.replica not in members and not store.check([GroupKeys.STOP]):
                         logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica, self.rank,
                                      epoch)
                         os._exit(EXIT_EXCLUDED)
-                    if joined <= epoch and store.check([Keys.fault(epoch)]):
-                        store.set(Keys.join(epoch + 1, self.replica, self.rank), f"{time.time():.6f}")
+                    if joined <= epoch and store.check([GroupKeys.fault(epoch)]):
+                        store.set(GroupKeys.join(epoch + 1, self.replica, self.rank), f"{time.time():.6f}")
                         joined = epoch + 1
                 finally:
                     idle_from = time.monotonic()

@@ -1,85 +1,14 @@
-"""The replica-group protocol's store keys and its pure decisions (tested without processes or clocks).
+"""The replica-group protocol's pure decisions and value encodings (tested without processes or clocks).
 
-See docs/replica_groups.md for the contract these implement.
+Liveness from heartbeats, the next epoch's members, the commit decision and admission of joiners. The store keys
+these values live under are in :mod:`~titan_recover.recover.groups.keys`. See docs/replica_groups.md for the
+contract these implement.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable
-
-
-class Keys:
-    """Store keys of the protocol, in one place."""
-
-    EPOCH = "epoch"
-    STOP = "stop"
-    STOP_UNTRUSTED = "stop/untrusted"
-    """Set before ``STOP`` when replicas disagree without a majority: no replica's state may be saved."""
-    FINISHED = "finished"
-
-    @staticmethod
-    def register(replica: int, rank: int) -> str:
-        return f"register/{replica}/{rank}"
-
-    @staticmethod
-    def done(replica: int, rank: int) -> str:
-        return f"done/{replica}/{rank}"
-
-    @staticmethod
-    def heartbeat(replica: int, rank: int) -> str:
-        return f"hb/{replica}/{rank}"
-
-    @staticmethod
-    def members(epoch: int) -> str:
-        return f"epoch/{epoch}/members"
-
-    @staticmethod
-    def fault(epoch: int) -> str:
-        return f"fault/e{epoch}"
-
-    @staticmethod
-    def join(epoch: int, replica: int, rank: int) -> str:
-        return f"join/e{epoch}/{replica}/{rank}"
-
-    @staticmethod
-    def reduced(epoch: int, step: int | str) -> str:
-        return f"reduced/e{epoch}/s{step}"
-
-    @staticmethod
-    def decision(epoch: int, step: int | str) -> str:
-        return f"decision/e{epoch}/s{step}"
-
-    @staticmethod
-    def group_prefix(epoch: int, position: int, tag: str = "") -> str:
-        return f"ftpg/e{epoch}/p{position}" + (f"/{tag}" if tag else "")
-
-    @staticmethod
-    def join_request(replica: int, rank: int) -> str:
-        """Written by a restarted (or late) replica's rank when it waits for admission: its incarnation."""
-        return f"join_request/{replica}/{rank}"
-
-    @staticmethod
-    def dropped(replica: int) -> str:
-        """``"{incarnation}|{time}"``: the start of ``replica`` last removed from an epoch, and when (the launcher
-        ends it and may restart it)."""
-        return f"dropped/{replica}"
-
-    @staticmethod
-    def admission(epoch: int) -> str:
-        """Members ask the coordinator to admit replicas after a commit in ``epoch``: ``"{step}|{replicas}"``."""
-        return f"admission/e{epoch}"
-
-    @staticmethod
-    def admitted(epoch: int) -> str:
-        """Published with an epoch that admits replicas: ``"{step}|{replicas}"`` (the step they enter after)."""
-        return f"admitted/e{epoch}"
-
-    @staticmethod
-    def evicted(epoch: int, replica: int) -> str:
-        """Members of ``epoch`` voted ``replica`` out (its state or computation is corrupt): the reason. The
-        coordinator leaves it out of the next epoch (docs/scout.md)."""
-        return f"evicted/e{epoch}/{replica}"
 
 
 @dataclass(frozen=True)

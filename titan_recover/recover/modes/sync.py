@@ -41,6 +41,7 @@ from titan_recover.recover.invariant.step_recovery import STEP_MANAGERS, StepOut
 from titan_recover.recover.modes.base import Mode, register_mode, StepReport, Stop, TrainerParts  # noqa: E402
 from titan_recover.recover.modes.final_parameters import parameter_digest, save_final_parameters  # noqa: E402
 from titan_recover.recover.modes.replica_worker import ComputeHooks, local_parameters, ReplicaWorker  # noqa: E402
+from titan_recover.recover.phoenix.admission import Admission  # noqa: E402
 from titan_recover.recover.phoenix.state_transfer import local_tensor, TrainingState  # noqa: E402
 from titan_recover.recover.scout.beacon import Beacon, beacon_path  # noqa: E402
 from titan_recover.recover.scout.localize import Localizer  # noqa: E402
@@ -89,6 +90,7 @@ class SyncMode(Mode):
         if recover.localize.hang_threshold_s > 0:  # read by the replica's hang observer (docs/scout.md)
             self.member.beacon = Beacon(beacon_path(self.run_dir, self.replica, self.rank, incarnation))
         self.sync = ReplicaSync(recover, self.member, self.events, self.chaos, final_step=config.training.steps)
+        self.admission = Admission(self.sync)
         self._build_step(recover, world)
         self._install_fault_points()
 
@@ -182,7 +184,7 @@ class SyncMode(Mode):
     def train_step(self, step: int, titan_step) -> StepReport:
         # a replica admitted after the previous commit receives the state now (a joiner: its whole state, which
         # moves the trainer's step to the donors')
-        self.sync.admit_pending(step, self.state)
+        self.admission.admit_pending(step, self.state)
         train_state = self.parts.train_state.state_dict()
         step = self.step = train_state["step"]
         parts = self.parts

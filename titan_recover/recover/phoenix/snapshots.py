@@ -92,7 +92,7 @@ def restore_step(complete: dict[int, set[int]], ranks: int, durable_step: int) -
     return newest if newest is not None and newest > durable_step else None
 
 
-class Keys:
+class SnapshotKeys:
     @staticmethod
     def data(rank: int, slot: int) -> str:
         return f"snapshot/{rank}/{slot}/data"
@@ -199,9 +199,9 @@ class Snapshots:
         copy_s = time.perf_counter() - started
         try:
             meta["xxh3"] = checksum(payload)
-            self.store.delete_key(Keys.meta(self.rank, slot))  # the slot is not complete while it is rewritten
-            put_blob(self.store, Keys.data(self.rank, slot), payload)
-            self.store.set(Keys.meta(self.rank, slot), json.dumps(meta))
+            self.store.delete_key(SnapshotKeys.meta(self.rank, slot))  # the slot is not complete while it is rewritten
+            put_blob(self.store, SnapshotKeys.data(self.rank, slot), payload)
+            self.store.set(SnapshotKeys.meta(self.rank, slot), json.dumps(meta))
         except Exception as error:  # the keeper is gone: training goes on, the durable checkpoint remains
             logger.warning("rank %d: snapshot of step %d not stored: %s", self.rank, meta["step"], error)
             return
@@ -219,7 +219,7 @@ class Snapshots:
         store = self._store_of(rank)
         found = {}
         for slot in (0, 1):
-            key = Keys.meta(rank, slot)
+            key = SnapshotKeys.meta(rank, slot)
             if store.check([key]):
                 meta = json.loads(store.get(key))
                 found[meta["step"]] = (slot, meta)
@@ -246,7 +246,7 @@ class Snapshots:
     def _read(self, step: int, slot: int, meta: dict) -> torch.Tensor:
         """This rank's payload of ``step`` from its keeper, size and xxHash3 checked."""
         try:
-            payload = get_blob(self.store, Keys.data(self.rank, slot), meta["bytes"])
+            payload = get_blob(self.store, SnapshotKeys.data(self.rank, slot), meta["bytes"])
         except ValueError:
             payload = None
         if payload is None or checksum(payload) != meta["xxh3"]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import time
 
-from titan_recover.recover.groups.protocol import Heartbeat, Keys, LivenessWatch
+from titan_recover.recover.groups.keys import GroupKeys
+from titan_recover.recover.groups.protocol import Heartbeat, LivenessWatch
 
 LIVENESS_EVERY_S = 0.2
 
@@ -21,10 +22,10 @@ class LearnerLiveness:
         """(learners alive, learners done: every rank reported done)."""
         alive, done, beats = set(), set(), {}
         for learner in range(self.learners):
-            if all(self.coordinator.check([Keys.done(learner, rank)]) for rank in range(self.ranks)):
+            if all(self.coordinator.check([GroupKeys.done(learner, rank)]) for rank in range(self.ranks)):
                 done.add(learner)
                 continue
-            keys = [Keys.heartbeat(learner, rank) for rank in range(self.ranks)]
+            keys = [GroupKeys.heartbeat(learner, rank) for rank in range(self.ranks)]
             if all(self.coordinator.check([k]) for k in keys):
                 beats[learner] = [Heartbeat.decode(raw) for raw in self.coordinator.multi_get(keys)]
         # judged on the syncer's own clock, over the time it watched (a merge that kept it busy is not held against

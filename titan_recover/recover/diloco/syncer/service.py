@@ -26,7 +26,7 @@ from titan_recover.recover.diloco.syncer.metrics import Progress, SyncerMetrics
 from titan_recover.recover.diloco.syncer.rounds import merge_record, Rounds
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import connect
-from titan_recover.recover.groups.protocol import Keys
+from titan_recover.recover.groups.keys import GroupKeys
 
 logger = logging.getLogger("titan_recover.syncer")
 
@@ -237,7 +237,7 @@ class Syncer:
                          goodput_tokens_per_s=self.progress.goodput(now), elapsed_s=now - self.progress.started_at,
                          val_loss=val_loss, versions=list(self.versions))
         self.metrics.close()
-        self.coordinator.set(Keys.FINISHED, "1")
+        self.coordinator.set(GroupKeys.FINISHED, "1")
         return 0
 
 

@@ -1,0 +1,122 @@
+"""The replica-group protocol's store keys, and the few reads and writes of their values that both sides share.
+
+Shared by the coordinator (a process of its own), a rank's membership client and its step synchronisation, the
+fault-tolerant group (which raises the fault flag) and the launcher (which ends dropped replicas). This module
+imports no client module, so the coordinator imports nothing that runs on a rank. The pure decisions over these
+values are in :mod:`~titan_recover.recover.groups.protocol`; the contract is docs/replica_groups.md.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch.distributed import Store
+
+
+class GroupKeys:
+    """Store keys of the replica-group protocol, in one place (other protocols have their own: ``DilocoKeys``)."""
+
+    EPOCH = "epoch"
+    STOP = "stop"
+    STOP_UNTRUSTED = "stop/untrusted"
+    """Set before ``STOP`` when replicas disagree without a majority: no replica's state may be saved."""
+    FINISHED = "finished"
+
+    @staticmethod
+    def register(replica: int, rank: int) -> str:
+        return f"register/{replica}/{rank}"
+
+    @staticmethod
+    def done(replica: int, rank: int) -> str:
+        return f"done/{replica}/{rank}"
+
+    @staticmethod
+    def heartbeat(replica: int, rank: int) -> str:
+        return f"hb/{replica}/{rank}"
+
+    @staticmethod
+    def members(epoch: int) -> str:
+        return f"epoch/{epoch}/members"
+
+    @staticmethod
+    def fault(epoch: int) -> str:
+        return f"fault/e{epoch}"
+
+    @staticmethod
+    def join(epoch: int, replica: int, rank: int) -> str:
+        return f"join/e{epoch}/{replica}/{rank}"
+
+    @staticmethod
+    def reduced(epoch: int, step: int | str) -> str:
+        return f"reduced/e{epoch}/s{step}"
+
+    @staticmethod
+    def decision(epoch: int, step: int | str) -> str:
+        return f"decision/e{epoch}/s{step}"
+
+    @staticmethod
+    def group_prefix(epoch: int, position: int, tag: str = "") -> str:
+        return f"ftpg/e{epoch}/p{position}" + (f"/{tag}" if tag else "")
+
+    @staticmethod
+    def join_request(replica: int, rank: int) -> str:
+        """Written by a restarted (or late) replica's rank when it waits for admission: its incarnation."""
+        return f"join_request/{replica}/{rank}"
+
+    @staticmethod
+    def dropped(replica: int) -> str:
+        """``"{incarnation}|{time}"``: the start of ``replica`` last removed from an epoch, and when (the launcher
+        ends it and may restart it)."""
+        return f"dropped/{replica}"
+
+    @staticmethod
+    def admission(epoch: int) -> str:
+        """Members ask the coordinator to admit replicas after a commit in ``epoch``: ``"{step}|{replicas}"``."""
+        return f"admission/e{epoch}"
+
+    @staticmethod
+    def admitted(epoch: int) -> str:
+        """Published with an epoch that admits replicas: ``"{step}|{replicas}"`` (the step they enter after)."""
+        return f"admitted/e{epoch}"
+
+    @staticmethod
+    def evicted(epoch: int, replica: int) -> str:
+        """Members of ``epoch`` voted ``replica`` out (its state or computation is corrupt): the reason. The
+        coordinator leaves it out of the next epoch (docs/scout.md)."""
+        return f"evicted/e{epoch}/{replica}"
+
+
+# ---- the fault flag: raised by a rank whose collective failed, or by the coordinator -------------------------
+
+
+def raise_fault_flag(store: Store, epoch: int, reason: str) -> str:
+    """Set ``fault/e{epoch}`` unless set already; returns the flag's (first writer's) value."""
+    value = f"{time.time():.6f}|{reason}"
+    stored = store.compare_set(GroupKeys.fault(epoch), "", value)
+    return stored.decode() if isinstance(stored, bytes) else stored
+
+
+def fault_time_and_reason(raw: bytes | str) -> tuple[float, str]:
+    """The wall time a fault flag was raised and its reason, from the flag's stored value."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    t, _, reason = text.partition("|")
+    return float(t), reason
+
+
+# ---- admission: what a joiner asked for and which start of a replica was dropped -----------------------------
+
+
+def read_dropped(store: Store, replica: int) -> tuple[int, float] | None:
+    """``(incarnation, time)`` of ``replica``'s start last removed from an epoch, or None (never dropped)."""
+    if not store.check([GroupKeys.dropped(replica)]):
+        return None
+    incarnation, _, when = store.get(GroupKeys.dropped(replica)).decode().partition("|")
+    return int(incarnation), float(when)
+
+
+def read_join_requests(store: Store, replica: int, ranks: int) -> dict[int, int] | None:
+    """rank -> incarnation of ``replica``'s ranks that asked to join, or None until every rank has."""
+    keys = [GroupKeys.join_request(replica, r) for r in range(ranks)]
+    if not all(store.check([k]) for k in keys):
+        return None
+    return {r: int(v) for r, v in enumerate(store.multi_get(keys))}

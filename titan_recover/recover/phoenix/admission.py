@@ -1,0 +1,155 @@
+"""Admission of restarted replicas at a step boundary (docs/phoenix.md "Admission").
+
+A commit's decision names the replicas ready to join (:attr:`ReplicaSync.pending`); at the start of the next step
+the members ask the coordinator to admit them, the coordinator publishes the grown epoch, the lowest member that
+is not joining streams the whole training state to the joiners over a fault-tolerant group of just them
+(:func:`~titan_recover.recover.phoenix.state_transfer.transfer`), and a commit barrier makes it count. A donor or
+joiner lost mid-transfer aborts it; the next epoch tries again with whoever is left. A restarted replica waits here
+until it is admitted and receives its state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from titan_recover.recover.ftpg.base import FaultDetected
+from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag, read_dropped, read_join_requests
+from titan_recover.recover.groups.protocol import decode_admission, encode_admission
+from titan_recover.recover.groups.replica_sync import ReplicaSync
+from titan_recover.recover.phoenix.state_transfer import ChecksumError, transfer, TrainingState
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """One rank's part in admitting replicas, over its :class:`ReplicaSync`."""
+
+    def __init__(self, sync: ReplicaSync):
+        self.sync = sync
+
+    def admit_pending(self, step: int, state: TrainingState) -> None:
+        """At the start of ``step``: run the admission decided by the previous commit (members), or wait to be
+        admitted and receive the state (a joiner). Returns once the transfer committed, or once it is clear
+        that no joiner remains to receive it."""
+        sync = self.sync
+        if sync.joining:
+            admitted_after, admitting = self._wait_until_admitted()
+        elif sync.pending is None:
+            self._hold_for_restarts(step)
+            return
+        else:
+            admitted_after, requested = sync.pending
+            sync.pending = None
+            before = sync.epoch
+            sync.member.store.compare_set(GroupKeys.admission(before), "", encode_admission(admitted_after, requested))
+            sync.next_epoch(step)
+            admitting = self._admitted_since(before)
+            if not admitting:  # a fault came first: the joiners stay ready and are asked again at a later commit
+                return
+        for _ in range(sync.config.step.max_epochs_per_step + 1):
+            joiners = tuple(m for m in sync.members if m in admitting)
+            if not joiners:
+                return  # every joiner was lost; training goes on as it was
+            if self._attempt(state, admitted_after, joiners, admitting):
+                return
+            sync.next_epoch(step)
+        raise RuntimeError(f"admission after step {admitted_after} failed in "
+                           f"{sync.config.step.max_epochs_per_step + 1} consecutive epochs")
+
+    def _attempt(self, state: TrainingState, admitted_after: int, joiners: tuple[int, ...],
+                 admitting: tuple[int, ...]) -> bool:
+        """One epoch's try: the lowest member not joining donates; True once the commit barrier committed."""
+        sync = self.sync
+        donors = [m for m in sync.members if m not in admitting]
+        if not donors:
+            raise RuntimeError(f"admission after step {admitted_after}: no member left to donate the state")
+        donor, label = min(donors), f"admit{admitted_after}"
+        try:
+            if sync.member.replica == donor or sync.member.replica in joiners:
+                self._transfer(state, donor, joiners, step=admitted_after + 1)
+            decision = sync.commit_barrier(label)
+        except (FaultDetected, ChecksumError) as fault:
+            if isinstance(fault, ChecksumError):
+                raise_fault_flag(sync.member.store, sync.epoch, f"replica {sync.member.replica}: {fault}")
+            logger.warning("admission after step %d, epoch %d: %s", admitted_after, sync.epoch, fault)
+            decision = sync.propose(label, "abort")
+        if decision != "commit":
+            return False
+        sync.mark_committed()
+        sync.joining = False
+        sync.events.emit("admission_committed", step=admitted_after + 1, epoch=sync.epoch, joiners=list(joiners),
+                         donor=donor, members=list(sync.members))
+        return True
+
+    def _hold_for_restarts(self, step: int) -> None:
+        """``recover.rejoin_wait_s``: hold this step boundary for a dropped group that the launcher restarts
+        (it has restarts left, ``recover.max_restarts``) until it asks to join, so that it is admitted at this
+        step's commit, or until ``rejoin_wait_s`` after it was dropped."""
+        sync = self.sync
+        if sync.config.rejoin_wait_s <= 0 or (sync.final_step is not None and step >= sync.final_step):
+            return  # no admission after the final step's commit: nothing to wait for
+        store, ranks = sync.member.store, sync.member.ranks_per_replica
+        for replica in range(sync.groups):
+            dropped = None if replica in sync.members else read_dropped(store, replica)
+            if dropped is None or dropped[0] >= sync.config.max_restarts:
+                continue  # a member, never dropped, or not restarted again
+            incarnation, when = dropped
+            deadline = when + sync.config.rejoin_wait_s
+            started = time.time()
+            while time.time() < deadline:
+                asked = read_join_requests(store, replica, ranks)
+                if asked is not None and all(v > incarnation for v in asked.values()):
+                    break
+                sync.member.progress(step=step, phase="rejoin_wait")
+                time.sleep(0.05)
+            if time.time() - started > 0.1:
+                sync.events.emit("rejoin_wait", step=step, replica=replica, dropped_incarnation=incarnation,
+                             waited_s=time.time() - started, ready=time.time() < deadline)
+
+    def _wait_until_admitted(self) -> tuple[int, tuple[int, ...]]:
+        sync = self.sync
+        started = time.time()
+        sync.member.wait_for_admission(sync.config.startup_timeout_s)
+        sync.build_group()
+        # the admitting epoch may already be behind a newer one (a fault during the admission): look back
+        for epoch in range(sync.epoch, -1, -1):
+            if sync.member.store.check([GroupKeys.admitted(epoch)]):
+                step, admitting = decode_admission(sync.member.store.get(GroupKeys.admitted(epoch)))
+                if sync.member.replica in admitting:
+                    sync.events.emit("admitted", epoch=sync.epoch, members=list(sync.members), after_step=step,
+                                     waited_s=time.time() - started)
+                    return step, admitting
+        raise RuntimeError(f"replica {sync.member.replica} is a member of epoch {sync.epoch} without an admission")
+
+    def _admitted_since(self, epoch: int) -> tuple[int, ...]:
+        sync = self.sync
+        admitting: set[int] = set()
+        for e in range(epoch + 1, sync.epoch + 1):
+            if sync.member.store.check([GroupKeys.admitted(e)]):
+                admitting |= set(decode_admission(sync.member.store.get(GroupKeys.admitted(e)))[1])
+        return tuple(sorted(admitting))
+
+    def _transfer(self, state: TrainingState, donor: int, joiners: tuple[int, ...], step: int) -> None:
+        """Stream the donor's state to the joiners at this shard position, over a group of just them."""
+        sync = self.sync
+        is_donor = sync.member.replica == donor
+        group = sync.build_group(members=tuple(sorted((donor, *joiners))), tag="transfer")
+        sync.member.progress(phase="transfer")
+        sent = [0]
+
+        def broadcast(tensor: torch.Tensor) -> None:
+            group.broadcast_(tensor, root_replica=donor)
+            sent[0] += 1
+            if sent[0] == 1 and sync.chaos is not None:  # the header's length went out, the state has not
+                sync.chaos.maybe_inject(step, "transfer")
+
+        start = time.perf_counter()
+        stats = transfer(state, broadcast, is_donor=is_donor,
+                         broadcast_many=lambda tensors, on_each: group.broadcast_many_(tensors, donor, on_each))
+        seconds = time.perf_counter() - start
+        sync.events.emit("state_transferred", epoch=sync.epoch, role="donor" if is_donor else "joiner",
+                         donor=donor, joiners=list(joiners), bytes=stats.bytes, chunks=stats.chunks,
+                         seconds=seconds, mb_per_s=stats.bytes / 2**20 / max(seconds, 1e-9))
