@@ -5,6 +5,8 @@ from the first (the reference).
     python scripts/compare_runs.py outputs/reference outputs/with_failures --out compare.png
 
 The last line is a summary: ``max_abs_diff=... max_rel_diff=... common_steps=...`` (the worst run).
+``--parameters`` also compares the runs' final parameters bitwise (runs made with
+``--recover.save_final_parameters``) and adds ``parameters_different=... parameters_max_abs_diff=...`` to it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from titan_recover.compare import difference, load_curve, LOSS, plot  # noqa: E402
+from titan_recover.compare import difference, load_curve, LOSS, parameter_difference, plot  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labels", help="comma-separated names for the runs (default: folder names)")
     parser.add_argument("--metric", default=LOSS, help="metric to compare (default: %(default)s)")
     parser.add_argument("--out", default="compare_runs.png", help="PNG to write (default: %(default)s)")
+    parser.add_argument("--parameters", action="store_true",
+                        help="also compare the runs' final parameters bitwise (final_parameters/*.pt)")
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
         parser.error("give at least two runs")
@@ -39,7 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     plot(curves, args.out, args.metric)
     print(f"plot: {args.out}")
     worst = max(diffs, key=lambda d: d.max_abs)
-    print(f"max_abs_diff={worst.max_abs:.6e} max_rel_diff={worst.max_rel:.6e} common_steps={worst.common_steps}")
+    summary = f"max_abs_diff={worst.max_abs:.6e} max_rel_diff={worst.max_rel:.6e} common_steps={worst.common_steps}"
+    if args.parameters:
+        params = [parameter_difference(args.runs[0], run, label) for label, run in zip(labels[1:], args.runs[1:])]
+        for p in params:
+            print(f"{p.run}: final parameters of {p.files} rank(s), {p.tensors} tensors, {p.different} not bitwise "
+                  f"equal (largest |diff| {p.max_abs:.3e})")
+        summary += (f" parameters_different={sum(p.different for p in params)}"
+                    f" parameters_max_abs_diff={max(p.max_abs for p in params):.6e}")
+    print(summary)
     return 0
 
 

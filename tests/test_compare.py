@@ -34,3 +34,20 @@ def test_no_common_step_is_an_error(tmp_path):
         difference({1: 1.0}, {2: 1.0}, "x")
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         load_curve(tmp_path)
+
+
+def test_final_parameters_are_compared_bitwise(tmp_path):
+    import torch
+
+    from titan_recover.compare import parameter_difference
+
+    for run, bias in (("a", 0.0), ("b", 0.0), ("c", 1e-7)):
+        folder = tmp_path / run / "final_parameters"
+        folder.mkdir(parents=True)
+        torch.save({"w": torch.ones(3), "b": torch.tensor([0.5 + bias])}, folder / "replica0_rank0.pt")
+    same = parameter_difference(tmp_path / "a", tmp_path / "b")
+    assert (same.files, same.tensors, same.different, same.max_abs) == (1, 2, 0, 0.0)
+    off = parameter_difference(tmp_path / "a", tmp_path / "c")
+    assert off.different == 1 and 0 < off.max_abs < 1e-6
+    with pytest.raises(FileNotFoundError, match="save_final_parameters"):
+        parameter_difference(tmp_path / "a", tmp_path)

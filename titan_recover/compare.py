@@ -55,6 +55,41 @@ def difference(reference: dict[int, float], other: dict[int, float], name: str =
     return Difference(name, len(steps), max_abs, max_rel, worst)
 
 
+@dataclass(frozen=True)
+class ParameterDifference:
+    run: str
+    files: int
+    """Rank files (``final_parameters/replica{i}_rank{k}.pt``) both runs hold."""
+    tensors: int
+    different: int
+    """Tensors not bitwise equal (``torch.equal``)."""
+    max_abs: float
+
+
+def parameter_difference(reference: str | pathlib.Path, other: str | pathlib.Path, name: str = "") -> ParameterDifference:
+    """Every final parameter shard both runs saved (``[recover] save_final_parameters``), compared bitwise."""
+    import torch
+
+    ours, theirs = pathlib.Path(reference) / "final_parameters", pathlib.Path(other) / "final_parameters"
+    files = sorted(f.name for f in ours.glob("*.pt")) if ours.is_dir() else []
+    missing = [f for f in files if not (theirs / f).is_file()]
+    if not files or missing:
+        raise FileNotFoundError(f"{name or other}: final parameters missing ({missing or 'none saved'}); run both "
+                                "with --recover.save_final_parameters")
+    tensors = different = 0
+    max_abs = 0.0
+    for f in files:
+        a, b = torch.load(ours / f), torch.load(theirs / f)
+        if sorted(a) != sorted(b):
+            raise ValueError(f"{f}: the runs hold different parameters ({sorted(set(a) ^ set(b))[:4]} ...)")
+        for key in a:
+            tensors += 1
+            if not torch.equal(a[key], b[key]):
+                different += 1
+                max_abs = max(max_abs, float((a[key].double() - b[key].double()).abs().max()))
+    return ParameterDifference(name, len(files), tensors, different, max_abs)
+
+
 def plot(curves: dict[str, dict[int, float]], out: str | pathlib.Path, metric: str = LOSS) -> None:
     import matplotlib
 
