@@ -208,7 +208,9 @@ def test_straggler_reports_come_from_position_zero_only():
 
 
 def test_chaos_bit_flips_land_where_and_when_they_are_told():
-    from titan_recover.recover.chaos.monkey import ChaosMonkey, FaultSpec, flip_bit
+    from titan_recover.recover.chaos.config import FaultSpec
+    from titan_recover.recover.chaos.kinds import flip_bit
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
 
     t = torch.tensor([1.0, 2.0])
     flip_bit(t, 1, 22)

@@ -231,7 +231,7 @@ def test_the_global_model_is_assembled_from_row_shards_and_not_from_column_shard
 
 
 def test_syncer_faults_are_checked():
-    from titan_recover.recover.chaos.monkey import FaultSpec
+    from titan_recover.recover.chaos.config import FaultSpec
 
     assert FaultSpec(kind="kill", process="syncer", phase="merge", step=3).process == "syncer"
     with pytest.raises(ValueError, match="cannot hit the syncer"):

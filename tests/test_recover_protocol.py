@@ -8,7 +8,7 @@ import pytest
 
 from titan_recover.config.apply import ConfigError
 from titan_recover.job_config import build_config
-from titan_recover.recover.chaos.monkey import ChaosConfig, FaultSpec
+from titan_recover.recover.chaos.config import ChaosConfig, FaultSpec
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import describe_beats
 from titan_recover.recover.groups.protocol import (
@@ -129,7 +129,8 @@ def test_chaos_schedule_is_seeded_and_checked():
 
 
 def test_chaos_monkey_logs_before_it_acts():
-    from titan_recover.recover.chaos.monkey import ChaosMonkey, InjectedFault
+    from titan_recover.recover.chaos.kinds import InjectedFault
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
 
     class Events:
         def __init__(self):
@@ -153,7 +154,7 @@ def test_chaos_monkey_logs_before_it_acts():
 
 
 def test_slow_fault_makes_a_straggler_from_its_step_on():
-    from titan_recover.recover.chaos.monkey import ChaosMonkey, FaultSpec
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
 
     class Events:
         def emit(self, event, **fields):
@@ -220,7 +221,7 @@ def test_admission_value_and_incarnations_round_trip():
 
 
 def test_chaos_faults_hit_only_the_incarnation_they_name():
-    from titan_recover.recover.chaos.monkey import ChaosMonkey, FaultSpec
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
 
     fired = []
 

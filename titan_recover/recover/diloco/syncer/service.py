@@ -163,7 +163,7 @@ class Syncer:
         """``[chaos]`` faults of the syncer fire right after their merge (``step``: merges so far)."""
         for fault in self.faults:
             if fault.step == self.progress.merges:
-                from titan_recover.recover.chaos.monkey import FAULTS
+                from titan_recover.recover.chaos.kinds import FAULTS
 
                 self.events.emit("fault_injected", kind=fault.kind, step=self.progress.merges, phase="merge",
                                  pid=os.getpid(), process="syncer")
