@@ -17,7 +17,7 @@ from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, toke
 from titan_recover.recover.events import read_events
 from titan_recover.recover.launcher import processes_of_run
 from titan_recover.recover.groups.keys import GroupKeys
-from titan_recover.recover.groups.protocol import Heartbeat
+from titan_recover.recover.groups.liveness import Heartbeat
 
 
 def _config(*overrides: str):

@@ -11,16 +11,13 @@ from titan_recover.job_config import build_config
 from titan_recover.recover.chaos.config import ChaosConfig, FaultSpec
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import describe_beats
+from titan_recover.recover.groups.liveness import Heartbeat, judge_liveness, LivenessWatch, WatchedTime
 from titan_recover.recover.groups.protocol import (
     all_joined,
     decide_commit,
     decide_members,
     decode_members,
     encode_members,
-    Heartbeat,
-    judge_liveness,
-    LivenessWatch,
-    WatchedTime,
 )
 
 
@@ -209,7 +206,7 @@ def test_spares_hold_quota_only_while_an_active_replica_is_missing():
 
 def test_admission_value_and_incarnations_round_trip():
     from titan_recover.recover.groups.member import incarnation_from_env
-    from titan_recover.recover.groups.protocol import decode_admission, encode_admission, Heartbeat
+    from titan_recover.recover.groups.protocol import decode_admission, encode_admission
 
     assert decode_admission(encode_admission(7, (1, 3))) == (7, (1, 3))
     assert decode_admission(b"7|") == (7, ())
