@@ -1,16 +1,16 @@
 """Streaming a replica's training state from a live peer's memory: chunked, checksummed, no disk (docs/phoenix.md).
 
-The state of one shard position is a fixed-order list of tensors (parameter shards, then every optimizer state
-tensor, sorted by name) plus small metadata (the step, the learning-rate schedule, the optimizers' scalar
-hyperparameters, the RNG states). :func:`transfer` moves it from the donor to every other participant of a
-broadcast: first a header (metadata and the shape / dtype of every tensor, which the receiver checks against its
-own before touching anything), then the tensors' bytes in chunks of at most ``chunk_bytes``, then the 64-bit
-xxHash3 checksum of every chunk (hashed by each side after the chunk went through, so donor and receivers hash at
-the same time). Large tensors travel as slices of themselves (no copy on CPU: received straight into the
-receiver's tensor), small ones packed into a staging chunk. Receivers write into their existing tensors in place,
-so references held by the optimizer and by FSDP2 stay valid; a failed check fails the transfer, the receiver's
-metadata (step, schedule, RNG) is only loaded after the last chunk verified, and a joiner whose transfer failed is
-not admitted: it asks again.
+The state of one rank (the same rank of every replica holds the same shards) is a fixed-order list of tensors
+(parameter shards, then every optimizer state tensor, sorted by name) plus small metadata (the step, the
+learning-rate schedule, the optimizers' scalar hyperparameters, the RNG states). :func:`transfer` moves it from the
+donor to every other participant of a broadcast: first a header (metadata and the shape / dtype of every tensor,
+which the receiver checks against its own before touching anything), then the tensors' bytes in chunks of at most
+``chunk_bytes``, then the 64-bit xxHash3 checksum of every chunk (hashed by each side after the chunk went through,
+so donor and receivers hash at the same time). Large tensors travel as slices of themselves (no copy on CPU:
+received straight into the receiver's tensor), small ones packed into a staging chunk. Receivers write into their
+existing tensors in place, so references held by the optimizer and by FSDP2 stay valid; a failed check fails the
+transfer, the receiver's metadata (step, schedule, RNG) is only loaded after the last chunk verified, and a joiner
+whose transfer failed is not admitted: it asks again.
 
 ``broadcast(tensor)`` is the only communication: it must make ``tensor`` (a CPU tensor) equal to the donor's, in
 place, or raise (the fault-tolerant group's ``broadcast_``). Tests pass a fake.
