@@ -48,7 +48,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan_recover.recover.chaos.monkey import JOB_START_ENV  # noqa: E402
+from titan_recover.recover.chaos.config import JOB_START_ENV  # noqa: E402
 from titan_recover.recover.events import read_events  # noqa: E402
 from titan_recover.sim.calibration import periodic_failures  # noqa: E402
 

@@ -37,7 +37,7 @@ def _member(port: int, replica: int, args, results) -> None:
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
-    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=replica, position=0, timeout_s=300.0)
+    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=replica, rank=0, timeout_s=300.0)
     torch.manual_seed(replica)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

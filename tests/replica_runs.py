@@ -70,7 +70,7 @@ def assert_survived(folder, proc, events, *, replicas: int, ranks: int, steps: i
     assert sorted((e["replica"], e["rank"]) for e in finals) == [(r, k) for r in survivors for k in range(ranks)]
     for rank in range(ranks):
         digests = {e["sha256"] for e in finals if e["rank"] == rank}
-        assert len(digests) == 1, f"position {rank}: replicas differ"  # bitwise identical parameters
+        assert len(digests) == 1, f"rank {rank}: replicas differ"  # bitwise identical parameters
     removed = [r for e in events if e["event"] == "epoch_formed" for r in e["removed"]]
     assert sorted(removed) == sorted(lost)
     assert processes_of_run(str(folder)) == []  # nothing left behind

@@ -137,7 +137,7 @@ def localizer(groups=3, **overrides):
     from titan_recover.recover.scout.localize import Localizer
 
     events = Events()
-    return Localizer(LocalizeConfig(**overrides), replica=0, position=1, groups=groups, events=events), events
+    return Localizer(LocalizeConfig(**overrides), replica=0, rank=1, groups=groups, events=events), events
 
 
 def reduced(groups, parameters: dict[int, int], replay: dict[int, int] | None = None) -> list[float]:
@@ -147,7 +147,7 @@ def reduced(groups, parameters: dict[int, int], replay: dict[int, int] | None = 
 
     total = [0.0] * (6 * groups)
     for replica in range(groups):
-        own = Localizer(LocalizeConfig(), replica=replica, position=1, groups=groups, events=Events())
+        own = Localizer(LocalizeConfig(), replica=replica, rank=1, groups=groups, events=Events())
         part = own.evidence(parameters.get(replica), (replay or {}).get(replica))
         total = [a + b for a, b in zip(total, part)]
     return total
@@ -193,13 +193,13 @@ def test_replay_vote_attributes_the_holder_or_a_replayer():
     assert judge.judge(4, survivors, reduced(4, params, corrupt_holder)) is None
 
 
-def test_straggler_reports_come_from_position_zero_only():
+def test_straggler_reports_come_from_rank_zero_only():
     from titan_recover.recover.config import LocalizeConfig
     from titan_recover.recover.scout.localize import Localizer
 
     events = Events()
-    rank0 = Localizer(LocalizeConfig(straggler_confirm_steps=2), replica=0, position=0, groups=3, events=events)
-    rank1 = Localizer(LocalizeConfig(straggler_confirm_steps=2), replica=0, position=1, groups=3, events=events)
+    rank0 = Localizer(LocalizeConfig(straggler_confirm_steps=2), replica=0, rank=0, groups=3, events=events)
+    rank1 = Localizer(LocalizeConfig(straggler_confirm_steps=2), replica=0, rank=1, groups=3, events=events)
     for step in (1, 2):
         for judge in (rank0, rank1):
             judge.observe_speeds(step, [10.0, 10.0, 3.0])
@@ -208,7 +208,9 @@ def test_straggler_reports_come_from_position_zero_only():
 
 
 def test_chaos_bit_flips_land_where_and_when_they_are_told():
-    from titan_recover.recover.chaos.monkey import ChaosMonkey, FaultSpec, flip_bit
+    from titan_recover.recover.chaos.config import FaultSpec
+    from titan_recover.recover.chaos.kinds import flip_bit
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
 
     t = torch.tensor([1.0, 2.0])
     flip_bit(t, 1, 22)

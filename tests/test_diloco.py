@@ -17,7 +17,7 @@ from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, toke
 from titan_recover.recover.events import read_events
 from titan_recover.recover.launcher import processes_of_run
 from titan_recover.recover.groups.keys import GroupKeys
-from titan_recover.recover.groups.protocol import Heartbeat
+from titan_recover.recover.groups.liveness import Heartbeat
 
 
 def _config(*overrides: str):
@@ -46,7 +46,7 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
     config = _config("--recover.diloco.outer_lr", "0.5", "--recover.diloco.outer_momentum", "0.9")
     coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     address = f"127.0.0.1:{coordinator.port}"
-    syncer = Syncer(config, coordinator_address=address, run_dir=str(tmp_path), positions=1)
+    syncer = Syncer(config, coordinator_address=address, run_dir=str(tmp_path), ranks=1)
     syncer.publish_address()
     weights = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4)]
     offer_parameters(syncer.store, 0, 0, ["a", "b"], weights, [(0, 1), (1, 2)])
@@ -64,7 +64,7 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
 
     deltas = {0: torch.tensor([1.0, -2.0, 0.5, 0.0, 4.0, 1.0]), 1: torch.tensor([3.0, 0.0, -1.0, 2.0, 0.0, 1.0])}
     tokens = {0: 3072, 1: 1024}  # learner 0 trained three times the tokens since its last send
-    senders = [DeltaSender(address, learner=i, incarnation=0, position=0) for i in deltas]
+    senders = [DeltaSender(address, learner=i, incarnation=0, rank=0) for i in deltas]
     try:
         for sender, (i, d) in zip(senders, deltas.items()):
             sender.submit(Delta(0, 4, tokens[i], (syncer.generation, 0), d.clone()))
@@ -86,7 +86,7 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
     # the outer step, by hand: Nesterov SGD's first step is p - lr * (1 + momentum) * g
     g = (deltas[0].double() * 0.75 + deltas[1].double() * 0.25).float()
     expected = weights[0].reshape(-1) - 0.5 * (g + 0.9 * g)
-    puller = GlobalPuller(address, position=0, fragments=2)
+    puller = GlobalPuller(address, rank=0, fragments=2)
     try:
         _wait(lambda: puller.newest().get(0, ((0, 0),))[0] == (syncer.generation, 1))
         assert torch.equal(puller.newest()[0][1], expected)
@@ -231,7 +231,7 @@ def test_the_global_model_is_assembled_from_row_shards_and_not_from_column_shard
 
 
 def test_syncer_faults_are_checked():
-    from titan_recover.recover.chaos.monkey import FaultSpec
+    from titan_recover.recover.chaos.config import FaultSpec
 
     assert FaultSpec(kind="kill", process="syncer", phase="merge", step=3).process == "syncer"
     with pytest.raises(ValueError, match="cannot hit the syncer"):

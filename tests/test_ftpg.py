@@ -41,11 +41,11 @@ class InMemoryGroup(FaultTolerantGroup):
     rooms: dict[tuple, _Room] = {}
     lock = threading.Lock()
 
-    def __init__(self, store, *, config, epoch, members, replica, position, timeout_s, on_poll=None, tag=""):
+    def __init__(self, store, *, config, epoch, members, replica, rank, timeout_s, on_poll=None, tag=""):
         self.store, self.epoch, self.members, self.replica = store, epoch, members, replica
         self.timeout_s = timeout_s
         with self.lock:
-            self.room = self.rooms.setdefault((id(store), GroupKeys.group_prefix(epoch, position, tag)),
+            self.room = self.rooms.setdefault((id(store), GroupKeys.group_prefix(epoch, rank, tag)),
                                               _Room(len(members)))
 
     def _meet(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -94,7 +94,7 @@ def test_a_backend_is_one_class_and_one_registration():
     config = FTPGConfig(backend="in_memory")
 
     def member(replica):
-        group = build_group(config, store, epoch=2, members=members, replica=replica, position=0, timeout_s=5.0)
+        group = build_group(config, store, epoch=2, members=members, replica=replica, rank=0, timeout_s=5.0)
         assert isinstance(group, InMemoryGroup) and group.size == 3 and group.epoch == 2
         t = torch.full((4,), float(replica + 1))
         group.allreduce_sum_(t)
@@ -115,7 +115,7 @@ def test_a_backend_reports_a_missing_member_as_a_fault():
     config = FTPGConfig(backend="in_memory")
 
     def member(replica):
-        group = build_group(config, store, epoch=0, members=(0, 1, 2), replica=replica, position=1, timeout_s=0.3)
+        group = build_group(config, store, epoch=0, members=(0, 1, 2), replica=replica, rank=1, timeout_s=0.3)
         group.allreduce_sum_(torch.ones(2))
 
     results = _in_threads(member, (0, 1))  # replica 2 never comes
@@ -130,12 +130,12 @@ def test_the_backend_is_checked_against_the_registry():
     with pytest.raises(ValueError, match=r"recover.ftpg.poll_s must be > 0, got 0"):
         FTPGConfig(poll_s=0)
     with pytest.raises(ValueError, match=r"replica 4 is not a member of epoch 1 \(\(0, 1\)\)"):
-        build_group(FTPGConfig(), HashStore(), epoch=1, members=(0, 1), replica=4, position=0, timeout_s=1.0)
+        build_group(FTPGConfig(), HashStore(), epoch=1, members=(0, 1), replica=4, rank=0, timeout_s=1.0)
 
 
 def test_gloo_is_the_default_backend_and_takes_the_poll_interval_from_the_config():
     store = HashStore()
-    group = build_group(FTPGConfig(poll_s=0.05), store, epoch=0, members=(0,), replica=0, position=0, timeout_s=5.0)
+    group = build_group(FTPGConfig(poll_s=0.05), store, epoch=0, members=(0,), replica=0, rank=0, timeout_s=5.0)
     assert isinstance(group, PolledGlooGroup) and group.poll_s == 0.05
     t = torch.arange(4.0)
     group.allreduce_sum_(t)  # one member: the sum is the tensor itself
@@ -147,7 +147,7 @@ def test_a_raised_fault_flag_abandons_a_gloo_collective(monkeypatch):
     monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")  # as the launcher sets it: the peer never connects
     store = HashStore()
     raise_fault_flag(store, 0, "replica 1: no heartbeat")
-    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=0, position=0, timeout_s=5.0)
+    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=0, rank=0, timeout_s=5.0)
     start = time.monotonic()
     with pytest.raises(FaultDetected, match="allreduce in epoch 0 abandoned: replica 1: no heartbeat") as fault:
         group.allreduce_sum_(torch.ones(2))  # replica 1 never joins
@@ -156,7 +156,7 @@ def test_a_raised_fault_flag_abandons_a_gloo_collective(monkeypatch):
 
 def _member(port: int, replica: int, members: tuple, victim: int, mode: str, results):
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
-    group = build_group(FTPGConfig(), store, epoch=0, members=members, replica=replica, position=0, timeout_s=20.0)
+    group = build_group(FTPGConfig(), store, epoch=0, members=members, replica=replica, rank=0, timeout_s=20.0)
     t = torch.full((1024,), float(replica + 1))
     group.allreduce_sum_(t)  # a healthy round first
     store.add("round1", 1)

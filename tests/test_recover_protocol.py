@@ -8,19 +8,16 @@ import pytest
 
 from titan_recover.config.apply import ConfigError
 from titan_recover.job_config import build_config
-from titan_recover.recover.chaos.monkey import ChaosConfig, FaultSpec
+from titan_recover.recover.chaos.config import ChaosConfig, FaultSpec
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import describe_beats
+from titan_recover.recover.groups.liveness import Heartbeat, judge_liveness, LivenessWatch, WatchedTime
 from titan_recover.recover.groups.protocol import (
     all_joined,
     decide_commit,
     decide_members,
     decode_members,
     encode_members,
-    Heartbeat,
-    judge_liveness,
-    LivenessWatch,
-    WatchedTime,
 )
 
 
@@ -129,7 +126,8 @@ def test_chaos_schedule_is_seeded_and_checked():
 
 
 def test_chaos_monkey_logs_before_it_acts():
-    from titan_recover.recover.chaos.monkey import ChaosMonkey, InjectedFault
+    from titan_recover.recover.chaos.kinds import InjectedFault
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
 
     class Events:
         def __init__(self):
@@ -153,7 +151,7 @@ def test_chaos_monkey_logs_before_it_acts():
 
 
 def test_slow_fault_makes_a_straggler_from_its_step_on():
-    from titan_recover.recover.chaos.monkey import ChaosMonkey, FaultSpec
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
 
     class Events:
         def emit(self, event, **fields):
@@ -208,7 +206,7 @@ def test_spares_hold_quota_only_while_an_active_replica_is_missing():
 
 def test_admission_value_and_incarnations_round_trip():
     from titan_recover.recover.groups.member import incarnation_from_env
-    from titan_recover.recover.groups.protocol import decode_admission, encode_admission, Heartbeat
+    from titan_recover.recover.groups.protocol import decode_admission, encode_admission
 
     assert decode_admission(encode_admission(7, (1, 3))) == (7, (1, 3))
     assert decode_admission(b"7|") == (7, ())
@@ -220,7 +218,7 @@ def test_admission_value_and_incarnations_round_trip():
 
 
 def test_chaos_faults_hit_only_the_incarnation_they_name():
-    from titan_recover.recover.chaos.monkey import ChaosMonkey, FaultSpec
+    from titan_recover.recover.chaos.monkey import ChaosMonkey
 
     fired = []
 

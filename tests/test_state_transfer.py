@@ -146,7 +146,7 @@ def test_a_corrupted_chunk_fails_its_checksum():
 
 
 def _member(port: int, replica: int, die_after_broadcasts: int | None, results) -> None:
-    """One replica position over a real fault-tolerant group: replica 0 donates, replica 1 joins."""
+    """One rank of each replica over a real fault-tolerant group: replica 0 donates, replica 1 joins."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -154,7 +154,7 @@ def _member(port: int, replica: int, die_after_broadcasts: int | None, results) 
     from titan_recover.recover.ftpg.base import build_group, FaultDetected, FTPGConfig
 
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
-    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=replica, position=0, timeout_s=20.0)
+    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=replica, rank=0, timeout_s=20.0)
     me = Replica(seed=replica, hidden=256)
     if replica == 0:
         for batch in range(2):

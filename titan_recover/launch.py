@@ -207,7 +207,7 @@ def replica_job(config, options: dict, toml_path: str | None, overrides: list[st
 def torchrun_command(config, options: dict, toml_path: str | None, overrides: list[str], nproc: int, nnodes: int,
                      metrics_rank: int) -> tuple[list[str], dict]:
     """The one torchrun of a job without replica groups, and its environment."""
-    from titan_recover.recover.chaos.monkey import JOB_START_ENV
+    from titan_recover.recover.chaos.config import JOB_START_ENV
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1:

@@ -27,7 +27,7 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan_recover.data.loader import AddressableDataLoader  # noqa: E402
 from titan_recover.recover.config import RecoverConfig  # noqa: E402
-from titan_recover.recover.chaos.monkey import ChaosConfig  # noqa: E402
+from titan_recover.recover.chaos.config import ChaosConfig  # noqa: E402
 from titan_recover.recover.modes.base import build_mode, TrainerParts  # noqa: E402
 
 

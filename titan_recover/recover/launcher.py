@@ -24,7 +24,7 @@ from titan_recover.recover.groups.member import (
     REPLICA_ENV,
     RUN_DIR_ENV,
 )
-from titan_recover.recover.chaos.monkey import JOB_START_ENV
+from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
 from titan_recover.recover.groups.keys import GroupKeys, read_dropped
 from titan_recover.recover.servers import wait_for_port

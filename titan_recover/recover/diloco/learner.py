@@ -1,8 +1,9 @@
 """A Decoupled DiLoCo learner (docs/diloco.md): one replica group training on its own, sending fragment deltas to
 the syncer without waiting and mixing in the global fragments it publishes.
 
-Driven by the ``diloco`` training mode (:mod:`titan_recover.recover.modes.diloco`); TorchTitan's loop, inner optimizer (AdamW), parallelisms and logging are untouched. Per rank
-(a *position*: the same rank of every learner holds the same shards):
+Driven by the ``diloco`` training mode (:mod:`titan_recover.recover.modes.diloco`); TorchTitan's loop, inner
+optimizer (AdamW), parallelisms and logging are untouched. Per rank (the rank inside the learner's replica group:
+the same rank of every learner holds the same shards):
 
 * data: before every inner step the learner claims the next data block (:mod:`.blocks`) and trains its replica
   microbatch ids ``b A + a``;
@@ -14,7 +15,6 @@ Driven by the ``diloco`` training mode (:mod:`titan_recover.recover.modes.diloco
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -53,12 +53,12 @@ class Learner:
         self.step = 0
         """The last inner step this learner trained (the job's count: a restart continues it)."""
         self.learner, self.learners, self.incarnation = learner, learners, incarnation
-        self.position = torch.distributed.get_rank()
-        self.positions = torch.distributed.get_world_size()
+        self.rank = torch.distributed.get_rank()
+        self.ranks = torch.distributed.get_world_size()
         self.params = [p for m in parts.model_parts for p in m.parameters()]
         self.names = parameter_names(parts.model_parts)
         self.local = LocalFragments(self.params, self.options.fragments,
-                                    where=f"learner {learner} position {self.position}")
+                                    where=f"learner {learner} rank {self.rank}")
         self.fragments = self.local.count
         self.adopted: list[Version] = [(-1, -1)] * self.fragments
         self.batch_degree, self.batch_rank = parts.batch_layout()
@@ -73,8 +73,8 @@ class Learner:
         self.adoptions = 0
         self.coordinator = member.store
         self.coordinator_address = coordinator_address
-        self.sender = DeltaSender(coordinator_address, learner=learner, incarnation=incarnation, position=self.position)
-        self.puller = GlobalPuller(coordinator_address, position=self.position, fragments=self.fragments)
+        self.sender = DeltaSender(coordinator_address, learner=learner, incarnation=incarnation, rank=self.rank)
+        self.puller = GlobalPuller(coordinator_address, rank=self.rank, fragments=self.fragments)
 
     # ---- start -------------------------------------------------------------------------------------------
     def start(self, timeout_s: float, step: int) -> int:
@@ -88,7 +88,7 @@ class Learner:
         while (store := link.current()) is None:
             self._wait(deadline, "the syncer to publish its address")
         if not store.check([DilocoKeys.VERSIONS]):
-            offer_parameters(store, self.learner, self.position, self.names, self.local.locals(), self.local.ranges,
+            offer_parameters(store, self.learner, self.rank, self.names, self.local.locals(), self.local.ranges,
                              global_shapes=[list(p.shape) for p in self.params])
         while not all(v[1] >= 0 for v in self.adopted):
             self.adopt_ready()
@@ -98,11 +98,11 @@ class Learner:
         step = blocks.last_step(self.coordinator, self.learner)
         if step is not None:  # a restart: continue the step count
             self.step = step
-            if self.position == 0:  # the block the previous start was training goes back to the pool
+            if self.rank == 0:  # the block the previous start was training goes back to the pool
                 given_back = blocks.requeue_block(self.coordinator, self.learner, self.who)
-        if self.positions > 1:
+        if self.ranks > 1:
             torch.distributed.barrier()  # every rank read the step before rank 0 may claim a block
-        if self.position == 0:
+        if self.rank == 0:
             self.events.emit("learner_started", incarnation=self.incarnation, versions=[list(v) for v in self.adopted],
                              requeued_block=given_back, step=self.step, fragments=self.fragments,
                              blocks=self.blocks)
@@ -111,7 +111,7 @@ class Learner:
     def _wait(self, deadline: float, what: str) -> None:
         self.member.progress(phase="startup")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"learner {self.learner} position {self.position}: no {what} within the startup "
+            raise TimeoutError(f"learner {self.learner} rank {self.rank}: no {what} within the startup "
                                "timeout (recover.startup_timeout_s); is the syncer running?")
         time.sleep(POLL_S)
 
@@ -127,13 +127,13 @@ class Learner:
 
     def _claim(self) -> int | None:
         """Rank 0 claims and shares the block with the learner's other ranks."""
-        if self.position == 0:
+        if self.rank == 0:
             block = blocks.claim_block(self.coordinator, self.who)
             if block < self.blocks:
                 blocks.record_training(self.coordinator, self.learner, block, self.step)
                 self.events.emit("block_claimed", console=False, block=block, step=self.step,
                                  incarnation=self.incarnation)
-            if self.positions > 1:
+            if self.ranks > 1:
                 blocks.share_claim(self.coordinator, self.learner, self.incarnation, self.claims, block)
         else:
             block = blocks.read_claim(self.coordinator, self.learner, self.incarnation, self.claims)
@@ -162,7 +162,7 @@ class Learner:
         for f in due_fragments(step, self.fragments, self.options.inner_steps):
             self.send(f, step)
         self.adopt_ready()
-        if self.position == 0:  # the block is trained
+        if self.rank == 0:  # the block is trained
             blocks.record_trained(self.coordinator, self.learner, self.block, step, self.who)
 
     def send(self, fragment: int, step: int) -> None:
@@ -185,7 +185,7 @@ class Learner:
 
     def _agreed(self, codes: list[int]) -> list[bool]:
         """Per fragment: every rank of the learner holds the same version (one all-reduce of ``2F`` integers)."""
-        if self.positions == 1:
+        if self.ranks == 1:
             return [True] * self.fragments
         both = torch.tensor(codes + [-c for c in codes], dtype=torch.int64, device=self.parts.device)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
@@ -204,7 +204,7 @@ class Learner:
         report this rank done."""
         self.flush()
         drained = self.sender.drain(timeout_s)
-        if self.position == 0:
+        if self.rank == 0:
             self.events.emit("learner_finished", step=self.step, sent=self.sender.sent, drained=drained,
                              adoptions=self.adoptions)
         self.close()

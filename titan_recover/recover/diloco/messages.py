@@ -1,12 +1,12 @@
 """What learners and the syncer exchange through the syncer's store (docs/diloco.md), both sides of each message.
 
-* a parameter offer ``init/{learner}/{position}``: a position's local shards as one float32 payload, with names,
+* a parameter offer ``init/{learner}/{rank}``: a rank's local shards as one float32 payload, with names,
   shapes and fragment ranges (the initial global model);
-* a hello ``hello/{learner}/{position}``: the incarnation sending from this position (it numbers its deltas from
+* a hello ``hello/{learner}/{rank}``: the incarnation sending from this rank (it numbers its deltas from
   0 in every syncer store);
-* a delta ``delta/{learner}/{incarnation}/{position}/{number}``: one fragment's progress, its tokens, inner step
+* a delta ``delta/{learner}/{incarnation}/{rank}/{number}``: one fragment's progress, its tokens, inner step
   and the global version it was computed from;
-* a global fragment ``global/{fragment}/{position}/{version}``.
+* a global fragment ``global/{fragment}/{rank}/{version}``.
 
 Payloads are blobs (:mod:`titan_recover.recover.groups.blobs`: pieces under the store's 8 MB message limit); the
 ``/meta`` key is written last and marks a message complete.
@@ -25,12 +25,12 @@ from titan_recover.recover.groups.blobs import delete_blob, get_blob, put_blob
 from titan_recover.recover.phoenix.state_transfer import bytes_view
 
 
-def offer_parameters(store, learner: int, position: int, names: list[str], tensors: list[torch.Tensor],
+def offer_parameters(store, learner: int, rank: int, names: list[str], tensors: list[torch.Tensor],
                      ranges: list[tuple[int, int]], global_shapes: list[list[int]] | None = None) -> None:
-    """Offer this position's parameters (its local shards) as the initial global model (the syncer takes the first
-    learner whose every position offered). ``global_shapes``: the whole parameters' shapes, if sharded."""
+    """Offer this rank's parameters (its local shards) as the initial global model (the syncer takes the first
+    learner whose every rank offered). ``global_shapes``: the whole parameters' shapes, if sharded."""
     payload = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
-    prefix = DilocoKeys.init(learner, position)
+    prefix = DilocoKeys.init(learner, rank)
     nbytes = put_blob(store, prefix, bytes_view(payload))
     shapes = [list(t.shape) for t in tensors]
     store.set(DilocoKeys.meta(prefix), json.dumps({
@@ -38,9 +38,9 @@ def offer_parameters(store, learner: int, position: int, names: list[str], tenso
         "global_shapes": global_shapes or shapes}))
 
 
-def read_offer(store, learner: int, positions: int) -> tuple[list[dict], list[torch.Tensor]] | None:
-    """Every position's offer of ``learner`` (metadata, flat float32 payload), or None while one is missing."""
-    keys = [DilocoKeys.meta(DilocoKeys.init(learner, p)) for p in range(positions)]
+def read_offer(store, learner: int, ranks: int) -> tuple[list[dict], list[torch.Tensor]] | None:
+    """Every rank's offer of ``learner`` (metadata, flat float32 payload), or None while one is missing."""
+    keys = [DilocoKeys.meta(DilocoKeys.init(learner, p)) for p in range(ranks)]
     if not all(store.check([k]) for k in keys):
         return None
     metas = [json.loads(store.get(k)) for k in keys]
@@ -51,7 +51,7 @@ def read_offer(store, learner: int, positions: int) -> tuple[list[dict], list[to
 
 @dataclass
 class DeltaMessage:
-    """One position's delta of one fragment, as the syncer reads it."""
+    """One rank's delta of one fragment, as the syncer reads it."""
 
     fragment: int
     step: int
@@ -60,28 +60,28 @@ class DeltaMessage:
     data: torch.Tensor  # float32, flat
 
 
-def announce_sender(store, learner: int, position: int, incarnation: int) -> None:
-    store.set(DilocoKeys.hello(learner, position), str(incarnation))
+def announce_sender(store, learner: int, rank: int, incarnation: int) -> None:
+    store.set(DilocoKeys.hello(learner, rank), str(incarnation))
 
 
-def read_sender(store, learner: int, position: int) -> int | None:
-    """The incarnation sending from ``(learner, position)``, or None before its first hello."""
-    key = DilocoKeys.hello(learner, position)
+def read_sender(store, learner: int, rank: int) -> int | None:
+    """The incarnation sending from ``(learner, rank)``, or None before its first hello."""
+    key = DilocoKeys.hello(learner, rank)
     return int(store.get(key)) if store.check([key]) else None
 
 
-def write_delta(store, learner: int, incarnation: int, position: int, number: int, *, fragment: int, step: int,
+def write_delta(store, learner: int, incarnation: int, rank: int, number: int, *, fragment: int, step: int,
                 tokens: int, base: Version, data: torch.Tensor) -> None:
-    prefix = DilocoKeys.delta(learner, incarnation, position, number)
+    prefix = DilocoKeys.delta(learner, incarnation, rank, number)
     nbytes = put_blob(store, prefix, bytes_view(data))
     store.set(DilocoKeys.meta(prefix), json.dumps({
         "fragment": fragment, "step": step, "tokens": tokens, "base": list(base), "bytes": nbytes,
         "sent_at": time.time()}))
 
 
-def take_delta(store, learner: int, incarnation: int, position: int, number: int) -> DeltaMessage | None:
+def take_delta(store, learner: int, incarnation: int, rank: int, number: int) -> DeltaMessage | None:
     """Read and delete the ``number``-th delta of this sender; None while it is not complete."""
-    prefix = DilocoKeys.delta(learner, incarnation, position, number)
+    prefix = DilocoKeys.delta(learner, incarnation, rank, number)
     if not store.check([DilocoKeys.meta(prefix)]):
         return None
     meta = json.loads(store.get(DilocoKeys.meta(prefix)))
@@ -91,21 +91,21 @@ def take_delta(store, learner: int, incarnation: int, position: int, number: int
     return DeltaMessage(meta["fragment"], meta["step"], meta["tokens"], tuple(meta["base"]), data)
 
 
-def publish_fragment(store, fragment: int, position: int, version: int, data: torch.Tensor) -> None:
+def publish_fragment(store, fragment: int, rank: int, version: int, data: torch.Tensor) -> None:
     """Publish a global fragment's ``version`` and delete ``version - 2`` (a learner may still be reading the
     previous one)."""
-    prefix = DilocoKeys.fragment(fragment, position, version)
+    prefix = DilocoKeys.fragment(fragment, rank, version)
     nbytes = put_blob(store, prefix, bytes_view(data))
     store.set(DilocoKeys.meta(prefix), str(nbytes))
-    old = DilocoKeys.fragment(fragment, position, version - 2)
+    old = DilocoKeys.fragment(fragment, rank, version - 2)
     if version >= 2 and store.check([DilocoKeys.meta(old)]):
         delete_blob(store, old, int(store.get(DilocoKeys.meta(old))))
         store.delete_key(DilocoKeys.meta(old))
 
 
-def read_fragment(store, fragment: int, position: int, version: int) -> torch.Tensor | None:
+def read_fragment(store, fragment: int, rank: int, version: int) -> torch.Tensor | None:
     """A published global fragment, or None when it was already replaced by a newer one."""
-    prefix = DilocoKeys.fragment(fragment, position, version)
+    prefix = DilocoKeys.fragment(fragment, rank, version)
     if not store.check([DilocoKeys.meta(prefix)]):
         return None
     nbytes = int(store.get(DilocoKeys.meta(prefix)))

@@ -196,20 +196,20 @@ class DilocoKeys:
         return f"diloco/claim/{learner}/{incarnation}/{count}"  # coordinator: rank 0's claim, for the other ranks
 
     @staticmethod
-    def hello(learner: int, position: int) -> str:
-        return f"hello/{learner}/{position}"  # syncer: the incarnation sending from this position
+    def hello(learner: int, rank: int) -> str:
+        return f"hello/{learner}/{rank}"  # syncer: the incarnation sending from this rank
 
     @staticmethod
-    def init(learner: int, position: int) -> str:
-        return f"init/{learner}/{position}"
+    def init(learner: int, rank: int) -> str:
+        return f"init/{learner}/{rank}"
 
     @staticmethod
-    def delta(learner: int, incarnation: int, position: int, number: int) -> str:
-        return f"delta/{learner}/{incarnation}/{position}/{number}"
+    def delta(learner: int, incarnation: int, rank: int, number: int) -> str:
+        return f"delta/{learner}/{incarnation}/{rank}/{number}"
 
     @staticmethod
-    def fragment(fragment: int, position: int, version: int) -> str:
-        return f"global/{fragment}/{position}/{version}"
+    def fragment(fragment: int, rank: int, version: int) -> str:
+        return f"global/{fragment}/{rank}/{version}"
 
     @staticmethod
     def meta(prefix: str) -> str:

@@ -3,7 +3,7 @@
 * :class:`SyncerLink`: a thread's connection to the current syncer, found through the coordinator's store and
   re-established when a restarted syncer publishes a new generation;
 * :class:`DeltaSender`: the send thread; a fragment's deltas queue up as one while the syncer is unreachable;
-* :class:`GlobalPuller`: the pull thread, fetching every newer global fragment of its position.
+* :class:`GlobalPuller`: the pull thread, fetching every newer global fragment of its rank.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class DeltaSender:
     """The send thread: deltas leave the training thread as CPU copies and reach the syncer in pieces. While the
     syncer is unreachable, deltas of a fragment queue up as one (summed), so the queue holds at most F entries."""
 
-    def __init__(self, coordinator_address: str, *, learner: int, incarnation: int, position: int):
-        self.learner, self.incarnation, self.position = learner, incarnation, position
+    def __init__(self, coordinator_address: str, *, learner: int, incarnation: int, rank: int):
+        self.learner, self.incarnation, self.rank = learner, incarnation, rank
         self.link = SyncerLink(coordinator_address, on_connect=self._hello)
         self.queue: dict[int, Delta] = {}
         self.sending = False
@@ -106,7 +106,7 @@ class DeltaSender:
     def _hello(self, store) -> None:
         if self.link.generation != self.numbered_for:  # a new syncer store: numbering restarts
             self.number, self.numbered_for = 0, self.link.generation
-        announce_sender(store, self.learner, self.position, self.incarnation)
+        announce_sender(store, self.learner, self.rank, self.incarnation)
 
     def submit(self, delta: Delta) -> None:
         with self.cond:
@@ -136,8 +136,8 @@ class DeltaSender:
                 with self.cond:
                     self.sent += 1
             except Exception as error:  # the syncer is down or restarting: keep the delta, try again
-                logger.warning("learner %d position %d: delta of fragment %d not sent (%s); retrying", self.learner,
-                               self.position, fragment, error)
+                logger.warning("learner %d rank %d: delta of fragment %d not sent (%s); retrying", self.learner,
+                               self.rank, fragment, error)
                 self.link.drop()
                 with self.cond:
                     newer = self.queue.pop(fragment, None)
@@ -154,7 +154,7 @@ class DeltaSender:
         store = self.link.current()
         if store is None:
             raise ConnectionError("no syncer published yet")
-        write_delta(store, self.learner, self.incarnation, self.position, self.number, fragment=delta.fragment,
+        write_delta(store, self.learner, self.incarnation, self.rank, self.number, fragment=delta.fragment,
                     step=delta.step, tokens=delta.tokens, base=delta.base, data=delta.data)
         self.number += 1
 
@@ -177,10 +177,10 @@ class DeltaSender:
 
 
 class GlobalPuller:
-    """The pull thread: fetches every newer global fragment of this position into ``ready``."""
+    """The pull thread: fetches every newer global fragment of this rank into ``ready``."""
 
-    def __init__(self, coordinator_address: str, *, position: int, fragments: int):
-        self.position = position
+    def __init__(self, coordinator_address: str, *, rank: int, fragments: int):
+        self.rank = rank
         self.link = SyncerLink(coordinator_address)
         self.fetched: list[Version] = [(-1, -1)] * fragments
         self.ready: dict[int, tuple[Version, torch.Tensor]] = {}
@@ -194,7 +194,7 @@ class GlobalPuller:
             try:
                 self._poll()
             except Exception as error:  # the syncer is down or a version was replaced while read: try again
-                logger.debug("position %d: pull failed (%s)", self.position, error)
+                logger.debug("rank %d: pull failed (%s)", self.rank, error)
                 self.link.drop()
                 self._stop.wait(RETRY_S)
 
@@ -206,7 +206,7 @@ class GlobalPuller:
         for fragment, version in enumerate(versions):
             if (generation, version) <= self.fetched[fragment]:
                 continue
-            data = read_fragment(store, fragment, self.position, version)
+            data = read_fragment(store, fragment, self.rank, version)
             if data is None:  # already replaced by a newer one: next poll
                 continue
             with self.lock:

@@ -5,7 +5,7 @@ A backend is one class and one registration::
 
     @register_backend("mine")
     class MyGroup(FaultTolerantGroup):
-        def __init__(self, store, *, config, epoch, members, replica, position, timeout_s, on_poll=None, tag=""):
+        def __init__(self, store, *, config, epoch, members, replica, rank, timeout_s, on_poll=None, tag=""):
             ...
 
 after which ``[recover.ftpg] backend = "mine"`` picks it. Every module of this package is imported with it, so a
@@ -35,7 +35,7 @@ class FaultDetected(RuntimeError):
 
 
 class FaultTolerantGroup(abc.ABC):
-    """Collectives over the ranks at one shard position of one epoch's member replicas, that end in
+    """Collectives over the same rank of each of one epoch's member replicas, that end in
     :class:`FaultDetected` (never a hang) when a member fails, the deadline passes or the epoch's fault flag is up.
 
     A group is never reused after a fault: the next epoch builds a new one. Its owner keeps a failed group alive
@@ -96,13 +96,13 @@ class FTPGConfig:
 
 
 def build_group(config: FTPGConfig, store: Store, *, epoch: int, members: tuple[int, ...], replica: int,
-                position: int, timeout_s: float, on_poll: Callable[[], None] | None = None,
+                rank: int, timeout_s: float, on_poll: Callable[[], None] | None = None,
                 tag: str = "") -> FaultTolerantGroup:
-    """The configured backend's group of shard position ``position`` over ``epoch``'s ``members`` (``replica``:
-    this rank's replica; ``tag``: a second group of the same epoch and position over some of them, such as a state
+    """The configured backend's group of the ranks ``rank`` of ``epoch``'s ``members`` (``replica``: this
+    rank's replica; ``tag``: a second group of the same epoch and rank over some of them, such as a state
     transfer's donor and joiners). ``on_poll`` is called while a collective waits (the rank is alive, not hung)."""
     if replica not in members:
         raise ValueError(f"replica {replica} is not a member of epoch {epoch} ({members})")
     backend = BACKENDS.get(config.backend)
-    return backend(store, config=config, epoch=epoch, members=tuple(members), replica=replica, position=position,
+    return backend(store, config=config, epoch=epoch, members=tuple(members), replica=replica, rank=rank,
                    timeout_s=timeout_s, on_poll=on_poll, tag=tag)

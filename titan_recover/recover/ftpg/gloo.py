@@ -1,4 +1,4 @@
-"""The ``gloo`` backend of the fault-tolerant group: one gloo group per (membership epoch, shard position).
+"""The ``gloo`` backend of the fault-tolerant group: one gloo group per (membership epoch, rank).
 
 gloo gives no error to ring peers of a dead rank that are not its neighbours, and ``abort()`` does not release
 a pending operation. So every collective here is issued asynchronously and polled: it completes, or it fails
@@ -25,8 +25,8 @@ from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, 
 
 @register_backend("gloo")
 class PolledGlooGroup(FaultTolerantGroup):
-    """The gloo group of one shard position over one epoch's member replicas (``tag``: a second group of the same
-    epoch and position over some of them, such as a state transfer's donor and joiners)."""
+    """The gloo group of one rank of each of one epoch's member replicas (``tag``: a second group of the same
+    epoch and rank over some of them, such as a state transfer's donor and joiners)."""
 
     def __init__(
         self,
@@ -35,20 +35,20 @@ class PolledGlooGroup(FaultTolerantGroup):
         epoch: int,
         members: tuple[int, ...],
         replica: int,
-        position: int,
+        rank: int,
         timeout_s: float,
         config: FTPGConfig | None = None,
         on_poll=None,
         tag: str = "",
     ):
         self.store, self.epoch, self.members = store, epoch, members
-        self.replica, self.position = replica, position
+        self.replica, self.rank = replica, rank
         self.timeout_s = timeout_s
         self.poll_s = (config or FTPGConfig()).poll_s
         self.on_poll = on_poll  # called at every poll: a rank waiting on its peers is alive and not hung
         self.group_rank = members.index(replica)
         self.pg = ProcessGroupGloo(
-            PrefixStore(GroupKeys.group_prefix(epoch, position, tag), store),
+            PrefixStore(GroupKeys.group_prefix(epoch, rank, tag), store),
             self.group_rank,
             len(members),
             timedelta(seconds=timeout_s),
@@ -94,7 +94,7 @@ class PolledGlooGroup(FaultTolerantGroup):
             raise
         except Exception as error:  # gloo's own error (peer reset, timeout) or our deadline
             reason = (
-                f"replica {self.replica} position {self.position}: {name} in epoch {self.epoch} failed: "
+                f"replica {self.replica} rank {self.rank}: {name} in epoch {self.epoch} failed: "
                 f"{type(error).__name__}: {str(error)[:200]}"
             )
             raise_fault_flag(self.store, self.epoch, reason)

@@ -25,15 +25,13 @@ from torch.distributed import TCPStore
 
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag, read_join_requests
+from titan_recover.recover.groups.liveness import Heartbeat, LivenessWatch, WatchedTime
 from titan_recover.recover.groups.protocol import (
     all_joined,
     decide_members,
     decode_admission,
     encode_admission,
     encode_members,
-    Heartbeat,
-    LivenessWatch,
-    WatchedTime,
     ready_to_join,
 )
 
@@ -46,7 +44,7 @@ TICK_S = 0.02
 FINISH_LINGER_S = 0.5
 MAX_LOOK_GAP_S = 0.25
 """Most time one look at the heartbeats counts (the coordinator looks every TICK_S): a longer gap means the
-coordinator or its store stalled, and the rest is not held against the members (protocol.LivenessWatch)."""
+coordinator or its store stalled, and the rest is not held against the members (liveness.LivenessWatch)."""
 
 
 def describe_beats(beats: dict[int, Heartbeat], ages: dict[int, tuple[float, float] | None], incarnation: int,

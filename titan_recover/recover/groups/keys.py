@@ -55,8 +55,8 @@ class GroupKeys:
         return f"decision/e{epoch}/s{step}"
 
     @staticmethod
-    def group_prefix(epoch: int, position: int, tag: str = "") -> str:
-        return f"ftpg/e{epoch}/p{position}" + (f"/{tag}" if tag else "")
+    def group_prefix(epoch: int, rank: int, tag: str = "") -> str:
+        return f"ftpg/e{epoch}/p{rank}" + (f"/{tag}" if tag else "")
 
     @staticmethod
     def join_request(replica: int, rank: int) -> str:

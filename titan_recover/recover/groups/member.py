@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from torch.distributed import TCPStore
 
 from titan_recover.recover.groups.keys import GroupKeys
-from titan_recover.recover.groups.protocol import decode_members, Heartbeat
+from titan_recover.recover.groups.liveness import Heartbeat
+from titan_recover.recover.groups.protocol import decode_members
 
 if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
     from titan_recover.recover.config import RecoverConfig

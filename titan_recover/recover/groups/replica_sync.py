@@ -74,12 +74,12 @@ class ReplicaSync:
         self.events.emit("joined", epoch=self.epoch, members=list(self.members))
 
     def build_group(self, members: tuple[int, ...] | None = None, tag: str = "") -> FaultTolerantGroup:
-        """A fault-tolerant group of this rank's position over ``members`` of the current epoch (default: all of
+        """A fault-tolerant group of this rank in ``members`` of the current epoch (default: all of
         them, which becomes :attr:`group`), with the backend ``[recover.ftpg]`` names. Groups are kept alive until
         the process exits: destroying a gloo group whose peer died can block on its threads (see ftpg)."""
         group = build_group(self.config.ftpg, self.member.store, epoch=self.epoch,
                             members=self.members if members is None else members, replica=self.member.replica,
-                            position=self.member.rank, timeout_s=self.config.collective_timeout_s,
+                            rank=self.member.rank, timeout_s=self.config.collective_timeout_s,
                             on_poll=self.member.progress, tag=tag)
         self._retired.append(group)
         if members is None:
@@ -114,7 +114,7 @@ class ReplicaSync:
             self.chaos.maybe_inject(step, "rebuild")
 
     def broadcast_from_lowest(self, tensors: list[torch.Tensor]) -> None:
-        """Make this position's tensors equal to the lowest member replica's (used at start), then commit as
+        """Make this rank's tensors equal to the lowest member replica's (used at start), then commit as
         step 0 so that every member agrees on the epoch the first step starts from."""
         for _ in range(self.config.step.max_epochs_per_step + 1):
             self.catch_up(step=None)
@@ -184,7 +184,7 @@ class ReplicaSync:
         if refusal.stop is not None:
             store.set(GroupKeys.STOP_UNTRUSTED, "1")
             store.set(GroupKeys.STOP, refusal.stop)
-        raise_fault_flag(store, self.epoch, f"replica {self.member.replica} position {self.member.rank}: "
+        raise_fault_flag(store, self.epoch, f"replica {self.member.replica} rank {self.member.rank}: "
                                             f"{refusal.reason}")
         return self.propose(step, "abort")
 

@@ -106,7 +106,7 @@ class SyncMode(Mode):
         self.worker = ReplicaWorker(parts, per_step=self.per_step, exact=recover.quota.exact, hooks=hooks)
         self.localizer = None
         if recover.localize.witnesses:
-            self.localizer = Localizer(recover.localize, replica=self.replica, position=self.rank,
+            self.localizer = Localizer(recover.localize, replica=self.replica, rank=self.rank,
                                        groups=recover.groups, events=self.events)
         self._all_reduce_max = chaos.collective(self._replica_all_reduce_max)
         self.recovery = STEP_MANAGERS.get(recover.step.manager)(

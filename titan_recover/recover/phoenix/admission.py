@@ -133,7 +133,7 @@ class Admission:
         return tuple(sorted(admitting))
 
     def _transfer(self, state: TrainingState, donor: int, joiners: tuple[int, ...], step: int) -> None:
-        """Stream the donor's state to the joiners at this shard position, over a group of just them."""
+        """Stream the donor's state to the joiners at this rank, over a group of just them."""
         sync = self.sync
         is_donor = sync.member.replica == donor
         group = sync.build_group(members=tuple(sorted((donor, *joiners))), tag="transfer")

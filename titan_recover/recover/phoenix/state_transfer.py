@@ -1,16 +1,16 @@
 """Streaming a replica's training state from a live peer's memory: chunked, checksummed, no disk (docs/phoenix.md).
 
-The state of one shard position is a fixed-order list of tensors (parameter shards, then every optimizer state
-tensor, sorted by name) plus small metadata (the step, the learning-rate schedule, the optimizers' scalar
-hyperparameters, the RNG states). :func:`transfer` moves it from the donor to every other participant of a
-broadcast: first a header (metadata and the shape / dtype of every tensor, which the receiver checks against its
-own before touching anything), then the tensors' bytes in chunks of at most ``chunk_bytes``, then the 64-bit
-xxHash3 checksum of every chunk (hashed by each side after the chunk went through, so donor and receivers hash at
-the same time). Large tensors travel as slices of themselves (no copy on CPU: received straight into the
-receiver's tensor), small ones packed into a staging chunk. Receivers write into their existing tensors in place,
-so references held by the optimizer and by FSDP2 stay valid; a failed check fails the transfer, the receiver's
-metadata (step, schedule, RNG) is only loaded after the last chunk verified, and a joiner whose transfer failed is
-not admitted: it asks again.
+The state of one rank (the same rank of every replica holds the same shards) is a fixed-order list of tensors
+(parameter shards, then every optimizer state tensor, sorted by name) plus small metadata (the step, the
+learning-rate schedule, the optimizers' scalar hyperparameters, the RNG states). :func:`transfer` moves it from the
+donor to every other participant of a broadcast: first a header (metadata and the shape / dtype of every tensor,
+which the receiver checks against its own before touching anything), then the tensors' bytes in chunks of at most
+``chunk_bytes``, then the 64-bit xxHash3 checksum of every chunk (hashed by each side after the chunk went through,
+so donor and receivers hash at the same time). Large tensors travel as slices of themselves (no copy on CPU:
+received straight into the receiver's tensor), small ones packed into a staging chunk. Receivers write into their
+existing tensors in place, so references held by the optimizer and by FSDP2 stay valid; a failed check fails the
+transfer, the receiver's metadata (step, schedule, RNG) is only loaded after the last chunk verified, and a joiner
+whose transfer failed is not admitted: it asks again.
 
 ``broadcast(tensor)`` is the only communication: it must make ``tensor`` (a CPU tensor) equal to the donor's, in
 place, or raise (the fault-tolerant group's ``broadcast_``). Tests pass a fake.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import xxhash
@@ -191,71 +191,118 @@ def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
     """Make every participant's state equal to the donor's (a collective: every participant calls it).
     ``broadcast_many(tensors, on_each)`` (optional): broadcast a list of tensors in order, all in flight at once,
     calling ``on_each(i)`` as each one is through (the fault-tolerant group's ``broadcast_many_``); default: one
-    ``broadcast`` after the other."""
-    if broadcast_many is None:
-        def broadcast_many(tensors: list[torch.Tensor], on_each) -> None:
-            for i, t in enumerate(tensors):
-                broadcast(t)
-                on_each(i)
+    ``broadcast`` after the other.
 
+    On the wire: the header (:func:`_exchange_header`), the chunks (:func:`_broadcast_chunks`), the donor's digests."""
     if not is_donor:
         state.ensure_optimizer_state()
     tensors = state.tensors()
     views = [bytes_view(t) for t in tensors]
     sizes = [v.numel() for v in views]
+    header = _exchange_header(state, tensors, broadcast, is_donor=is_donor, chunk_bytes=chunk_bytes,
+                              direct_bytes=direct_bytes)
+    pieces = plan_pieces(sizes, header["chunk_bytes"], header["direct_bytes"])
+    chunks = _chunk_buffers(pieces, views, is_donor=is_donor)
+    computed, donors = _broadcast_chunks(chunks, broadcast, broadcast_many or _one_after_another(broadcast))
+    if not is_donor:
+        _verify_chunks(computed, donors)
+        _scatter_chunks(chunks, pieces, views)
+        state.load_metadata(header["meta"])
+    return TransferStats(bytes=sum(sizes), chunks=len(pieces))
+
+
+def _one_after_another(broadcast: Broadcast) -> Callable[..., None]:
+    """``broadcast_many`` from a single ``broadcast``: each tensor in turn."""
+    def broadcast_many(tensors: list[torch.Tensor], on_each) -> None:
+        for i, t in enumerate(tensors):
+            broadcast(t)
+            on_each(i)
+
+    return broadcast_many
+
+
+def _exchange_header(state: TrainingState, tensors: list[torch.Tensor], broadcast: Broadcast, *, is_donor: bool,
+                     chunk_bytes: int, direct_bytes: int) -> dict[str, Any]:
+    """The donor's header (metadata, the layout of its tensors, its chunk sizes), sent by the donor and received by
+    every participant; raises :class:`StateMismatch` where this rank's tensors do not have the donor's layout."""
     header = None
     if is_donor:
         header = json.dumps({"meta": state.metadata(), "spec": tensor_spec(tensors), "chunk_bytes": chunk_bytes,
                              "direct_bytes": direct_bytes})
     received = json.loads(_send_text(header, broadcast))
-    if received["spec"] != tensor_spec(tensors):
-        mismatch = next(i for i, (a, b) in enumerate(zip(received["spec"], tensor_spec(tensors))) if a != b) \
-            if len(received["spec"]) == len(tensors) else None
-        raise StateMismatch(
-            f"donor state has {len(received['spec'])} tensors, this rank {len(tensors)}"
-            + (f"; first difference at tensor {mismatch}: donor {received['spec'][mismatch]}, "
-               f"here {tensor_spec(tensors)[mismatch]}" if mismatch is not None else "")
-            + ": the joining replica must be built from the same config as the running ones"
-        )
-    chunk_bytes, direct_bytes = received["chunk_bytes"], received["direct_bytes"]
-    pieces = plan_pieces(sizes, chunk_bytes, direct_bytes)
-    # Every chunk gets its own buffer (a large tensor's slice on CPU, no copy; a staging buffer for packed small
-    # tensors), so that all of them can be in flight at once; each side hashes a chunk as soon as it is through,
-    # while the later ones travel, and the donor's digests follow in one broadcast at the end.
-    buffers, scatters = [], []
+    _check_layout(received["spec"], tensor_spec(tensors))
+    return received
+
+
+def _check_layout(donor: list[list], here: list[list]) -> None:
+    """Raise :class:`StateMismatch`, naming the first difference, unless the two tensor specs are equal."""
+    if donor == here:
+        return
+    mismatch = next(i for i, (a, b) in enumerate(zip(donor, here)) if a != b) if len(donor) == len(here) else None
+    raise StateMismatch(
+        f"donor state has {len(donor)} tensors, this rank {len(here)}"
+        + (f"; first difference at tensor {mismatch}: donor {donor[mismatch]}, here {here[mismatch]}"
+           if mismatch is not None else "")
+        + ": the joining replica must be built from the same config as the running ones"
+    )
+
+
+def _chunk_buffers(pieces: list[tuple[bool, list[Segment]]], views: list[torch.Tensor], *,
+                   is_donor: bool) -> list[torch.Tensor]:
+    """One buffer per chunk, so that all of them can be in flight at once: a large tensor's slice on CPU (sent
+    from / received into the tensor itself, no copy), else a staging buffer, which the donor fills with the
+    chunk's segments and a receiver scatters after the check (:func:`_scatter_chunks`)."""
+    buffers = []
     for direct, segments in pieces:
-        used = sum(n for _, _, n in segments)
-        if direct and views[segments[0][0]].device.type == "cpu":
+        if _in_place(direct, segments, views):
             index, offset, n = segments[0]
-            buffers.append(views[index][offset : offset + n])  # sent from / received into the tensor itself
-            scatters.append(None)
+            buffers.append(views[index][offset : offset + n])
             continue
-        buffer = torch.empty(used, dtype=torch.uint8)
+        buffer = torch.empty(sum(n for _, _, n in segments), dtype=torch.uint8)
         if is_donor:
             at = 0
             for index, offset, n in segments:
                 buffer[at : at + n].copy_(views[index][offset : offset + n])
                 at += n
         buffers.append(buffer)
-        scatters.append(None if is_donor else segments)
-    digests = torch.zeros(len(buffers), dtype=torch.int64)
+    return buffers
+
+
+def _in_place(direct: bool, segments: list[Segment], views: list[torch.Tensor]) -> bool:
+    """The chunk travels as a slice of its tensor (a direct chunk of a CPU tensor), not through a staging buffer."""
+    return direct and views[segments[0][0]].device.type == "cpu"
+
+
+def _broadcast_chunks(chunks: list[torch.Tensor], broadcast: Broadcast,
+                      broadcast_many: Callable[..., None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Broadcast the chunks, all in flight, each side hashing a chunk as soon as it is through (while the later
+    ones travel), then the donor's digests in one broadcast. Returns (this rank's digests, the donor's)."""
+    digests = torch.zeros(len(chunks), dtype=torch.int64)
 
     def hash_chunk(i: int) -> None:  # while the later chunks are in flight
-        digests[i] = checksum(buffers[i])
+        digests[i] = checksum(chunks[i])
 
-    broadcast_many(buffers, hash_chunk)
+    broadcast_many(chunks, hash_chunk)
     computed = digests.clone()
     broadcast(digests)  # the donor's
-    if not is_donor:
-        bad = (computed != digests).nonzero().flatten().tolist()
-        if bad:
-            raise ChecksumError(f"chunk(s) {bad} of the state transfer failed their checksum")
-        with torch.no_grad():
-            for buffer, segments in zip(buffers, scatters):
-                at = 0
-                for index, offset, n in segments or ():
-                    views[index][offset : offset + n].copy_(buffer[at : at + n])
-                    at += n
-    if not is_donor:
-        state.load_metadata(received["meta"])
-    return TransferStats(bytes=sum(sizes), chunks=len(pieces))
+    return computed, digests
+
+
+def _verify_chunks(computed: torch.Tensor, donors: torch.Tensor) -> None:
+    """A receiver's check: raise :class:`ChecksumError` naming every chunk whose digest differs from the donor's."""
+    bad = (computed != donors).nonzero().flatten().tolist()
+    if bad:
+        raise ChecksumError(f"chunk(s) {bad} of the state transfer failed their checksum")
+
+
+def _scatter_chunks(chunks: list[torch.Tensor], pieces: list[tuple[bool, list[Segment]]],
+                    views: list[torch.Tensor]) -> None:
+    """A receiver copies every staging buffer's segments into its tensors (slices received in place need nothing)."""
+    with torch.no_grad():
+        for buffer, (direct, segments) in zip(chunks, pieces):
+            if _in_place(direct, segments, views):
+                continue
+            at = 0
+            for index, offset, n in segments:
+                views[index][offset : offset + n].copy_(buffer[at : at + n])
+                at += n

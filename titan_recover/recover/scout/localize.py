@@ -3,7 +3,7 @@
 The signatures travel inside the step's reduction buffer, so the vote costs no message of its own: the buffer's
 evidence section has two slots per replica group (parameters, replay), each ``(low 16 bits, high 16 bits,
 present)``; a rank fills its own replica's slots and zeros elsewhere, so the sum over the members *is* the gather.
-After the reduction every member rank at shard position ``p`` holds every member's signature of position ``p``
+After the reduction every member's rank ``p`` holds every member's signature of rank ``p``
 and decides the same votes from the same numbers (:meth:`Localizer.judge`); a rank that finds an outlier refuses
 the commit before it counts itself in the commit barrier, so no member can commit that step.
 """
@@ -40,9 +40,9 @@ class Refusal:
 
 
 class Localizer:
-    def __init__(self, config: LocalizeConfig, *, replica: int, position: int, groups: int, events):
+    def __init__(self, config: LocalizeConfig, *, replica: int, rank: int, groups: int, events):
         self.config = config
-        self.replica, self.position, self.groups = replica, position, groups
+        self.replica, self.rank, self.groups = replica, rank, groups
         self.events = events
         self.size = 2 * SLOT * groups if config.witnesses else 0
         """Floats this rank adds to the reduction buffer."""
@@ -84,18 +84,18 @@ class Localizer:
         return found
 
     def judge(self, step: int, members: Sequence[int], evidence: Sequence[float]) -> Refusal | None:
-        """The votes of this position over the reduced evidence; None if the step may commit."""
+        """The votes of this rank over the reduced evidence; None if the step may commit."""
         verdicts: list[tuple[str, Verdict]] = []
         if self.config.vote:
             signed = self._signatures(evidence, 0, members)
             if len(signed) >= 2:
-                verdicts.append(("parameters", vote(signed, f"parameter signatures at position {self.position}")))
+                verdicts.append(("parameters", vote(signed, f"parameter signatures at rank {self.rank}")))
         plan = self.plan
         if plan is not None:
             signed = self._signatures(evidence, SLOT * self.groups, [w for w in plan.witnesses if w in members])
             if len(signed) >= 2:
                 verdicts.append(("replay", vote(
-                    signed, f"replay of microbatch {plan.microbatch} at position {self.position} (holder "
+                    signed, f"replay of microbatch {plan.microbatch} at rank {self.rank} (holder "
                             f"{plan.holder}, replayed by {list(plan.replayers)})")))
         self.votes += len(verdicts)
         self.clean = all(v.clean for _, v in verdicts)
@@ -109,9 +109,9 @@ class Localizer:
                 evict |= set(verdict.outliers)
                 for replica in verdict.outliers:
                     self.events.emit("corruption_attributed", step=step, what=what, replica=replica,
-                                     rank=self.position, evidence=evidence_json, reason=verdict.reason)
+                                     rank=self.rank, evidence=evidence_json, reason=verdict.reason)
             elif verdict.decision == "inconclusive":
-                self.events.emit("vote_inconclusive", step=step, what=what, rank=self.position,
+                self.events.emit("vote_inconclusive", step=step, what=what, rank=self.rank,
                                  evidence=evidence_json, reason=verdict.reason, action=self.config.on_inconclusive)
                 if self.config.on_inconclusive == "stop":
                     stop = (f"{DISAGREEMENT} at step {step} and no strict majority says which is right "
@@ -127,6 +127,6 @@ class Localizer:
         """Committed microbatches per second per replica -> time per microbatch -> straggler changes."""
         seconds = {r: 1.0 / s for r, s in enumerate(speeds) if s > 0}
         for change in self.detector.observe(step, seconds):
-            if self.position == 0:  # one report per replica, not one per rank
+            if self.rank == 0:  # one report per replica, not one per rank
                 self.events.emit(f"straggler_{change.state}", step=step, replica=change.replica, z=change.z,
                                  seconds_per_microbatch=change.seconds_per_microbatch, median=change.median)

@@ -1,7 +1,7 @@
 """Verified durable checkpoints (docs/scout.md section 4).
 
 A checkpoint of step ``s`` holds the state after step ``s``'s optimizer step; the parameter vote of step ``s + 1``
-reads exactly that state on every member. When step ``s + 1`` commits with the vote on, every position's vote was
+reads exactly that state on every member. When step ``s + 1`` commits with the vote on, every rank's vote was
 clean (any refusal aborts the commit for every member), so rank 0 of the replica records ``s`` in
 ``<checkpoint folder>/verified_steps.json``. On load, the newest checkpoint whose step is recorded there is the one
 loaded (by :class:`titan_recover.checkpoint.RecoverCheckpointManager`); a folder with checkpoints but no record (a

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The diloco syncer: global parameters, outer optimizer, merges.")
     parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator's store")
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--positions", type=int, required=True, help="ranks per learner")
+    parser.add_argument("--positions", dest="ranks", type=int, required=True, help="ranks per learner")
     parser.add_argument("--start", type=int, default=0, help="how many times the syncer was started before")
     parser.add_argument("--host", default="127.0.0.1", help="address the learners reach this node at")
     args, rest = parser.parse_known_args(argv)
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     toml_path = rest.pop(0) if rest and not rest[0].startswith("--") else None
     config = build_config(toml_path, rest)
     torch.set_num_threads(1)
-    syncer = Syncer(config, coordinator_address=args.coordinator, run_dir=args.run_dir, positions=args.positions,
+    syncer = Syncer(config, coordinator_address=args.coordinator, run_dir=args.run_dir, ranks=args.ranks,
                     start=args.start, host=args.host, port=config.recover.diloco.syncer_port if args.start == 0 else 0)
     return syncer.run()
 

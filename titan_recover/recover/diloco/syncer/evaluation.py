@@ -10,8 +10,8 @@ class GlobalEvaluator:
     """Loss on the validation slice (``eval_microbatches`` replica microbatch ids right after the budget). Needs the
     run's whole config (model, tokenizer, data); the validator is built at the first evaluation."""
 
-    def __init__(self, config, positions: int):
-        self.config, self.positions = config, positions
+    def __init__(self, config, ranks: int):
+        self.config, self.ranks = config, ranks
         self.validator = None
 
     def loss(self, parameters: dict[str, torch.Tensor]) -> float:
@@ -20,7 +20,7 @@ class GlobalEvaluator:
             from titan_recover.config.validate import resolve_layout
             from titan_recover.evaluate import Validator
 
-            layout = resolve_layout(self.config.parallelism, self.positions)  # a learner's mesh
+            layout = resolve_layout(self.config.parallelism, self.ranks)  # a learner's mesh
             self.validator = Validator(self.config, self.config.recover.diloco.eval_microbatches,
                                        shard_degree=layout.dp_shard)
         return self.validator.loss(parameters)

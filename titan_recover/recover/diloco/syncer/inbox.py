@@ -1,7 +1,7 @@
 """The syncer's inbox: deltas read from its store as the learners' send threads write them (docs/diloco.md).
 
-Each (learner, position) announces the incarnation sending from it and numbers its deltas from 0 in every syncer
-store; a learner's delta of a fragment is delivered once every position's piece of it arrived."""
+Each (learner, rank) announces the incarnation sending from it and numbers its deltas from 0 in every syncer
+store; a learner's delta of a fragment is delivered once every rank's piece of it arrived."""
 
 from __future__ import annotations
 
@@ -18,47 +18,47 @@ HELLO_EVERY_S = 0.25
 
 @dataclass
 class Delivery:
-    """A learner's delta of one fragment, every position's piece of it."""
+    """A learner's delta of one fragment, every rank's piece of it."""
 
     learner: int
     fragment: int
     step: int
     tokens: int
     base: Version
-    deltas: list[torch.Tensor]  # per position
+    deltas: list[torch.Tensor]  # per rank
 
 
 class Inbox:
-    def __init__(self, store, *, learners: int, positions: int):
-        self.store, self.learners, self.positions = store, learners, positions
-        self.senders: dict[tuple[int, int], tuple[int, int]] = {}  # (learner, position) -> (incarnation, next no.)
+    def __init__(self, store, *, learners: int, ranks: int):
+        self.store, self.learners, self.ranks = store, learners, ranks
+        self.senders: dict[tuple[int, int], tuple[int, int]] = {}  # (learner, rank) -> (incarnation, next no.)
         self.partial: dict[tuple[int, int, int, int], dict[int, DeltaMessage]] = {}
         self._hellos_at = 0.0
 
     def _read_hellos(self) -> None:
-        """Which incarnation sends from each (learner, position): a new one numbers its deltas from 0."""
+        """Which incarnation sends from each (learner, rank): a new one numbers its deltas from 0."""
         for learner in range(self.learners):
-            for position in range(self.positions):
-                incarnation = read_sender(self.store, learner, position)
-                if incarnation is not None and self.senders.get((learner, position), (-1, 0))[0] != incarnation:
-                    self.senders[(learner, position)] = (incarnation, 0)
+            for rank in range(self.ranks):
+                incarnation = read_sender(self.store, learner, rank)
+                if incarnation is not None and self.senders.get((learner, rank), (-1, 0))[0] != incarnation:
+                    self.senders[(learner, rank)] = (incarnation, 0)
         self._hellos_at = time.monotonic()
 
     def receive(self) -> tuple[int, list[Delivery]]:
-        """Read every delta written since the last call: (pieces read, deltas complete in every position)."""
+        """Read every delta written since the last call: (pieces read, deltas complete in every rank)."""
         if time.monotonic() - self._hellos_at > HELLO_EVERY_S:
             self._read_hellos()
         received, complete = 0, []
-        for (learner, position), (incarnation, number) in list(self.senders.items()):
-            while (message := take_delta(self.store, learner, incarnation, position, number)) is not None:
+        for (learner, rank), (incarnation, number) in list(self.senders.items()):
+            while (message := take_delta(self.store, learner, incarnation, rank, number)) is not None:
                 number += 1
                 received += 1
                 key = (learner, incarnation, message.fragment, message.step)
                 pieces = self.partial.setdefault(key, {})
-                pieces[position] = message
-                if len(pieces) == self.positions:
+                pieces[rank] = message
+                if len(pieces) == self.ranks:
                     del self.partial[key]
                     complete.append(Delivery(learner, message.fragment, message.step, message.tokens, message.base,
-                                             [pieces[p].data for p in range(self.positions)]))
-            self.senders[(learner, position)] = (incarnation, number)
+                                             [pieces[p].data for p in range(self.ranks)]))
+            self.senders[(learner, rank)] = (incarnation, number)
         return received, complete

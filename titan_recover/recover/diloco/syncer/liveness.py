@@ -8,7 +8,7 @@ import math
 import time
 
 from titan_recover.recover.groups.keys import GroupKeys
-from titan_recover.recover.groups.protocol import Heartbeat, LivenessWatch
+from titan_recover.recover.groups.liveness import Heartbeat, LivenessWatch
 
 LIVENESS_EVERY_S = 0.2
 

@@ -25,7 +25,7 @@ def ema(old: float | None, new: float) -> float:
 class Round:
     """The open round of one fragment: deltas delivered since its last merge."""
 
-    deltas: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # learner -> per position
+    deltas: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # learner -> per rank
     tokens: dict[int, int] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)
     bases: dict[int, Version] = field(default_factory=dict)

@@ -36,13 +36,13 @@ FINAL_QUIET_S = 1.0
 
 class Syncer:
     """``config``: the run's config (``[recover]``, ``[recover.diloco]``, ``[training]``, ``[chaos]``,
-    ``[metrics]``, and what the validation loss needs). ``positions``: ranks per learner. ``start``: how many times
+    ``[metrics]``, and what the validation loss needs). ``ranks``: ranks per learner. ``start``: how many times
     the syncer was started before."""
 
-    def __init__(self, config, *, coordinator_address: str, run_dir: str, positions: int, start: int = 0,
+    def __init__(self, config, *, coordinator_address: str, run_dir: str, ranks: int, start: int = 0,
                  host: str = "127.0.0.1", port: int = 0):
         self.config, self.options = config, config.recover.diloco
-        self.learners, self.positions = config.recover.replicas, positions
+        self.learners, self.ranks = config.recover.replicas, ranks
         self.blocks = total_blocks(config.training.steps, self.learners)
         self.run_dir = run_dir
         self.coordinator = connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
@@ -52,17 +52,17 @@ class Syncer:
         self.who = f"syncer.{self.generation}"
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "syncer", start=start,
                                generation=self.generation)
-        self.faults = [f for f in config.chaos.schedule(self.learners, positions)
+        self.faults = [f for f in config.chaos.schedule(self.learners, ranks)
                        if f.process == "syncer" and f.incarnation == start]
-        self.model = GlobalModel(positions=positions, outer_lr=self.options.outer_lr,
+        self.model = GlobalModel(ranks=ranks, outer_lr=self.options.outer_lr,
                                  outer_momentum=self.options.outer_momentum)
         self.progress = Progress()
         self.rounds: Rounds | None = None  # once the model's fragments are known
-        self.inbox = Inbox(self.store, learners=self.learners, positions=positions)
-        self.liveness = LearnerLiveness(self.coordinator, learners=self.learners, ranks=positions,
+        self.inbox = Inbox(self.store, learners=self.learners, ranks=ranks)
+        self.liveness = LearnerLiveness(self.coordinator, learners=self.learners, ranks=ranks,
                                         heartbeat_timeout_s=config.recover.heartbeat_timeout_s)
         self.metrics = SyncerMetrics(run_dir, config.metrics, start)
-        self.evaluator = GlobalEvaluator(config, positions)
+        self.evaluator = GlobalEvaluator(config, ranks)
         self.alive: set[int] = set()
         self.done: set[int] = set()
         self.end_reason = ""
@@ -96,11 +96,11 @@ class Syncer:
             self._checkpoint()
 
     def _take_offer(self, timeout_s: float) -> None:
-        """The first learner whose every position offered its parameters gives the initial global model."""
+        """The first learner whose every rank offered its parameters gives the initial global model."""
         deadline = time.monotonic() + timeout_s
         while True:
             for learner in range(self.learners):
-                offer = read_offer(self.store, learner, self.positions)
+                offer = read_offer(self.store, learner, self.ranks)
                 if offer is not None:
                     self.model.build(*offer)
                     self.events.emit("initial_model", from_learner=learner,
@@ -133,7 +133,7 @@ class Syncer:
         self.alive, self.done = alive, done
 
     def _receive(self, now: float) -> int:
-        """Deliver every delta complete in every position to its round; the pieces read."""
+        """Deliver every delta complete in every rank to its round; the pieces read."""
         received, deliveries = self.inbox.receive()
         for delivery in deliveries:
             self.rounds.deliver(delivery, now)
@@ -163,7 +163,7 @@ class Syncer:
         """``[chaos]`` faults of the syncer fire right after their merge (``step``: merges so far)."""
         for fault in self.faults:
             if fault.step == self.progress.merges:
-                from titan_recover.recover.chaos.monkey import FAULTS
+                from titan_recover.recover.chaos.kinds import FAULTS
 
                 self.events.emit("fault_injected", kind=fault.kind, step=self.progress.merges, phase="merge",
                                  pid=os.getpid(), process="syncer")
@@ -171,7 +171,7 @@ class Syncer:
 
     # ---- evaluation --------------------------------------------------------------------------------------
     def evaluate(self, now: float) -> float | None:
-        """The global model's validation loss; None when the positions' shards do not assemble by rows."""
+        """The global model's validation loss; None when the ranks' shards do not assemble by rows."""
         parameters = self.model.parameters()
         if parameters is None:
             return None
