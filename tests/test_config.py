@@ -134,10 +134,10 @@ def test_checkpoint_restart_ranks_map_to_the_replica_group_job():
     for replica in range(replicas):
         group = world[:, replica].reshape(-1)  # the replica's ranks, in its own torchrun's rank order
         for inside, rank in enumerate(group.tolist()):
-            assert layout.replica_position(rank) == (replica, inside)
-    assert Layout(4, 4, 1, 1, 1, 1).replica_position(3) == (3, 0)  # no pipeline: replica-major
+            assert layout.replica_and_rank(rank) == (replica, inside)
+    assert Layout(4, 4, 1, 1, 1, 1).replica_and_rank(3) == (3, 0)  # no pipeline: replica-major
     with pytest.raises(ValueError, match="rank 24 is not in a world of 24"):
-        layout.replica_position(24)
+        layout.replica_and_rank(24)
 
 
 def test_batch_divisibility_spelled_out():

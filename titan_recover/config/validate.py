@@ -25,7 +25,7 @@ class Layout:
     def batch_degree(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    def replica_position(self, rank: int) -> tuple[int, int]:
+    def replica_and_rank(self, rank: int) -> tuple[int, int]:
         """``(replica, rank inside it)`` of a global rank whose replicated data-parallel dimension is the replica
         groups (checkpoint-restart mode). TorchTitan's mesh is (pp, dp_replicate, dp_shard, cp, tp), row-major:
         pipeline stages are outermost. Inside a replica group's own torchrun the mesh is the same without
@@ -35,8 +35,8 @@ class Layout:
         per_stage = self.world_size // self.pp
         inner = per_stage // self.dp_replicate  # dp_shard x cp x tp
         stage, within = divmod(rank, per_stage)
-        replica, position = divmod(within, inner)
-        return replica, stage * inner + position
+        replica, offset = divmod(within, inner)
+        return replica, stage * inner + offset
 
 
 def resolve_layout(parallelism, world_size: int) -> Layout:

@@ -207,7 +207,7 @@ class ReplicaJob:
         toml_path, overrides = self.toml_path, self.overrides
         syncer.proc = self._start(
             [sys.executable, "-m", "titan_recover.recover.diloco.syncer", "--coordinator", address, "--run-dir",
-             run_dir, "--positions", str(ranks_per_replica), "--start", str(syncer.incarnation),
+             run_dir, "--ranks", str(ranks_per_replica), "--start", str(syncer.incarnation),
              *([toml_path] if toml_path else []), *overrides],
             dict(self.base_env, OMP_NUM_THREADS="1"), "[syncer] ")
 

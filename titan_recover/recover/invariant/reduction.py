@@ -1,6 +1,6 @@
 """The one buffer a rank reduces across replicas per step: its layout, packing and reading (docs/invariant.md).
 
-Every entry is summed over the member replicas at the same shard position, so each section is either this rank's
+Every entry is summed over the member replicas at the same rank, so each section is either this rank's
 share of a sum (gradient, loss) or a vector in which every replica writes only its own entries (ledger: one count
 per microbatch id; speeds and losses: one entry per replica; evidence: see
 :class:`~titan_recover.recover.scout.localize.Localizer`); the last entry counts the members that saw a failure::
@@ -21,12 +21,12 @@ class Reduced:
 
     gradient: torch.Tensor
     loss: float
-    """Summed token loss of the committed batch at this position, divided by the global batch's tokens."""
+    """Summed token loss of the committed batch at this rank (and the same rank of every replica), divided by the global batch's tokens."""
     ledger: list[float]
     speeds: list[float]
     """Microbatches per second of each replica in this step (0: computed nothing)."""
     losses: list[float]
-    """Mean token loss of what each replica computed at this position (0: computed nothing)."""
+    """Mean token loss of what each replica computed at this rank (0: computed nothing)."""
     evidence: list[float]
     failed: bool
     """Some member saw a failure in this step (the same for every member)."""

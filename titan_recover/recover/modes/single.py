@@ -37,7 +37,7 @@ class SingleMode(Mode):
     def __init__(self, config, *, parts: TrainerParts):
         super().__init__(config, parts=parts)
         world = torch.distributed.get_world_size()
-        groups, replica, rank = self.position(torch.distributed.get_rank(), world)
+        groups, replica, rank = self.replica_and_rank(torch.distributed.get_rank(), world)
         self.events = EventLog(os.path.join(config.dump_folder, "events.jsonl"), f"{replica}/{rank}",
                                replica=replica, rank=rank)
         self.step = 0
@@ -54,7 +54,7 @@ class SingleMode(Mode):
         if self.snapshots is not None:
             parts.optimizers.register_step_pre_hook(lambda *_args, **_kwargs: self.snapshots.before_optimizer())
 
-    def position(self, rank: int, world: int) -> tuple[int, int, int]:
+    def replica_and_rank(self, rank: int, world: int) -> tuple[int, int, int]:
         """``(groups, replica, rank in the replica)`` this rank's events and faults are named by."""
         return 1, 0, rank
 
@@ -78,8 +78,8 @@ class SingleMode(Mode):
 
 @register_mode("checkpoint_restart")
 class CheckpointRestartMode(SingleMode):
-    def position(self, rank: int, world: int) -> tuple[int, int, int]:
+    def replica_and_rank(self, rank: int, world: int) -> tuple[int, int, int]:
         from titan_recover.config.validate import resolve_layout
 
-        replica, replica_rank = resolve_layout(self.config.parallelism, world).replica_position(rank)
-        return self.config.recover.replicas, replica, replica_rank
+        replica, rank_in_replica = resolve_layout(self.config.parallelism, world).replica_and_rank(rank)
+        return self.config.recover.replicas, replica, rank_in_replica

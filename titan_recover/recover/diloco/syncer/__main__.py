@@ -1,6 +1,6 @@
 """The syncer process (docs/diloco.md), started and restarted by the launcher:
 
-    python -m titan_recover.recover.diloco.syncer --coordinator HOST:PORT --run-dir DIR --positions W [--start N]
+    python -m titan_recover.recover.diloco.syncer --coordinator HOST:PORT --run-dir DIR --ranks W [--start N]
         [CONFIG.toml] [--section.key value ...]
 
 The config file and overrides are the run's own, as the launcher received them.
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The diloco syncer: global parameters, outer optimizer, merges.")
     parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator's store")
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--positions", dest="ranks", type=int, required=True, help="ranks per learner")
+    parser.add_argument("--ranks", type=int, required=True, help="ranks per learner")
     parser.add_argument("--start", type=int, default=0, help="how many times the syncer was started before")
     parser.add_argument("--host", default="127.0.0.1", help="address the learners reach this node at")
     args, rest = parser.parse_known_args(argv)
