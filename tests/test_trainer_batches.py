@@ -71,3 +71,11 @@ def test_batches_start_at_the_next_step_and_split_for_pipeline(default_data):
     assert trainer.metrics_processor.ntokens_since_last_log == 4 * 16
     following = next(batches)[1]
     assert torch.equal(following, loader.local_batch(3 * 2 + 1, 4)[1][:2])  # then step 4
+
+
+def test_every_mode_the_config_accepts_is_registered():
+    import titan_recover.recover.modes.registered  # noqa: F401
+    from titan_recover.recover.config import MODE_NAMES
+    from titan_recover.recover.modes.base import MODES
+
+    assert sorted(MODE_NAMES) == MODES.names()

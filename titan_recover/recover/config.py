@@ -29,7 +29,7 @@ TIMEOUT_ORDER = (
 )
 
 
-MODES = ("single", "sync", "diloco", "checkpoint_restart")
+MODE_NAMES = ("single", "sync", "diloco", "checkpoint_restart")
 """Registered in :mod:`titan_recover.recover.modes` under these names."""
 
 
@@ -102,8 +102,8 @@ class RecoverConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"recover.replicas must be >= 1, got {self.replicas}")
-        if self.mode not in MODES:
-            raise ValueError(f"recover.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode not in MODE_NAMES:
+            raise ValueError(f"recover.mode must be one of {', '.join(MODE_NAMES)}, got {self.mode!r}")
         if self.mode == "single" and self.replicas > 1:
             raise ValueError(f"recover.mode = \"single\" trains one replica, got recover.replicas = {self.replicas}; "
                              "set mode = \"sync\" (or \"diloco\", \"checkpoint_restart\") for replica groups")
