@@ -96,6 +96,27 @@ def test_wrong_type_names_path_and_expected_type(tmp_path):
         build_config(None, ["--training.steps"])
 
 
+def test_component_sections_name_their_registered_choices(tmp_path):
+    """[recover.ftpg], [recover.step] and [recover.quota] pick a registered component; a name that is not
+    registered fails at config time with the section's path and the registered names."""
+    config = build_config(None, ["--recover.replicas", "2", "--recover.ftpg.poll_s", "0.02"])
+    assert (config.recover.ftpg.backend, config.recover.ftpg.poll_s) == ("gloo", 0.02)
+    assert config.recover.step.manager == "recompute" and config.recover.resolved_mode == "sync"
+    cases = {
+        ("--recover.ftpg.backend", "nccl"): r"\[recover\.ftpg\] fault-tolerant group backend 'nccl' is not "
+                                             r"registered; registered: gloo",
+        ("--recover.step.manager", "restart"): r"\[recover\.step\] step recovery manager 'restart' is not "
+                                                 r"registered; registered: recompute",
+        ("--recover.quota.policy", "fastest"): r"\[recover\.quota\] quota policy 'fastest' is not registered",
+        ("--recover.step.max_epochs_per_step", "0"): r"recover\.step\.max_epochs_per_step must be >= 1",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            build_config(None, ["--recover.replicas", "2", *override])
+    with pytest.raises(ConfigError, match=r'recover\.mode = "single" trains one replica'):
+        build_config(None, ["--recover.replicas", "2", "--recover.mode", "single"])
+
+
 def test_unknown_model_flavor_suggests(tmp_path):
     path = write(tmp_path, '[model]\nname = "llama3"\nflavor = "tinny"\n')
     with pytest.raises(ConfigError, match=r"flavor = 'tinny'.*did you mean 'tiny'\?"):

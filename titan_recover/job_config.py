@@ -60,18 +60,21 @@ def _resolve_checkpoint(config) -> None:
     checkpoint._snapshot = recover.snapshot
 
 
-def _recheck_project_sections(obj) -> None:
-    """Re-run ``__post_init__`` checks of the project's sections: TOML values are set after construction."""
+def _recheck_project_sections(obj, path: str = "") -> None:
+    """Re-run ``__post_init__`` checks of the project's sections: TOML values are set after construction. An error
+    that does not name its section yet is prefixed with the section's path."""
     for name in settable_fields(obj):
         value = getattr(obj, name)
         if not dataclasses.is_dataclass(value) or isinstance(value, type):
             continue
+        where = f"{path}.{name}" if path else name
         if type(value).__module__.startswith("titan_recover") and hasattr(value, "__post_init__"):
             try:
                 value.__post_init__()
             except ValueError as e:
-                raise ConfigError(str(e)) from None
-        _recheck_project_sections(value)
+                message = str(e)
+                raise ConfigError(message if message.startswith(where) else f"[{where}] {message}") from None
+        _recheck_project_sections(value, where)
 
 
 def build_config(toml_path: str | None, cli_args: list[str] | None = None, *, device: str | None = None):
