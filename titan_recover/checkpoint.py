@@ -32,7 +32,7 @@ from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import REPLICA_ENV, RUN_DIR_ENV
 from titan_recover.recover.phoenix.snapshots import keeper_addresses, SnapshotConfig, Snapshots
 from titan_recover.recover.phoenix.state_transfer import TrainingState
-from titan_recover.recover.scout.verified import step_to_load
+from titan_recover.recover.scout.verified import only_unverified, step_to_load
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,6 @@ class RecoverCheckpointManager(CheckpointManager):
             step, reason = verified_load_step(self.folder, step)
             if reason is not None:
                 self.events.emit("checkpoint_choice", step=None if step == -1 else step, reason=reason)
-                if step == -1 and "unverified" in reason:
+                if step == -1 and only_unverified(self.folder):
                     logger.warning("%s", reason)
         return super()._load(step)

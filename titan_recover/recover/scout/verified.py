@@ -52,6 +52,14 @@ def complete_checkpoints(folder: str) -> list[int]:
     return sorted(steps)
 
 
+def only_unverified(folder: str) -> bool:
+    """Checkpoints and a verification record exist, but no checkpoint is verified: recovery falls back to the
+    newest, unverified one (worth a warning)."""
+    available = complete_checkpoints(folder)
+    return (bool(available) and os.path.exists(os.path.join(folder, LEDGER))
+            and not any(s in available for s in read_verified(folder)))
+
+
 def step_to_load(folder: str) -> tuple[int | None, str]:
     """The checkpoint step recovery should load (None: TorchTitan's own choice) and why."""
     available = complete_checkpoints(folder)
@@ -60,6 +68,6 @@ def step_to_load(folder: str) -> tuple[int | None, str]:
         newer = [s for s in available if s > verified[-1]]
         return verified[-1], (f"newest verified checkpoint, step {verified[-1]}"
                               + (f" (unverified newer: {newer})" if newer else ""))
-    if available and os.path.exists(os.path.join(folder, LEDGER)):
+    if only_unverified(folder):
         return None, f"no verified checkpoint among {available}: loading the newest, unverified"
     return None, "no verification record: TorchTitan's newest checkpoint"
