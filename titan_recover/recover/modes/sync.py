@@ -182,6 +182,7 @@ class SyncMode(Mode):
                            "TorchTitan's batch iterator is never read")
 
     def train_step(self, step: int, titan_step) -> StepReport:
+        self.step = step  # the step being trained (a stop during the admission below returns to step - 1)
         # a replica admitted after the previous commit receives the state now (a joiner: its whole state, which
         # moves the trainer's step to the donors')
         self.admission.admit_pending(step, self.state)
