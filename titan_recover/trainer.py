@@ -70,7 +70,7 @@ class RecoverTrainer(Trainer):
         stop = self.mode.train(super().train)
         if stop is None:
             return
-        self.step = stop.step
+        self.step, self.ntokens_seen = stop.step, stop.ntokens_seen
         if stop.save:
             self.checkpointer.save(curr_step=stop.step, last_step=True)
         self.mode.stopped(stop, checkpoint_saved=stop.save)

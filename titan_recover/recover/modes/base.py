@@ -84,9 +84,11 @@ class StepReport:
 @dataclass(frozen=True)
 class Stop:
     """The job ends before its last step (too few replicas left): the trainer returns to ``step``, the last one
-    committed, saves a durable checkpoint if ``save`` and exits with ``exit_code``."""
+    committed, and ``ntokens_seen`` after it, saves a durable checkpoint if ``save`` and exits with
+    ``exit_code``."""
 
     step: int
+    ntokens_seen: int
     reason: str
     save: bool
     exit_code: int

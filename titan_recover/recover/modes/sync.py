@@ -80,6 +80,8 @@ class SyncMode(Mode):
         self.replica, address, self.run_dir = replica_environment(config)
         self.rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.step = 0
+        self.committed_tokens = 0
+        """Tokens of the global batches committed before the step being trained."""
         incarnation = incarnation_from_env()
         self.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), f"{self.replica}/{self.rank}",
                                replica=self.replica, rank=self.rank)
@@ -183,6 +185,7 @@ class SyncMode(Mode):
 
     def train_step(self, step: int, titan_step) -> StepReport:
         self.step = step  # the step being trained (a stop during the admission below returns to step - 1)
+        self.committed_tokens = self.parts.train_state.state_dict()["ntokens_seen"]
         # a replica admitted after the previous commit receives the state now (a joiner: its whole state, which
         # moves the trainer's step to the donors')
         self.admission.admit_pending(step, self.state)
@@ -291,8 +294,8 @@ class SyncMode(Mode):
         except TooFewReplicas as stop:
             # the current step was not committed: the parameters are those of the step before; replicas that
             # disagree without a majority leave no state anyone can trust, so none is saved
-            return Stop(step=self.step - 1, reason=str(stop), exit_code=EXIT_TOO_FEW,
-                        save=self.config.checkpoint.enable and not stop.untrusted)
+            return Stop(step=self.step - 1, ntokens_seen=self.committed_tokens, reason=str(stop),
+                        save=self.config.checkpoint.enable and not stop.untrusted, exit_code=EXIT_TOO_FEW)
         return None
 
     def _finished(self) -> None:
