@@ -31,6 +31,20 @@ from titan_recover.recover.chaos.config import ChaosConfig  # noqa: E402
 from titan_recover.recover.modes.base import build_mode, TrainerParts  # noqa: E402
 
 
+class _TrainState:
+    """The trainer's step and tokens seen through TorchTitan's ``Stateful`` protocol only (what its checkpointer
+    saves as ``train_state``): how state transfer reads and restores them, with no other way into the trainer."""
+
+    def __init__(self, trainer: Trainer):
+        self._trainer = trainer
+
+    def state_dict(self) -> dict:
+        return self._trainer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._trainer.load_state_dict(state_dict)
+
+
 class RecoverTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -51,7 +65,7 @@ class RecoverTrainer(Trainer):
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             pp_microbatches=self.num_pipeline_parallel_microbatches,
             pp_has_last_stage=self.pp_has_last_stage if self.parallel_dims.pp_enabled else True,
-            forward_backward=functools.partial(Trainer.forward_backward_step, self), train_state=self,
+            forward_backward=functools.partial(Trainer.forward_backward_step, self), train_state=_TrainState(self),
         )
 
     def should_continue_training(self) -> bool:

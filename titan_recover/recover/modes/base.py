@@ -45,8 +45,9 @@ class TrainerParts:
 
     ``forward_backward`` is TorchTitan's own forward and backward of one microbatch
     (``Trainer.forward_backward_step``, keyword arguments ``input_dict``, ``labels``, ``global_valid_tokens``), not
-    the trainer's override; ``train_state`` is the trainer as TorchTitan's checkpointer sees it (``state_dict`` /
-    ``load_state_dict`` of step and tokens seen): state transfer and snapshots carry it as the checkpointer does.
+    the trainer's override; ``train_state`` is the trainer's step and tokens seen through TorchTitan's ``Stateful``
+    protocol only (``state_dict`` / ``load_state_dict``, what its checkpointer saves as ``train_state``): state
+    transfer carries it as the checkpointer does.
     """
 
     config: Any
