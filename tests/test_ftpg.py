@@ -184,10 +184,14 @@ def test_survivors_are_released_quickly(mode):
     for p in procs:
         p.start()
     try:
+        # the fault comes after a healthy round of all four: the wait for the release below starts only then, so
+        # that it does not include starting four processes that import torch (tens of seconds on a loaded host)
+        deadline = time.monotonic() + 180
+        while int(store.add("round1", 0)) < len(members):
+            assert time.monotonic() < deadline, "the members did not finish their healthy round within 180 s"
+            time.sleep(0.01)
         if mode == "hang":
             # nobody gets a gloo error from a stopped peer: the coordinator's verdict raises the flag
-            while int(store.add("round1", 0)) < len(members):
-                time.sleep(0.01)
             time.sleep(0.5)
             store.compare_set("fault/e0", "", f"{time.time()}|replica {victim}: no heartbeat")
         got = [results.get(timeout=15) for _ in range(len(members) - 1)]
