@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import textwrap
 
 import pytest
 import tomli
+import torch  # imported before the launcher fixture forbids processes (its first import may run ldconfig)
 
 from titan_recover.config.apply import ConfigError
 from titan_recover.job_config import build_config
@@ -274,3 +276,57 @@ def test_all_shipped_configs_resolve():
     for toml in sorted((ROOT / "train_configs").glob("*.toml")):
         config = build_config(str(toml))
         assert config.model_spec.name == "llama3", toml
+
+
+def test_each_replica_group_gets_its_own_gpus():
+    from titan_recover.recover.placement import group_devices, visible_devices
+
+    assert visible_devices(lambda: 3, environ={}) == ["0", "1", "2"]
+    assert visible_devices(lambda: 8, environ={"CUDA_VISIBLE_DEVICES": "4,5, 7"}) == ["4", "5", "7"]
+    visible = [str(i) for i in range(8)]
+    assert group_devices(4, 2, visible) == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
+    with pytest.raises(ValueError, match=r"3 replica groups \(recover.replicas 2 \+ recover.spares 1\) x 4 "
+                                         r"processes need 12 GPUs, this node has 8: .*recover.share_devices"):
+        group_devices(3, 4, visible, spares=1)
+    # shared (tests): consecutive devices, wrapping around, still distinct inside each group
+    assert group_devices(3, 2, ["0", "1", "2"], share=True) == [["0", "1"], ["2", "0"], ["1", "2"]]
+    with pytest.raises(ValueError, match=r"a replica group of 4 processes needs 4 GPUs, this node has 2"):
+        group_devices(1, 4, ["0", "1"], share=True)
+
+
+def test_the_launcher_splits_the_gpus_between_replica_groups(launcher, monkeypatch):
+    """On a (mocked) node with 4 GPUs: 3 groups and a spare of 1 process get a GPU each; 3 groups of 2 processes
+    are refused before any process starts, with the arithmetic, unless sharing is allowed."""
+    from titan_recover import platform
+
+    monkeypatch.setattr(platform, "active_device", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    code, out, err = launcher("train_configs/rejoin.toml", "--dry-run")
+    assert code == 0, err
+    assert "GPUs per group: 0: 0; 1: 1; 2: 2; 3: 3" in out
+    code, _, err = launcher("train_configs/replicas.toml", "--recover.replicas", "3", "--dry-run")
+    assert code == 2 and "3 replica groups x 2 processes need 6 GPUs, this node has 4" in err, err
+    code, out, err = launcher("train_configs/replicas.toml", "--recover.replicas", "3", "--recover.share_devices",
+                              "--dry-run")
+    assert code == 0 and "GPUs per group: 0: 0,1; 1: 2,3; 2: 0,1" in out, err
+
+
+def test_a_replica_group_is_started_on_its_own_gpus(tmp_path):
+    from titan_recover.recover.launcher import ReplicaJob, ReplicaSlot
+
+    config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path)])
+    started = []
+
+    class Recording(ReplicaJob):
+        def _start(self, cmd, env, prefix):
+            started.append((prefix, env))
+
+    job = Recording(config, None, [], 2, 0, devices=[["0", "1"], ["2", "3"]])
+    job.start_replica(ReplicaSlot(1, 0))
+    job.start_replica(ReplicaSlot(0, 0))
+    assert [(prefix, env["CUDA_VISIBLE_DEVICES"]) for prefix, env in started] == [
+        ("[replica 1] ", "2,3"), ("[replica 0] ", "0,1")]
+    cpu = Recording(config, None, [], 2, 0)
+    cpu.start_replica(ReplicaSlot(0, 0))
+    assert started[-1][1].get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")  # no split on CPU

@@ -103,6 +103,22 @@ def check_replica_layout(config, layout, nnodes: int) -> None:
         )
 
 
+def group_placement(config, nproc: int, device: str) -> list[list[str]] | None:
+    """The GPUs of each replica group on this node (None on CPU); refuses too few GPUs before any process starts."""
+    if device != "cuda":
+        return None
+    import torch
+
+    from titan_recover.recover.placement import group_devices, visible_devices
+
+    recover = config.recover
+    try:
+        return group_devices(recover.groups, nproc, visible_devices(torch.cuda.device_count),
+                             share=recover.share_devices, spares=recover.spares)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def checkpoint_restart_job(config, toml_path: str | None, overrides: list[str]):
     """``[recover] mode = "checkpoint_restart"``: the same job as the replica groups, as the baseline runs it: one
     torchrun whose replicated data-parallel dimension is the replica groups (same global batch, same microbatch
@@ -183,6 +199,7 @@ def check_job(config, options: dict):
     check_batch(config.training, config.parallelism, layout)
     if config.recover.enabled:
         check_replica_layout(config, layout, nnodes)
+        group_placement(config, nproc, device)
     if nnodes > 1 and "--rdzv-endpoint" not in options:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
     return nproc, nnodes, layout
@@ -191,17 +208,22 @@ def check_job(config, options: dict):
 def replica_job(config, options: dict, toml_path: str | None, overrides: list[str], nproc: int,
                 metrics_rank: int) -> int:
     """Replica groups (sync or diloco): the coordinator and one torchrun per group (recover/launcher.py)."""
+    from titan_recover.platform import active_device
+
     recover = config.recover
+    devices = group_placement(config, nproc, active_device())
     if options.get("--dry-run"):
         spares = f" + {recover.spares} spare(s)" if recover.spares else ""
         if recover.diloco_mode:
             print(f"coordinator + syncer + {recover.replicas} learners x {nproc} processes")
         else:
             print(f"coordinator + {recover.replicas} replica groups{spares} x {nproc} processes")
+        if devices is not None:
+            print("GPUs per group: " + "; ".join(f"{g}: {','.join(d)}" for g, d in enumerate(devices)))
         return 0
     from titan_recover.recover.launcher import launch_replicas
 
-    return launch_replicas(config, toml_path, overrides, nproc, metrics_rank)
+    return launch_replicas(config, toml_path, overrides, nproc, metrics_rank, devices=devices)
 
 
 def torchrun_command(config, options: dict, toml_path: str | None, overrides: list[str], nproc: int, nnodes: int,

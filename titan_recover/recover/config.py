@@ -65,6 +65,11 @@ class RecoverConfig:
     admitted at the next commit (torchft's quorum join timeout plays this part). 0: never wait; a restarted group
     is admitted at the first commit after it is ready."""
 
+    share_devices: bool = False
+    """On a GPU node every replica group gets its own GPUs (group ``i`` of ``W`` ranks: visible devices
+    ``i W ... (i + 1) W - 1``), and a node with fewer GPUs than groups x ranks is refused. ``true`` lets groups
+    share GPUs instead (tests on a machine with fewer GPUs; every group's memory then lands on the same devices)."""
+
     coordinator_port: int = 0
     """TCP port of the coordinator's store; 0 picks a free one (single node). Fix it for multi-node jobs."""
 

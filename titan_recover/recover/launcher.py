@@ -27,6 +27,7 @@ from titan_recover.recover.groups.member import (
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
 from titan_recover.recover.groups.keys import GroupKeys, read_dropped
+from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.servers import wait_for_port
 
 GRACE_S = 10.0
@@ -112,8 +113,10 @@ class ReplicaJob:
     and restarts, and the cleanup that leaves no process of the run behind."""
 
     def __init__(self, config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
-                 metrics_rank: int):
+                 metrics_rank: int, devices: list[list[str]] | None = None):
+        """``devices``: the GPUs of each replica group (``recover/placement.py``); None: no split (CPU)."""
         self.recover = config.recover
+        self.devices = devices
         self.toml_path, self.overrides = toml_path, overrides
         self.ranks, self.metrics_rank = ranks_per_replica, metrics_rank
         self.run_dir = os.path.abspath(config.dump_folder)
@@ -187,6 +190,8 @@ class ReplicaJob:
         toml_path, overrides = self.toml_path, self.overrides
         env = dict(self.base_env, **{REPLICA_ENV: str(slot.index), INCARNATION_ENV: str(slot.incarnation),
                                      COORDINATOR_ENV: self.address, "LOG_RANK": str(metrics_rank)})
+        if self.devices is not None:  # the group's own GPUs: its local rank r is the r-th of them
+            env[VISIBLE_ENV] = ",".join(self.devices[slot.index])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0",
                f"--nproc-per-node={ranks_per_replica}", f"--local-ranks-filter={metrics_rank}",
                "-m", "titan_recover.train", *([toml_path] if toml_path else []), *overrides]
@@ -322,9 +327,9 @@ class ReplicaJob:
 
 
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
-                    metrics_rank: int) -> int:
+                    metrics_rank: int, devices: list[list[str]] | None = None) -> int:
     """Run the replica-group job to its end; returns the launcher's exit code (:meth:`ReplicaJob.result`)."""
-    job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank)
+    job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank, devices=devices)
     job.start_coordinator()
     previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

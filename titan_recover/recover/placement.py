@@ -1,0 +1,46 @@
+"""Which GPUs of this node each replica group gets (docs/replica_groups.md "Device placement"; pure).
+
+TorchTitan places a rank on ``cuda:LOCAL_RANK``, and every replica group is a torchrun of its own whose local ranks
+start at 0: without a split, every group would land on the first GPUs of the node. The launcher gives group ``i``
+of ``W`` ranks the visible devices ``i W ... (i + 1) W - 1`` through ``CUDA_VISIBLE_DEVICES``, so its local rank
+``r`` is its own device. A node with fewer GPUs than groups x ranks is refused before any process starts, unless
+``[recover] share_devices`` lets groups share them (tests on a machine with one GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+
+
+def visible_devices(count: Callable[[], int], environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The devices this node's processes may use: ``CUDA_VISIBLE_DEVICES`` if set (ids or UUIDs, in its order),
+    else ``0 ... count() - 1``."""
+    listed = environ.get(VISIBLE_ENV)
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    return [str(i) for i in range(count())]
+
+
+def group_devices(groups: int, ranks: int, visible: list[str], *, share: bool = False,
+                  spares: int = 0) -> list[list[str]]:
+    """The devices of each replica group (``groups`` includes ``spares``), ``ranks`` each, in local-rank order.
+
+    Raises ``ValueError`` spelling out the arithmetic when the node has too few devices: fewer than one group needs
+    (always), or fewer than all groups need (unless ``share``; groups then take ``ranks`` consecutive devices
+    each, wrapping around, so a group's own devices are still distinct)."""
+    available = len(visible)
+    if ranks > available:
+        raise ValueError(f"a replica group of {ranks} processes needs {ranks} GPUs, this node has {available} "
+                         f"({VISIBLE_ENV}={','.join(visible) or '(none)'})")
+    needed = groups * ranks
+    if needed > available and not share:
+        spare_note = f" (recover.replicas {groups - spares} + recover.spares {spares})" if spares else ""
+        raise ValueError(
+            f"{groups} replica groups{spare_note} x {ranks} processes need {needed} GPUs, this node has "
+            f"{available}: lower recover.replicas / recover.spares or the parallel degrees of a group, use more "
+            "nodes (docs/replica_groups.md), or set recover.share_devices = true to let the groups share GPUs (for "
+            "tests: every group's memory then lands on the same devices)")
+    return [[visible[(g * ranks + r) % available] for r in range(ranks)] for g in range(groups)]
