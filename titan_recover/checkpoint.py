@@ -56,12 +56,6 @@ def verified_load_step(folder: str, requested: int) -> tuple[int, str | None]:
     return (-1 if chosen is None else chosen), reason
 
 
-def stateful_training_state(model_parts, optimizers, lr_schedulers, train_state) -> TrainingState:
-    """The :class:`TrainingState` of what TorchTitan gave its checkpoint manager; ``train_state`` is TorchTitan's
-    ``Stateful`` trainer state (step and tokens seen)."""
-    return TrainingState(model_parts, list(optimizers), lr_schedulers, train_state=train_state)
-
-
 class RecoverCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
@@ -76,8 +70,8 @@ class RecoverCheckpointManager(CheckpointManager):
 
     snapshots: Snapshots | None = None
     """This rank's in-memory snapshots with ``[recover.snapshot] interval > 0``: restored by :meth:`load`; the
-    trainer calls ``take(step)`` after a step, ``before_optimizer()`` before every optimizer step, ``wait()`` at
-    the end."""
+    ``single`` mode calls ``take(step)`` after a step, ``before_optimizer()`` before every optimizer step, ``wait()``
+    at the end."""
 
     def __init__(self, config: Config, *, model_parts, optimizers, lr_schedulers, states: dict[str, Any],
                  base_folder: str = "", **kwargs):
@@ -95,7 +89,7 @@ class RecoverCheckpointManager(CheckpointManager):
             raise ValueError(f"snapshots need the trainer's state: build the checkpoint manager with "
                              f"states={{{TRAIN_STATE!r}: trainer}}, as TorchTitan's trainer does")
         rank, world = rank_and_world()
-        state = stateful_training_state(model_parts, optimizers, lr_schedulers, self._train_state)
+        state = TrainingState(model_parts, list(optimizers), lr_schedulers, train_state=self._train_state)
         return Snapshots(state, keepers=keeper_addresses(config), rank=rank, ranks=world,
                          local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)), events=self.events)
 

@@ -50,7 +50,8 @@ class DilocoMode(Mode):
 
     def train_step(self, step: int, titan_step) -> None:
         self.step = step
-        self.parts.metrics_processor.add_step_metrics(self.learner.metrics())
+        if self.parts.metrics_processor.should_log(step):
+            self.parts.metrics_processor.add_step_metrics(self.learner.metrics())
         titan_step()
         self.learner.after_inner_step(step)
 

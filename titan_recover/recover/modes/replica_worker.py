@@ -50,7 +50,8 @@ class ReplicaWorker:
         self.local_batch = config.training.local_batch_size
         self.tokens_per_microbatch = self.shard_degree * self.local_batch * config.training.seq_len
         """Tokens of one replica microbatch (all its shards)."""
-        self.global_tokens = torch.tensor(per_step * self.tokens_per_microbatch, device=parts.device)
+        self.global_token_count = per_step * self.tokens_per_microbatch
+        self.global_tokens = torch.tensor(self.global_token_count, device=parts.device)
         self.params = [p for m in parts.model_parts for p in m.parameters() if p.requires_grad]
         self.numel = sum(local_tensor(p).numel() for p in self.params)
         self.hooks = hooks
@@ -139,9 +140,10 @@ class ReplicaWorker:
                 (local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))).reshape(-1)
                 for p in self.params
             ])
+        loss = self._loss.detach().cpu()  # the one wait for the device here: the reduction is of host memory
         local_tokens = self._computed * self.local_batch * self.parts.config.training.seq_len
-        mean_loss = float(self._loss) * float(self.global_tokens) / local_tokens if local_tokens else 0.0
-        return gradient, self._loss, mean_loss
+        mean_loss = float(loss) * self.global_token_count / local_tokens if local_tokens else 0.0
+        return gradient, loss, mean_loss
 
     def write_gradient(self, summed: torch.Tensor, scale: float) -> None:
         """The committed gradient into the parameters' ``.grad`` (``scale``: 1 unless ``drop`` lost

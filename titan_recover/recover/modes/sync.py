@@ -225,14 +225,15 @@ class SyncMode(Mode):
         (over what each replica computed, then over the replica's ranks, as TorchTitan's ``global_max_loss`` over
         data-parallel ranks) and the global tokens seen; plus this mode's ``recover/*`` metrics."""
         parts, reduced = self.parts, outcome.reduced
-        scale = self.per_step / outcome.committed
-        loss = torch.tensor(reduced.loss * scale, dtype=torch.float32, device=parts.device)
-        max_loss = torch.tensor(max(reduced.losses), dtype=torch.float32, device=parts.device)
-        if parts.parallel_dims.dp_cp_enabled:
+        # float32, as TorchTitan logs it; the values are on the host already (the reduced buffer)
+        loss = torch.tensor(reduced.loss * self.per_step / outcome.committed, dtype=torch.float32)
+        max_loss = torch.tensor(max(reduced.losses), dtype=torch.float32)
+        if parts.parallel_dims.dp_cp_enabled:  # this rank's share: sum and max over the replica's ranks
             loss_mesh = parts.parallel_dims.get_optional_mesh("loss")
-            avg, top = dist_utils.dist_sum(loss, loss_mesh), dist_utils.dist_max(max_loss, loss_mesh)
+            avg = dist_utils.dist_sum(loss.to(parts.device), loss_mesh)
+            top = dist_utils.dist_max(max_loss.to(parts.device), loss_mesh)
         else:
-            avg, top = float(loss.item()), float(max_loss.item())
+            avg, top = float(loss), float(max_loss)
         if not math.isfinite(avg):
             raise RuntimeError(f"Loss is not finite (global_avg_loss={avg}) at step {step}. Stopping training.")
         parts.metrics_processor.log(step, avg, top, float(grad_norm.item()),

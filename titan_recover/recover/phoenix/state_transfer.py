@@ -93,8 +93,8 @@ class TrainingState:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
         train_state = self.train_state.state_dict()
-        return {"step": train_state["step"], "train_state": train_state, "schedulers": self.schedulers.state_dict(),
-                "param_groups": groups, "rng": rng, "extra": {name: s.state_dict() for name, s in self.extra.items()}}
+        return {"train_state": train_state, "schedulers": self.schedulers.state_dict(), "param_groups": groups,
+                "rng": rng, "extra": {name: s.state_dict() for name, s in self.extra.items()}}
 
     def load_metadata(self, meta: dict[str, Any]) -> None:
         self.train_state.load_state_dict(meta["train_state"])
