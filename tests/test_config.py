@@ -102,11 +102,12 @@ def test_component_sections_name_their_registered_choices(tmp_path):
     """[recover.ftpg], [recover.step] and [recover.quota] pick a registered component; a name that is not
     registered fails at config time with the section's path and the registered names."""
     config = build_config(None, ["--recover.replicas", "2", "--recover.ftpg.poll_s", "0.02"])
-    assert (config.recover.ftpg.backend, config.recover.ftpg.poll_s) == ("gloo", 0.02)
+    assert (config.recover.ftpg.backend, config.recover.ftpg.poll_s) == ("auto", 0.02)
     assert config.recover.step.manager == "recompute" and config.recover.resolved_mode == "sync"
     cases = {
-        ("--recover.ftpg.backend", "nccl"): r"\[recover\.ftpg\] fault-tolerant group backend 'nccl' is not "
-                                             r"registered; registered: gloo",
+        ("--recover.ftpg.backend", "mpi"): r"\[recover\.ftpg\] fault-tolerant group backend 'mpi' is not "
+                                            r"registered; registered: gloo, (in_memory, )?nccl",
+        ("--recover.ftpg.chunk_mb", "0"): r"recover\.ftpg\.chunk_mb must be > 0",
         ("--recover.step.manager", "restart"): r"\[recover\.step\] step recovery manager 'restart' is not "
                                                  r"registered; registered: recompute",
         ("--recover.quota.policy", "fastest"): r"\[recover\.quota\] quota policy 'fastest' is not registered",
@@ -310,6 +311,11 @@ def test_the_launcher_splits_the_gpus_between_replica_groups(launcher, monkeypat
     code, out, err = launcher("train_configs/replicas.toml", "--recover.replicas", "3", "--recover.share_devices",
                               "--dry-run")
     assert code == 0 and "GPUs per group: 0: 0,1; 1: 2,3; 2: 0,1" in out, err
+
+
+def test_the_nccl_backend_on_a_cpu_job_is_refused_before_launch(launcher):
+    code, _, err = launcher("train_configs/replicas.toml", "--recover.ftpg.backend", "nccl", "--dry-run")
+    assert code == 2 and 'backend = "nccl" reduces on CUDA devices, and this job runs on cpu' in err, err
 
 
 def test_a_replica_group_is_started_on_its_own_gpus(tmp_path):

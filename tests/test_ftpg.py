@@ -23,6 +23,9 @@ from titan_recover.recover.ftpg.base import (
     register_backend,
 )
 from titan_recover.recover.ftpg.gloo import PolledGlooGroup
+from titan_recover.recover.ftpg.nccl import NcclGroup
+from titan_recover.recover.ftpg.polled import pieces_of, Progress
+from titan_recover.recover.ftpg.staging import HostStaging
 from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
 
 
@@ -41,7 +44,7 @@ class InMemoryGroup(FaultTolerantGroup):
     rooms: dict[tuple, _Room] = {}
     lock = threading.Lock()
 
-    def __init__(self, store, *, config, epoch, members, replica, rank, timeout_s, on_poll=None, tag=""):
+    def __init__(self, store, *, config, epoch, members, replica, rank, timeout_s, device, on_poll=None, tag=""):
         self.store, self.epoch, self.members, self.replica = store, epoch, members, replica
         self.timeout_s = timeout_s
         with self.lock:
@@ -124,19 +127,25 @@ def test_a_backend_reports_a_missing_member_as_a_fault():
 
 
 def test_the_backend_is_checked_against_the_registry():
-    with pytest.raises(ValueError, match=r"fault-tolerant group backend 'nccl' is not registered; registered: gloo, "
-                                         r"in_memory"):
-        FTPGConfig(backend="nccl")
+    with pytest.raises(ValueError, match=r"fault-tolerant group backend 'mpi' is not registered; registered: gloo, "
+                                         r"in_memory, nccl"):
+        FTPGConfig(backend="mpi")
+    with pytest.raises(ValueError, match=r"backend = \"nccl\" needs CUDA tensors; this rank's device is cpu"):
+        build_group(FTPGConfig(backend="nccl"), HashStore(), epoch=0, members=(0,), replica=0, rank=0, timeout_s=1.0)
     with pytest.raises(ValueError, match=r"recover.ftpg.poll_s must be > 0, got 0"):
         FTPGConfig(poll_s=0)
     with pytest.raises(ValueError, match=r"replica 4 is not a member of epoch 1 \(\(0, 1\)\)"):
         build_group(FTPGConfig(), HashStore(), epoch=1, members=(0, 1), replica=4, rank=0, timeout_s=1.0)
 
 
-def test_gloo_is_the_default_backend_and_takes_the_poll_interval_from_the_config():
+def test_auto_is_gloo_on_cpu_and_nccl_on_cuda_and_the_group_takes_its_config():
+    assert FTPGConfig().backend == "auto"
+    assert FTPGConfig().resolved_backend(torch.device("cuda", 3)) == "nccl"
+    assert FTPGConfig().resolved_backend(torch.device("cpu")) == "gloo"
+    assert FTPGConfig(backend="gloo").resolved_backend(torch.device("cuda")) == "gloo"
     store = HashStore()
     group = build_group(FTPGConfig(poll_s=0.05), store, epoch=0, members=(0,), replica=0, rank=0, timeout_s=5.0)
-    assert isinstance(group, PolledGlooGroup) and group.poll_s == 0.05
+    assert isinstance(group, PolledGlooGroup) and group.config.poll_s == 0.05
     t = torch.arange(4.0)
     group.allreduce_sum_(t)  # one member: the sum is the tensor itself
     assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -205,3 +214,204 @@ def test_survivors_are_released_quickly(mode):
     slowest = max(elapsed for *_, elapsed, _ in [(g[0], g[1], g[2], g[3]) for g in got])
     assert slowest < (2.0 if mode == "kill" else 1.5), got  # released within the poll/flag latency, not 20 s
     assert store.check(["fault/e0"])  # the first failure raised the flag for everyone
+
+
+# ---- pieces, the progress deadline, host staging (gloo members as threads of one process) -------------------
+def test_a_collective_is_split_into_pieces_of_at_most_chunk_bytes_in_order():
+    a, b, empty = torch.arange(10.0), torch.arange(3, dtype=torch.float64), torch.zeros(0)
+    pieces = pieces_of([a, empty, b], chunk_bytes=16)  # 4 floats or 2 doubles a piece
+    assert [(i, v.tolist()) for i, v in pieces] == [
+        (0, [0.0, 1.0, 2.0, 3.0]), (0, [4.0, 5.0, 6.0, 7.0]), (0, [8.0, 9.0]), (2, [0.0, 1.0]), (2, [2.0])]
+    assert all(v.data_ptr() == a.view(-1)[4 * k].data_ptr() for k, (_, v) in enumerate(pieces[:3]))  # views
+    with pytest.raises(ValueError, match="tensor 0 of a collective is not contiguous"):
+        pieces_of([torch.zeros(4, 4).t()], 16)
+
+
+def test_the_deadline_follows_progress_not_the_whole_collective():
+    now = [0.0]
+    progress = Progress(2.0, clock=lambda: now[0])
+    for _ in range(5):  # 10 s in all, never 2 s without a piece completing
+        now[0] += 1.9
+        assert not progress.expired()
+        progress.advanced()
+    now[0] += 2.1
+    assert progress.expired() and progress.pieces == 5
+
+
+def _gloo_pair(store, config, timeout_s, cls=PolledGlooGroup):
+    return [cls(store, config=config, epoch=0, members=(0, 1), replica=r, rank=0, timeout_s=timeout_s)
+            for r in (0, 1)]
+
+
+def _both(fn_0, fn_1):
+    """Run the two members' calls in threads; their results (or errors) and the wall time of the slower."""
+    results = {}
+    start = time.monotonic()
+
+    def run(key, fn):
+        try:
+            results[key] = fn()
+        except Exception as error:  # handed to the test
+            results[key] = error
+
+    threads = [threading.Thread(target=run, args=(k, f)) for k, f in ((0, fn_0), (1, fn_1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results, time.monotonic() - start
+
+
+class _SlowLink(PolledGlooGroup):
+    """A member behind a slow link: each piece leaves after ``bytes / rate`` seconds (40 MiB/s)."""
+
+    def _issue(self, i, piece, root, staging):
+        time.sleep(piece[1].numel() * piece[1].element_size() / (40 * 2**20))
+        return super()._issue(i, piece, root, staging)
+
+
+def test_a_big_reduction_on_a_slow_link_outlasts_the_timeout_while_it_makes_progress(monkeypatch):
+    """40 MiB over a 40 MiB/s link take 1 s, more than three times ``timeout_s``: as one piece (the old fixed bound
+    for the whole collective) the reduction fails; in pieces of 4 MiB, each far within the bound, it succeeds."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    n, timeout_s = 10 * 2**20, 0.3
+
+    def reduce(chunk_mb):
+        store, config = HashStore(), FTPGConfig(chunk_mb=chunk_mb, in_flight=1)
+        fast = PolledGlooGroup(store, config=config, epoch=0, members=(0, 1), replica=0, rank=0, timeout_s=timeout_s)
+        slow = _SlowLink(store, config=config, epoch=0, members=(0, 1), replica=1, rank=0, timeout_s=60.0)
+        tensors = [torch.full((n,), 1.0), torch.full((n,), 2.0)]
+        results, elapsed = _both(lambda: fast.allreduce_sum_(tensors[0]), lambda: slow.allreduce_sum_(tensors[1]))
+        return results, elapsed, tensors
+
+    results, _, _ = reduce(chunk_mb=1024)
+    # our deadline or gloo's own per-operation timeout, whichever looks first: both are the bound of one piece
+    assert isinstance(results[0], FaultDetected), results
+    assert "made no progress for 0.3 s" in results[0].reason or "Timed out waiting 300ms" in results[0].reason
+    results, elapsed, tensors = reduce(chunk_mb=4)
+    assert results == {0: None, 1: None}, results
+    assert elapsed > 3 * timeout_s  # far longer than the old bound, and it succeeded
+    assert all(bool((t == 3.0).all()) for t in tensors)
+
+
+class _StagedGloo(PolledGlooGroup):
+    """Stages host tensors as it stages device ones (the ring of pinned chunks, without a device to copy from)."""
+
+    def _staging_for(self, tensors):
+        self._staging = HostStaging(torch.device("cpu"), self.config.chunk_bytes, self.config.in_flight + 1)
+        return self._staging
+
+
+def test_staged_pieces_go_through_a_bounded_ring_and_come_back_whole(monkeypatch):
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    config = FTPGConfig(chunk_mb=64 / 2**20, in_flight=2)  # 64-byte pieces: 16 floats
+    members = _gloo_pair(HashStore(), config, 10.0, cls=_StagedGloo)
+    grads = [torch.arange(100.0) + r for r in (0, 1)]
+    results, _ = _both(lambda: members[0].allreduce_sum_(grads[0]), lambda: members[1].allreduce_sum_(grads[1]))
+    assert results == {0: None, 1: None}
+    assert grads[0].tolist() == grads[1].tolist() == (2 * torch.arange(100.0) + 1).tolist()
+    assert sum(b is not None for b in members[0]._staging._buffers) == 3  # in_flight + 1 slots, reused
+    states = [[torch.full((40,), float(r)), torch.arange(5, dtype=torch.float64) * (r + 1)] for r in (0, 1)]
+    seen = {0: [], 1: []}
+    results, _ = _both(lambda: members[0].broadcast_many_(states[0], 1, seen[0].append),
+                       lambda: members[1].broadcast_many_(states[1], 1, seen[1].append))
+    assert results == {0: None, 1: None} and seen == {0: [0, 1], 1: [0, 1]}
+    assert states[0][0].tolist() == [1.0] * 40 and states[0][1].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+
+
+# ---- the nccl backend against a fake communicator -------------------------------------------------------------
+class _FakeWork:
+    def __init__(self, comm, tensor):
+        self.comm, self.tensor, self.completed = comm, tensor, False
+
+    def is_completed(self) -> bool:
+        if self.comm.aborted:
+            raise RuntimeError("NCCL communicator was aborted")
+        return self.completed
+
+    def wait(self) -> bool:
+        return True
+
+
+class _FakeCommunicator:
+    """Records what the group does; its pieces complete when the test says so (``auto``: at once, doubled)."""
+
+    made: list = []
+
+    def __init__(self, prefix: str, auto: bool):
+        self.prefix, self.auto = prefix, auto
+        self.works: list[_FakeWork] = []
+        self.timeouts: list[float] = []
+        self.aborted = False
+        self.made.append(self)
+
+    def allreduce(self, tensors, opts):
+        self.timeouts.append(opts.timeout.total_seconds())
+        work = _FakeWork(self, tensors[0])
+        if self.auto:
+            tensors[0].mul_(2)  # two members holding the same values
+            work.completed = True
+        self.works.append(work)
+        return work
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _FakeNccl(NcclGroup):
+    auto = True
+
+    def __init__(self, store, **kwargs):
+        kwargs["device"] = torch.device("cuda", 0)  # the fake never touches the device
+        super().__init__(store, **kwargs)
+        self.device = torch.device("cpu")  # its "device" tensors are host tensors
+
+    def _connect(self, store, group_rank, size):
+        return _FakeCommunicator(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.auto)
+
+
+def _fake_nccl(epoch=0, timeout_s=5.0, auto=True, chunk_mb=16 / 2**20):
+    cls = type("_Fake", (_FakeNccl,), {"auto": auto})
+    return cls(HashStore(), config=FTPGConfig(chunk_mb=chunk_mb, poll_s=0.01), epoch=epoch, members=(0, 1),
+               replica=0, rank=2, timeout_s=timeout_s)
+
+
+def test_nccl_issues_every_piece_on_its_own_communicator_with_the_watchdog_behind_the_deadline():
+    first, second = _fake_nccl(epoch=0), _fake_nccl(epoch=1)
+    assert first.pg is not second.pg and (first.pg.prefix, second.pg.prefix) == ("ftpg/e0/p2", "ftpg/e1/p2")
+    t = torch.arange(40.0)  # 10 pieces of 16 bytes
+    first.allreduce_sum_(t)
+    assert t.tolist() == (2 * torch.arange(40.0)).tolist() and len(first.pg.works) == 10
+    assert first.pg.timeouts == sorted(first.pg.timeouts) and min(first.pg.timeouts) > 2 * first.timeout_s
+    assert second.pg.works == []  # the next epoch's communicator is its own
+
+
+def test_a_fault_flag_aborts_the_nccl_communicator_and_releases_the_wait():
+    group = _fake_nccl(auto=False)
+    threading.Timer(0.2, lambda: raise_fault_flag(group.store, 0, "replica 1: no heartbeat")).start()
+    start = time.monotonic()
+    with pytest.raises(FaultDetected, match="allreduce in epoch 0 abandoned: replica 1: no heartbeat") as fault:
+        group.allreduce_sum_(torch.ones(4))
+    assert not fault.value.raised_here and time.monotonic() - start < 2.0
+    assert group.pg.aborted and group.failed
+    with pytest.raises(FaultDetected, match="failed group"):  # never used again
+        group.allreduce_sum_(torch.ones(4))
+
+
+def test_nccl_without_progress_for_the_timeout_aborts_and_raises_the_flag():
+    group = _fake_nccl(auto=False, timeout_s=0.3)
+    done = threading.Event()
+
+    def complete_some():  # two pieces complete 0.2 s apart, then nothing
+        for work in group.pg.works[:2]:
+            time.sleep(0.2)
+            work.completed = True
+        done.set()
+
+    threading.Timer(0.05, complete_some).start()
+    start = time.monotonic()
+    with pytest.raises(FaultDetected, match=r"made no progress for 0.3 s \(2 piece\(s\)") as fault:
+        group.allreduce_sum_(torch.ones(12))  # 3 pieces
+    assert fault.value.raised_here and group.pg.aborted and done.is_set()
+    assert time.monotonic() - start > 0.6  # the deadline moved with each completed piece
+    assert group.store.check([GroupKeys.fault(0)])

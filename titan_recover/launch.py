@@ -106,6 +106,9 @@ def check_replica_layout(config, layout, nnodes: int) -> None:
 def group_placement(config, nproc: int, device: str) -> list[list[str]] | None:
     """The GPUs of each replica group on this node (None on CPU); refuses too few GPUs before any process starts."""
     if device != "cuda":
+        if config.recover.ftpg.backend == "nccl":
+            raise ConfigError(f"[recover.ftpg] backend = \"nccl\" reduces on CUDA devices, and this job runs on "
+                              f"{device}: use backend = \"auto\" (nccl on CUDA, gloo elsewhere) or \"gloo\"")
         return None
     import torch
 

@@ -5,10 +5,12 @@ A backend is one class and one registration::
 
     @register_backend("mine")
     class MyGroup(FaultTolerantGroup):
-        def __init__(self, store, *, config, epoch, members, replica, rank, timeout_s, on_poll=None, tag=""):
+        def __init__(self, store, *, config, epoch, members, replica, rank, timeout_s, device, on_poll=None,
+                     tag=""):
             ...
 
-after which ``[recover.ftpg] backend = "mine"`` picks it. Every module of this package is imported with it, so a
+after which ``[recover.ftpg] backend = "mine"`` picks it (``auto`` is not a class: :func:`build_group` resolves it
+to ``nccl`` for CUDA devices and ``gloo`` otherwise). Every module of this package is imported with it, so a
 backend in a new module here registers by existing; one declared elsewhere registers when its module is imported.
 """
 
@@ -36,7 +38,8 @@ class FaultDetected(RuntimeError):
 
 class FaultTolerantGroup(abc.ABC):
     """Collectives over the same rank of each of one epoch's member replicas, that end in
-    :class:`FaultDetected` (never a hang) when a member fails, the deadline passes or the epoch's fault flag is up.
+    :class:`FaultDetected` (never a hang) when a member fails, the collective stops making progress for the
+    timeout, or the epoch's fault flag is up.
 
     A group is never reused after a fault: the next epoch builds a new one. Its owner keeps a failed group alive
     until the process exits (destroying one whose peer died may block)."""
@@ -52,7 +55,7 @@ class FaultTolerantGroup(abc.ABC):
 
     @abc.abstractmethod
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the members, in place."""
+        """Sum ``tensor`` (contiguous, on the group's device or the host) over the members, in place."""
 
     def broadcast_(self, tensor: torch.Tensor, root_replica: int) -> None:
         """Replace ``tensor`` with ``root_replica``'s, in place."""
@@ -77,32 +80,64 @@ def backends() -> list[str]:
     return BACKENDS.names()
 
 
+AUTO = "auto"
+"""``[recover.ftpg] backend = "auto"``: ``nccl`` where the job's device is CUDA, ``gloo`` elsewhere."""
+
+
 @dataclass(kw_only=True, slots=True)
 class FTPGConfig:
     """``[recover.ftpg]``: the fault-tolerant group across replica groups (docs/replica_groups.md)."""
 
-    backend: str = "gloo"
-    """Registered backend: ``gloo`` (gloo collectives issued asynchronously and polled for the epoch's fault flag
-    and the deadline; CPU tensors)."""
+    backend: str = AUTO
+    """Registered backend, or ``auto`` (``nccl`` on CUDA devices, ``gloo`` elsewhere). ``gloo``: gloo collectives
+    issued asynchronously and polled for the epoch's fault flag and the deadline; CUDA tensors are staged through
+    pinned host chunks. ``nccl``: a NCCL communicator per (epoch, rank) on the device, non-blocking, aborted on a
+    fault (docs/replica_groups.md, "Backends")."""
 
     poll_s: float = 0.01
     """How often a member waiting on a collective looks at the epoch's fault flag and the deadline: a member
     whose peers gloo leaves waiting is released within this much of the flag being raised."""
 
+    chunk_mb: float = 64.0
+    """A collective's unit of progress: tensors are reduced / broadcast in chunks of at most this many MiB, and
+    ``[recover] collective_timeout_s`` is the time allowed without one completing (never the time for the whole
+    tensor). Also the size of a pinned staging buffer."""
+
+    in_flight: int = 2
+    """Chunks issued and not yet complete at once (gloo; with CUDA tensors the staging buffers are
+    ``in_flight + 1`` pinned chunks, so that device-to-host copy, reduction and host-to-device copy overlap)."""
+
     def __post_init__(self) -> None:
-        BACKENDS.get(self.backend)  # raises, naming the registered backends
+        if self.backend != AUTO:
+            BACKENDS.get(self.backend)  # raises, naming the registered backends
         if self.poll_s <= 0:
             raise ValueError(f"recover.ftpg.poll_s must be > 0, got {self.poll_s}")
+        if self.chunk_mb <= 0:
+            raise ValueError(f"recover.ftpg.chunk_mb must be > 0, got {self.chunk_mb}")
+        if self.in_flight < 1:
+            raise ValueError(f"recover.ftpg.in_flight must be >= 1, got {self.in_flight}")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.chunk_mb * 2**20))
+
+    def resolved_backend(self, device: torch.device) -> str:
+        """The backend a group on ``device`` gets (``auto`` resolved)."""
+        if self.backend == AUTO:
+            return "nccl" if device.type == "cuda" else "gloo"
+        return self.backend
 
 
 def build_group(config: FTPGConfig, store: Store, *, epoch: int, members: tuple[int, ...], replica: int,
-                rank: int, timeout_s: float, on_poll: Callable[[], None] | None = None,
-                tag: str = "") -> FaultTolerantGroup:
+                rank: int, timeout_s: float, device: torch.device | str = "cpu",
+                on_poll: Callable[[], None] | None = None, tag: str = "") -> FaultTolerantGroup:
     """The configured backend's group of the ranks ``rank`` of ``epoch``'s ``members`` (``replica``: this
-    rank's replica; ``tag``: a second group of the same epoch and rank over some of them, such as a state
-    transfer's donor and joiners). ``on_poll`` is called while a collective waits (the rank is alive, not hung)."""
+    rank's replica; ``device``: where the tensors it reduces live; ``tag``: a second group of the same epoch and
+    rank over some of them, such as a state transfer's donor and joiners). ``on_poll`` is called while a
+    collective waits (the rank is alive, not hung). ``timeout_s``: the time a collective may go without progress."""
     if replica not in members:
         raise ValueError(f"replica {replica} is not a member of epoch {epoch} ({members})")
-    backend = BACKENDS.get(config.backend)
+    device = torch.device(device)
+    backend = BACKENDS.get(config.resolved_backend(device))
     return backend(store, config=config, epoch=epoch, members=tuple(members), replica=replica, rank=rank,
-                   timeout_s=timeout_s, on_poll=on_poll, tag=tag)
+                   timeout_s=timeout_s, device=device, on_poll=on_poll, tag=tag)

@@ -1,101 +1,152 @@
 """The ``gloo`` backend of the fault-tolerant group: one gloo group per (membership epoch, rank).
 
 gloo gives no error to ring peers of a dead rank that are not its neighbours, and ``abort()`` does not release
-a pending operation. So every collective here is issued asynchronously and polled: it completes, or it fails
-(gloo error, deadline), or the epoch's fault flag in the coordinator's store appears. Whichever comes first is
-reported as :class:`FaultDetected`, and a failure seen here raises the flag so that every other member stops
-waiting too. A group is never reused after a fault: the next epoch builds a new one from a new store prefix.
-A failed group is never destroyed during the run either: gloo's destructor joins threads that may still be
-blocked on a dead peer (observed: a survivor stuck for minutes), so the owner keeps it until the process exits.
+a pending operation. So every collective here is issued asynchronously, in pieces (:mod:`.polled`), and polled:
+each piece completes, or it fails (gloo error, no progress for the timeout), or the epoch's fault flag in the
+coordinator's store appears. At most ``[recover.ftpg] in_flight`` pieces are issued at once; gloo's own timeout
+applies to one piece. A group is never reused after a fault: the next epoch builds a new one from a new store
+prefix. A failed group is never destroyed during the run either: gloo's destructor joins threads that may still
+be blocked on a dead peer (observed: a survivor stuck for minutes), so the owner keeps it until the process exits.
+
+gloo reduces host memory. Tensors on a device are staged through a ring of pinned host chunks
+(:mod:`.staging`): device -> host copy, reduction and host -> device copy of consecutive pieces overlap.
 """
 
 from __future__ import annotations
 
 import threading
-import time
+from collections import deque
 from datetime import timedelta
 
 import torch
-from torch.distributed import PrefixStore, Store
+from torch.distributed import PrefixStore
 from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ProcessGroupGloo, ReduceOp
 
-from titan_recover.recover.ftpg.base import FaultDetected, FaultTolerantGroup, FTPGConfig, register_backend
-from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
+from titan_recover.recover.ftpg.base import register_backend
+from titan_recover.recover.ftpg.polled import Piece, pieces_of, PolledGroup, Progress
+from titan_recover.recover.ftpg.staging import discard_staging, HostStaging, staging_for
+from titan_recover.recover.groups.keys import GroupKeys
 
 
 @register_backend("gloo")
-class PolledGlooGroup(FaultTolerantGroup):
+class PolledGlooGroup(PolledGroup):
     """The gloo group of one rank of each of one epoch's member replicas (``tag``: a second group of the same
     epoch and rank over some of them, such as a state transfer's donor and joiners)."""
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        epoch: int,
-        members: tuple[int, ...],
-        replica: int,
-        rank: int,
-        timeout_s: float,
-        config: FTPGConfig | None = None,
-        on_poll=None,
-        tag: str = "",
-    ):
-        self.store, self.epoch, self.members = store, epoch, members
-        self.replica, self.rank = replica, rank
-        self.timeout_s = timeout_s
-        self.poll_s = (config or FTPGConfig()).poll_s
-        self.on_poll = on_poll  # called at every poll: a rank waiting on its peers is alive and not hung
-        self.group_rank = members.index(replica)
+    def __init__(self, store, **kwargs):
+        super().__init__(store, **kwargs)
         self.pg = ProcessGroupGloo(
-            PrefixStore(GroupKeys.group_prefix(epoch, rank, tag), store),
+            PrefixStore(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), store),
             self.group_rank,
-            len(members),
-            timedelta(seconds=timeout_s),
+            len(self.members),
+            timedelta(seconds=self.timeout_s),
         )
+        self._staging: HostStaging | None = None
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM
-        self._run("allreduce", lambda: self.pg.allreduce([tensor], opts))
+        self._guarded("allreduce", lambda: self._pipeline("allreduce", [tensor], root=None))
 
     def broadcast_many_(self, tensors: list[torch.Tensor], root_replica: int, on_each=None) -> None:
-        """Broadcast each tensor in order, all issued at once (gloo runs them back to back); ``on_each(i)`` is
-        called on this thread as soon as tensor ``i`` is through, in order, while the later ones are in flight."""
-        opts = BroadcastOptions()
-        opts.rootRank = self.members.index(root_replica)
-        opts.rootTensor = 0
-        self._run("broadcast", lambda: [self.pg.broadcast([t], opts) for t in tensors], on_each)
+        """Broadcast each tensor in order, in pieces; ``on_each(i)`` is called on this thread as soon as tensor
+        ``i`` is through, in order, while the later ones are in flight."""
+        root = self.members.index(root_replica)
+        self._guarded("broadcast", lambda: self._pipeline("broadcast", tensors, root=root, on_each=on_each))
 
-    def _run(self, name: str, issue, on_each=None) -> None:
-        fault_key = GroupKeys.fault(self.epoch)
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        try:
-            works = issue()
-            works = works if isinstance(works, list) else [works]
-            for i, work in enumerate(works):
-                # Sleep on the work's future (no busy polling competing with gloo's threads for the CPU), waking
-                # every poll_s to look at the epoch's fault flag and the deadline.
-                done = threading.Event()
-                work.get_future().then(lambda _fut, done=done: done.set())
-                while not done.wait(self.poll_s):
-                    if self.on_poll is not None:
-                        self.on_poll()
-                    if self.store.check([fault_key]):
-                        _, reason = fault_time_and_reason(self.store.get(fault_key))
-                        raise FaultDetected(f"{name} in epoch {self.epoch} abandoned: {reason}", raised_here=False)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{name} did not complete within {self.timeout_s} s")
-                work.wait()
-                if on_each is not None:
+    # ---- one collective, piece by piece ----------------------------------------------------------------------
+    def _pipeline(self, name: str, tensors: list[torch.Tensor], root: int | None, on_each=None) -> None:
+        """Issue the pieces, at most ``in_flight`` pending at once; stage them through host memory when the
+        tensors live on a device. ``on_each`` follows the pieces of host tensors; for staged tensors it is called
+        for all of them once the copies back are complete."""
+        pieces = pieces_of(tensors, self.config.chunk_bytes)
+        staging = self._staging_for(tensors)
+        through = _InOrder(len(tensors), on_each if staging is None else None)
+        through.mark([i for i, t in enumerate(tensors) if t.numel() == 0])
+        last_piece = {index: i for i, (index, _) in enumerate(pieces)}
+        progress = Progress(self.timeout_s)
+        window: deque = deque()
+        if staging is not None:
+            staging.begin()
+        for i, piece in enumerate(pieces):
+            window.append((i, piece, *self._issue(i, piece, root, staging)))
+            if len(window) >= self.config.in_flight:
+                through.mark(self._finish(name, window.popleft(), root, staging, progress, last_piece))
+        while window:
+            through.mark(self._finish(name, window.popleft(), root, staging, progress, last_piece))
+        if staging is not None:
+            staging.end()
+            if on_each is not None:
+                staging.synchronize()
+                for i in range(len(tensors)):
                     on_each(i)
-        except FaultDetected:
-            raise
-        except Exception as error:  # gloo's own error (peer reset, timeout) or our deadline
-            reason = (
-                f"replica {self.replica} rank {self.rank}: {name} in epoch {self.epoch} failed: "
-                f"{type(error).__name__}: {str(error)[:200]}"
-            )
-            raise_fault_flag(self.store, self.epoch, reason)
-            raise FaultDetected(reason, raised_here=True) from error
+
+    def _issue(self, i: int, piece: Piece, root: int | None, staging: HostStaging | None):
+        """Start piece ``i``: copied out to its host slot first when staged (for a broadcast, only by the root)."""
+        _, view = piece
+        host = view
+        if staging is not None:
+            host = staging.slot(i, view)
+            if root is None or root == self.group_rank:
+                staging.copy_out(view, host)
+        if root is None:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM
+            return host, _Pending(self.pg.allreduce([host], opts))
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        return host, _Pending(self.pg.broadcast([host], opts))
+
+    def _finish(self, name, entry, root, staging, progress, last_piece) -> list[int]:
+        """Wait for one piece, copy it back when staged; the tensor whose last piece it was, if any."""
+        i, (index, view), host, pending = entry
+        self._wait(name, pending, progress)
+        if staging is not None and (root is None or root != self.group_rank):
+            staging.copy_back(i, host, view)
+        return [index] if last_piece[index] == i else []
+
+    def _staging_for(self, tensors: list[torch.Tensor]) -> HostStaging | None:
+        if all(t.device.type == "cpu" for t in tensors):
+            return None
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise ValueError(f"a collective's tensors must live on one device, got {sorted(map(str, devices))}")
+        self._staging = staging_for(devices.pop(), self.config.chunk_bytes, self.config.in_flight + 1)
+        return self._staging
+
+    # ---- PolledGroup ------------------------------------------------------------------------------------------
+    def _wait_for(self, work: _Pending, seconds: float) -> bool:
+        return work.done.wait(seconds)
+
+    def _abort(self) -> None:
+        # gloo cannot release a pending operation; the staging ring it may still write into is dropped
+        if self._staging is not None:
+            discard_staging(self._staging)
+            self._staging = None
+
+
+class _Pending:
+    """A gloo work and an event set when its future completes: the waiting thread sleeps on the event (no busy
+    polling competing with gloo's threads for the CPU) and wakes at once when the piece is through."""
+
+    def __init__(self, work):
+        self.work = work
+        self.done = threading.Event()
+        work.get_future().then(lambda _fut: self.done.set())
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+class _InOrder:
+    """Calls ``on_each(i)`` for tensors 0, 1, ... in order, as each one is marked through."""
+
+    def __init__(self, count: int, on_each):
+        self.count, self.on_each = count, on_each
+        self.through: set[int] = set()
+        self.next = 0
+
+    def mark(self, indices: list[int]) -> None:
+        self.through.update(indices)
+        while self.next in self.through:
+            if self.on_each is not None:
+                self.on_each(self.next)
+            self.next += 1

@@ -12,6 +12,7 @@ ready to join (:attr:`ReplicaSync.pending`); their admission at the next step bo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -38,8 +39,10 @@ logger = logging.getLogger(__name__)
 
 class ReplicaSync:
     def __init__(self, config: RecoverConfig, member: ReplicaMember, events: EventLog, chaos=None, *,
-                 final_step: int | None = None):
+                 final_step: int | None = None, device: torch.device | str = "cpu"):
         self.config, self.member, self.events, self.chaos = config, member, events, chaos
+        self.device = torch.device(device)
+        """Where the tensors this rank reduces live (``[recover.ftpg] backend = "auto"`` follows it)."""
         self.groups = config.groups
         """Replica groups of the job (active and spares): the ids a joiner can have."""
         self.final_step = final_step
@@ -73,14 +76,19 @@ class ReplicaSync:
         self.build_group()
         self.events.emit("joined", epoch=self.epoch, members=list(self.members))
 
-    def build_group(self, members: tuple[int, ...] | None = None, tag: str = "") -> FaultTolerantGroup:
+    def build_group(self, members: tuple[int, ...] | None = None, tag: str = "",
+                    host: bool = False) -> FaultTolerantGroup:
         """A fault-tolerant group of this rank in ``members`` of the current epoch (default: all of
-        them, which becomes :attr:`group`), with the backend ``[recover.ftpg]`` names. Groups are kept alive until
+        them, which becomes :attr:`group`), with the backend ``[recover.ftpg]`` names. ``host``: a group of host
+        tensors (gloo, whatever the configured backend), such as a state transfer's. Groups are kept alive until
         the process exits: destroying a gloo group whose peer died can block on its threads (see ftpg)."""
-        group = build_group(self.config.ftpg, self.member.store, epoch=self.epoch,
+        config = self.config.ftpg
+        if host and config.resolved_backend(torch.device("cpu")) != "gloo":
+            config = dataclasses.replace(config, backend="gloo")
+        group = build_group(config, self.member.store, epoch=self.epoch,
                             members=self.members if members is None else members, replica=self.member.replica,
                             rank=self.member.rank, timeout_s=self.config.collective_timeout_s,
-                            on_poll=self.member.progress, tag=tag)
+                            device="cpu" if host else self.device, on_poll=self.member.progress, tag=tag)
         self._retired.append(group)
         if members is None:
             self.group = group
@@ -115,22 +123,22 @@ class ReplicaSync:
 
     def broadcast_from_lowest(self, tensors: list[torch.Tensor]) -> None:
         """Make this rank's tensors equal to the lowest member replica's (used at start), then commit as
-        step 0 so that every member agrees on the epoch the first step starts from."""
+        step 0 so that every member agrees on the epoch the first step starts from. Each tensor travels in its
+        own dtype and on its own device; it is received into a copy, written only once the broadcast committed
+        (a broadcast that fails half-way leaves every member's tensors as they were)."""
         for _ in range(self.config.step.max_epochs_per_step + 1):
             self.catch_up(step=None)
-            # staged in host memory: the fault-tolerant group is gloo, whatever device the parameters live on
-            flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
+            received = [t.detach().clone() for t in tensors]
             try:
-                self.group.broadcast_(flat, root_replica=min(self.members))
+                self.group.broadcast_many_(received, root_replica=min(self.members))
                 decision = self.commit_barrier(0)
             except FaultDetected as fault:
                 logger.warning("broadcast failed: %s", fault.reason)
                 decision = self.propose(0, "abort")
             if decision == "commit":
-                offset = 0
-                for t in tensors:
-                    t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+                with torch.no_grad():
+                    for t, value in zip(tensors, received):
+                        t.copy_(value)
                 self.mark_committed()
                 return
             self.next_epoch(step=0)

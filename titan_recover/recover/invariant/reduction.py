@@ -47,27 +47,39 @@ class ReductionLayout:
     def size(self) -> int:
         return self.gradients + 1 + self.microbatches + 2 * self.groups + self.evidence + 1
 
-    def pack(self, gradient: torch.Tensor, *, loss: torch.Tensor, ledger: list[float], speeds: list[float],
-             losses: list[float], evidence: list[float], failed: bool, dtype: torch.dtype) -> torch.Tensor:
-        """A fresh host buffer (the fault-tolerant group reduces host memory) holding this rank's contribution."""
-        if gradient.numel() != self.gradients:
-            raise ValueError(f"gradient has {gradient.numel()} elements, the layout {self.gradients}")
+    def pack(self, gradient: torch.Tensor | list[torch.Tensor], *, loss: torch.Tensor, ledger: list[float],
+             speeds: list[float], losses: list[float], evidence: list[float], failed: bool, dtype: torch.dtype,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's contribution in one buffer on the gradient's device (the fault-tolerant group reduces it
+        there, or stages it through host memory). ``gradient``: the flat accumulation, or its parts in order.
+        ``out``: a buffer of this layout to fill again (a new one when it does not fit)."""
+        parts = [gradient] if isinstance(gradient, torch.Tensor) else list(gradient)
+        numel = sum(p.numel() for p in parts)
+        if numel != self.gradients:
+            raise ValueError(f"gradient has {numel} elements, the layout {self.gradients}")
         tail = [*ledger, *speeds, *losses, *evidence, 1.0 if failed else 0.0]
         if len(tail) != self.size - self.gradients - 1:
             raise ValueError(f"sections of {len(ledger)}, {len(speeds)}, {len(losses)}, {len(evidence)} entries do "
                              f"not fit the layout {self}")
-        return torch.cat([
-            gradient.detach().reshape(-1).cpu().to(dtype),
-            loss.detach().cpu().to(dtype).reshape(1),
-            torch.tensor(tail, dtype=dtype),
-        ])
+        device = parts[0].device if parts else loss.device
+        fits = out is not None and out.device == device and out.dtype == dtype and out.numel() == self.size
+        buffer = out if fits else torch.empty(self.size, dtype=dtype, device=device)
+        with torch.no_grad():
+            offset = 0
+            for part in parts:
+                buffer[offset : offset + part.numel()].copy_(part.detach().reshape(-1))
+                offset += part.numel()
+            g = self.gradients
+            buffer[g : g + 1].copy_(loss.detach().reshape(1))
+            buffer[g + 1 :].copy_(torch.tensor(tail, dtype=dtype))
+        return buffer
 
     def read(self, buffer: torch.Tensor) -> Reduced:
         g, m, r, e = self.gradients, self.microbatches, self.groups, self.evidence
-        tail = buffer[g + 1:].tolist()
+        loss, *tail = buffer[g:].tolist()  # one small copy to the host
         return Reduced(
             gradient=buffer[:g],
-            loss=float(buffer[g]),
+            loss=loss,
             ledger=tail[:m],
             speeds=tail[m : m + r],
             losses=tail[m + r : m + 2 * r],

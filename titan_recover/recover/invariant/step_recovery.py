@@ -65,9 +65,9 @@ class MicrobatchWorker(Protocol):
         """Forward and backward of microbatch ``g``, accumulated locally. ``witness``: also return the signature of
         ``g``'s gradient and loss; ``"replay"`` leaves nothing accumulated (docs/scout.md)."""
 
-    def contribution(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """``(gradient, loss, mean_loss)``: the local accumulation (flat), its summed loss share and the mean token
-        loss of what this rank computed in the step (0: nothing)."""
+    def contribution(self) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor, float]:
+        """``(gradient, loss, mean_loss)``: the local accumulation (flat, or its parts in order), its summed loss
+        share and the mean token loss of what this rank computed in the step (0: nothing)."""
 
 
 @dataclass
@@ -132,6 +132,9 @@ class StepRecovery:
         """Capacity was lost (a replica lost, or fewer than ``active`` replicas holding quota) and has not come
         back."""
         self._holding: tuple[int, ...] = ()
+        self._buffer: torch.Tensor | None = None
+        """The reduction buffer, filled again at every attempt; dropped after a failed reduction (an abandoned
+        collective may still write into it)."""
 
     # the speed estimates travel with a replica's state (state transfer), as TorchTitan's Stateful components do
     def state_dict(self) -> dict:
@@ -160,11 +163,12 @@ class StepRecovery:
         progress, compute_s = self._compute_quota(step, ledger)
         for attempt in range(1, self.config.max_epochs_per_step + 2):
             self._take_over(step, progress, attempt)
-            buffer = self._pack(progress)
+            buffer = self._buffer = self._pack(progress)
             reducing = time.perf_counter()
             if self.sync.reduce_once(step, buffer, attempt, verify=self._verifier(step)):
                 return self._committed(step, progress, buffer, quotas, attempt, compute_s,
                                        wait_s=time.perf_counter() - reducing)
+            self._buffer = None
             progress.recovery_s += time.perf_counter() - reducing
         raise RuntimeError(
             f"step {step}: the reduction failed in {self.config.max_epochs_per_step + 1} consecutive epochs "
@@ -227,7 +231,7 @@ class StepRecovery:
                                                progress.replay_signature)
         return self.layout.pack(gradient, loss=loss, ledger=progress.ledger.vector(progress.done),
                                 speeds=progress.speeds, losses=losses, evidence=evidence, failed=progress.failed,
-                                dtype=self.dtype)
+                                dtype=self.dtype, out=self._buffer)
 
     def _verifier(self, step: int):
         """The witnesses' votes, judged on the reduced buffer before the commit barrier (docs/scout.md)."""

@@ -130,17 +130,16 @@ class ReplicaWorker:
                     g.zero_()
                 offset += n
 
-    def contribution(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """``(gradient, loss, mean_loss)``: the local accumulation (flat, float64 in exact mode), the summed loss
-        share and the mean token loss of what this rank computed in the step (0: nothing)."""
+    def contribution(self) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor, float]:
+        """``(gradient, loss, mean_loss)``: the local accumulation (the float64 accumulator in exact mode, else
+        every parameter's local gradient in order, packed by the reduction without an intermediate copy), the
+        summed loss share and the mean token loss of what this rank computed in the step (0: nothing)."""
         if self.exact:
             gradient = self._accumulator
         else:
-            gradient = torch.cat([
-                (local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))).reshape(-1)
-                for p in self.params
-            ])
-        loss = self._loss.detach().cpu()  # the one wait for the device here: the reduction is of host memory
+            gradient = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
+                        for p in self.params]
+        loss = self._loss.detach().cpu()  # the mean loss below is a host number: one small wait for the device
         local_tokens = self._computed * self.local_batch * self.parts.config.training.seq_len
         mean_loss = float(loss) * self.global_token_count / local_tokens if local_tokens else 0.0
         return gradient, loss, mean_loss

@@ -91,7 +91,8 @@ class SyncMode(Mode):
                                     address=address, incarnation=incarnation)
         if recover.localize.hang_threshold_s > 0:  # read by the replica's hang observer (docs/scout.md)
             self.member.beacon = Beacon(beacon_path(self.run_dir, self.replica, self.rank, incarnation))
-        self.sync = ReplicaSync(recover, self.member, self.events, self.chaos, final_step=config.training.steps)
+        self.sync = ReplicaSync(recover, self.member, self.events, self.chaos, final_step=config.training.steps,
+                                device=parts.device)
         self.admission = Admission(self.sync)
         self._build_step(recover, world)
         self._install_fault_points()

@@ -136,7 +136,7 @@ class Admission:
         """Stream the donor's state to the joiners at this rank, over a group of just them."""
         sync = self.sync
         is_donor = sync.member.replica == donor
-        group = sync.build_group(members=tuple(sorted((donor, *joiners))), tag="transfer")
+        group = sync.build_group(members=tuple(sorted((donor, *joiners))), tag="transfer", host=True)
         sync.member.progress(phase="transfer")
         sent = [0]
 

@@ -1,0 +1,117 @@
+"""What every backend shares: chunked collectives, waited on by polling, with a deadline that follows progress.
+
+A collective is split into *pieces* (contiguous 1-D views of at most ``[recover.ftpg] chunk_mb``, in tensor order).
+While a piece is in flight the caller's thread wakes every ``poll_s`` to look at the epoch's fault flag and at
+the deadline, which is ``timeout_s`` after the *last piece completed* (or the collective started): a big tensor
+on a slow link takes as long as it takes, a collective that stops moving fails after ``timeout_s``. Whatever ends
+it (the flag, the deadline, the backend's own error) is reported as :class:`FaultDetected`; a failure seen here
+raises the flag, so every other member stops waiting too, and the backend's ``_abort`` releases what is pending.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch.distributed import Store
+
+from titan_recover.recover.ftpg.base import FaultDetected, FaultTolerantGroup, FTPGConfig
+from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
+
+Piece = tuple[int, torch.Tensor]
+"""(index of the tensor it belongs to, a contiguous 1-D view of part of that tensor)."""
+
+
+def pieces_of(tensors: list[torch.Tensor], chunk_bytes: int) -> list[Piece]:
+    """Every tensor as consecutive 1-D views of at most ``chunk_bytes`` (at least one element each), in order; an
+    empty tensor has no piece."""
+    out: list[Piece] = []
+    for index, tensor in enumerate(tensors):
+        if not tensor.is_contiguous():
+            raise ValueError(f"tensor {index} of a collective is not contiguous (shape {tuple(tensor.shape)})")
+        flat = tensor.view(-1)
+        step = max(1, chunk_bytes // max(1, flat.element_size()))
+        out.extend((index, flat[start : start + step]) for start in range(0, flat.numel(), step))
+    return out
+
+
+class Progress:
+    """The deadline of one collective: ``timeout_s`` after the last piece completed (or the start)."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.timeout_s, self.clock = timeout_s, clock
+        self.last = clock()
+        self.pieces = 0
+
+    def advanced(self) -> None:
+        self.last = self.clock()
+        self.pieces += 1
+
+    def expired(self) -> bool:
+        return self.clock() - self.last > self.timeout_s
+
+
+class PolledGroup(FaultTolerantGroup):
+    """A backend's common part: the members, the fault flag, the progress deadline. A subclass issues pieces and
+    says how to wait on one (:meth:`_wait_for`) and how to release what is pending after a fault (:meth:`_abort`)."""
+
+    def __init__(self, store: Store, *, epoch: int, members: tuple[int, ...], replica: int, rank: int,
+                 timeout_s: float, config: FTPGConfig | None = None, device: torch.device | str = "cpu",
+                 on_poll: Callable[[], None] | None = None, tag: str = ""):
+        self.store, self.epoch, self.members = store, epoch, members
+        self.replica, self.rank, self.tag = replica, rank, tag
+        self.timeout_s = timeout_s
+        self.config = config or FTPGConfig()
+        self.device = torch.device(device)
+        self.on_poll = on_poll  # called at every poll: a rank waiting on its peers is alive and not hung
+        self.group_rank = members.index(replica)
+        self.failed = False
+        """A collective of this group failed: it is never used again (the next epoch builds a new group)."""
+
+    # ---- what a backend provides ----------------------------------------------------------------------------
+    def _wait_for(self, work, seconds: float) -> bool:
+        """True once ``work`` is complete, False if still pending after ``seconds``."""
+        raise NotImplementedError
+
+    def _abort(self) -> None:
+        """Release whatever this group has pending after a fault (a backend that cannot does nothing)."""
+
+    # ---- the shared wait --------------------------------------------------------------------------------------
+    def _wait(self, name: str, work, progress: Progress) -> None:
+        """Wait for one piece, watching the fault flag and the progress deadline; the piece counts as progress."""
+        fault_key = GroupKeys.fault(self.epoch)
+        while not self._wait_for(work, self.config.poll_s):
+            if self.on_poll is not None:
+                self.on_poll()
+            if self.store.check([fault_key]):
+                _, reason = fault_time_and_reason(self.store.get(fault_key))
+                raise FaultDetected(f"{name} in epoch {self.epoch} abandoned: {reason}", raised_here=False)
+            if progress.expired():
+                raise TimeoutError(f"{name} made no progress for {self.timeout_s} s ({progress.pieces} "
+                                   f"piece(s) of at most {self.config.chunk_mb} MiB completed)")
+        work.wait()
+        progress.advanced()
+
+    def _guarded(self, name: str, body: Callable[[], None]) -> None:
+        """Run a collective; any failure becomes :class:`FaultDetected`, aborts this group and (when seen here
+        first) raises the epoch's fault flag."""
+        if self.failed:
+            raise FaultDetected(f"{name} on a failed group of epoch {self.epoch}", raised_here=False)
+        try:
+            body()
+        except FaultDetected:
+            self._fail()
+            raise
+        except Exception as error:  # the backend's own error (peer reset, its timeout) or our deadline
+            reason = (
+                f"replica {self.replica} rank {self.rank}: {name} in epoch {self.epoch} failed: "
+                f"{type(error).__name__}: {str(error)[:200]}"
+            )
+            raise_fault_flag(self.store, self.epoch, reason)
+            self._fail()
+            raise FaultDetected(reason, raised_here=True) from error
+
+    def _fail(self) -> None:
+        self.failed = True
+        self._abort()
