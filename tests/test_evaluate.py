@@ -14,7 +14,7 @@ import pytest
 import torch
 
 FLEX_RUN = ["--model.flavor", "tiny", "--platform.attention", "model", "--training.seq_len", "256",
-            "--training.local_batch_size", "2", "--training.steps", "1"]
+            "--training.local_batch_size", "2", "--training.steps", "1", "--recover.diloco.eval_microbatches", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +78,10 @@ def training_forward_loss(config, parameters, ids, *, causal_only: bool = False)
 
 
 def test_validator_of_a_flex_model_gives_the_training_forward_loss(flex_config):
-    """The old validator called the model with tokens only: FlexAttention asserted that a BlockMask is passed."""
+    """The old validator called the model with tokens only: FlexAttention asserted that a BlockMask is passed. The
+    diloco syncer's evaluator (on its default device, the CPU) computes the same number."""
     from titan_recover.evaluate import validation_ids, Validator
+    from titan_recover.recover.diloco.syncer.evaluation import GlobalEvaluator
 
     validator = Validator(flex_config, microbatches=2)
     parameters = other_parameters(flex_config)
@@ -89,6 +91,9 @@ def test_validator_of_a_flex_model_gives_the_training_forward_loss(flex_config):
 
     assert validator.loss(parameters) == pytest.approx(expected, rel=1e-6)
     assert next(validator.model.parameters()).device == torch.device("cpu")  # the default device
+    evaluator = GlobalEvaluator(flex_config, ranks=1)
+    assert evaluator.loss(parameters) == pytest.approx(expected, rel=1e-6)
+    assert evaluator.validator.device == torch.device("cpu")
     causal, _ = training_forward_loss(flex_config, parameters, ids, causal_only=True)
     assert abs(causal - expected) > 1e-3, (causal, expected)  # what forcing SDPA would compute
 
