@@ -295,6 +295,45 @@ def test_each_replica_group_gets_its_own_gpus():
         group_devices(1, 4, ["0", "1"], share=True)
 
 
+def test_the_syncer_evaluates_on_cpu_or_a_gpu_no_learner_uses():
+    from titan_recover.recover.diloco.config import DilocoConfig
+    from titan_recover.recover.placement import evaluation_device, group_devices
+
+    visible = ["4", "5", "6", "7"]  # CUDA_VISIBLE_DEVICES=4,5,6,7: cuda:N is its N-th, in the syncer as here
+    groups = group_devices(3, 1, visible)
+    assert evaluation_device("cpu", groups, visible) is None
+    assert evaluation_device("cuda:3", groups, visible) == "7"
+    with pytest.raises(ValueError, match=r"'cuda:0' is replica group 0's GPU: .* use 'cpu' or a GPU no group uses "
+                                         r"\(cuda:3\), or set recover.share_devices = true"):
+        evaluation_device("cuda:0", groups, visible)
+    with pytest.raises(ValueError, match=r"'cuda:4', but this node has 4 GPUs"):
+        evaluation_device("cuda:4", groups, visible)
+    assert evaluation_device("cuda:1", groups, visible, share=True) == "5"
+    with pytest.raises(ValueError, match=r"use 'cpu' \(every GPU is a group's\)"):
+        evaluation_device("cuda:1", group_devices(2, 2, visible), visible)
+    for bad in ("cuda", "gpu:1", "cuda:x"):  # a bare "cuda" would be cuda:0, the first learner's
+        with pytest.raises(ValueError, match="eval_device must be 'cpu' or 'cuda:N'"):
+            DilocoConfig(eval_device=bad)
+
+
+def test_the_launcher_checks_where_the_syncer_evaluates(launcher, monkeypatch):
+    """On CPU a GPU cannot be named; on a (mocked) node with 4 GPUs and 3 learners of 1 process, the fourth GPU can,
+    a learner's cannot."""
+    from titan_recover import platform
+
+    code, out, err = launcher("train_configs/diloco.toml", "--dry-run")
+    assert code == 0 and "the syncer evaluates on cpu" in out, err
+    code, _, err = launcher("train_configs/diloco.toml", "--recover.diloco.eval_device", "cuda:0", "--dry-run")
+    assert code == 2 and "'cuda:0' needs a GPU node and this run is on CPU" in err, err
+    monkeypatch.setattr(platform, "active_device", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    code, out, err = launcher("train_configs/diloco.toml", "--recover.diloco.eval_device", "cuda:3", "--dry-run")
+    assert code == 0 and "the syncer evaluates on GPU 3" in out, err
+    code, _, err = launcher("train_configs/diloco.toml", "--recover.diloco.eval_device", "cuda:0", "--dry-run")
+    assert code == 2 and "'cuda:0' is replica group 0's GPU" in err, err
+
+
 def test_the_launcher_splits_the_gpus_between_replica_groups(launcher, monkeypatch):
     """On a (mocked) node with 4 GPUs: 3 groups and a spare of 1 process get a GPU each; 3 groups of 2 processes
     are refused before any process starts, with the arithmetic, unless sharing is allowed."""

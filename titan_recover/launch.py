@@ -122,6 +122,28 @@ def group_placement(config, nproc: int, device: str) -> list[list[str]] | None:
         raise ConfigError(str(e)) from None
 
 
+def evaluation_placement(config, devices: list[list[str]] | None) -> str:
+    """Where the diloco syncer evaluates the global model (``[recover.diloco] eval_device``), checked against the
+    replica groups' GPUs (``devices``, None on CPU) before any process starts; ``"cpu"`` or ``"GPU <id>"``."""
+    recover = config.recover
+    eval_device = recover.diloco.eval_device
+    if not recover.diloco_mode or eval_device == "cpu":
+        return "cpu"
+    if devices is None:
+        raise ConfigError(f"recover.diloco.eval_device = {eval_device!r} needs a GPU node and this run is on CPU: "
+                          "use 'cpu'")
+    import torch
+
+    from titan_recover.recover.placement import evaluation_device, visible_devices
+
+    try:
+        device = evaluation_device(eval_device, devices, visible_devices(torch.cuda.device_count),
+                                   share=recover.share_devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return f"GPU {device}"
+
+
 def checkpoint_restart_job(config, toml_path: str | None, overrides: list[str]):
     """``[recover] mode = "checkpoint_restart"``: the same job as the replica groups, as the baseline runs it: one
     torchrun whose replicated data-parallel dimension is the replica groups (same global batch, same microbatch
@@ -202,7 +224,7 @@ def check_job(config, options: dict):
     check_batch(config.training, config.parallelism, layout)
     if config.recover.enabled:
         check_replica_layout(config, layout, nnodes)
-        group_placement(config, nproc, device)
+        evaluation_placement(config, group_placement(config, nproc, device))
     if nnodes > 1 and "--rdzv-endpoint" not in options:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
     return nproc, nnodes, layout
@@ -219,6 +241,7 @@ def replica_job(config, options: dict, toml_path: str | None, overrides: list[st
         spares = f" + {recover.spares} spare(s)" if recover.spares else ""
         if recover.diloco_mode:
             print(f"coordinator + syncer + {recover.replicas} learners x {nproc} processes")
+            print(f"the syncer evaluates on {evaluation_placement(config, devices)}")
         else:
             print(f"coordinator + {recover.replicas} replica groups{spares} x {nproc} processes")
         if devices is not None:

@@ -4,7 +4,8 @@ TorchTitan places a rank on ``cuda:LOCAL_RANK``, and every replica group is a to
 start at 0: without a split, every group would land on the first GPUs of the node. The launcher gives group ``i``
 of ``W`` ranks the visible devices ``i W ... (i + 1) W - 1`` through ``CUDA_VISIBLE_DEVICES``, so its local rank
 ``r`` is its own device. A node with fewer GPUs than groups x ranks is refused before any process starts, unless
-``[recover] share_devices`` lets groups share them (tests on a machine with one GPU).
+``[recover] share_devices`` lets groups share them (tests on a machine with one GPU). The diloco syncer evaluates on
+CPU, or on a visible GPU ``[recover.diloco] eval_device`` names, which must not be a group's (same exception).
 """
 
 from __future__ import annotations
@@ -44,3 +45,26 @@ def group_devices(groups: int, ranks: int, visible: list[str], *, share: bool = 
             "nodes (docs/replica_groups.md), or set recover.share_devices = true to let the groups share GPUs (for "
             "tests: every group's memory then lands on the same devices)")
     return [[visible[(g * ranks + r) % available] for r in range(ranks)] for g in range(groups)]
+
+
+def evaluation_device(eval_device: str, groups: list[list[str]], visible: list[str], *, share: bool = False
+                      ) -> str | None:
+    """The visible device the diloco syncer evaluates on for ``[recover.diloco] eval_device``: None for ``"cpu"``;
+    for ``"cuda:N"`` the node's ``N``-th visible device (the syncer inherits the node's ``CUDA_VISIBLE_DEVICES``,
+    so ``cuda:N`` names the same device in its process). Raises ``ValueError`` when there is no such device, or,
+    unless ``share``, when it is one of the replica groups' (``groups``: what :func:`group_devices` gave them)."""
+    if eval_device == "cpu":
+        return None
+    index = int(eval_device.removeprefix("cuda:"))
+    if index >= len(visible):
+        raise ValueError(f"recover.diloco.eval_device = {eval_device!r}, but this node has {len(visible)} GPUs "
+                         f"({VISIBLE_ENV}={','.join(visible) or '(none)'})")
+    device = visible[index]
+    owner = next((g for g, devices in enumerate(groups) if device in devices), None)
+    if owner is not None and not share:
+        used = sum(len(devices) for devices in groups)
+        free = f"cuda:{used}" + (f" ... cuda:{len(visible) - 1}" if len(visible) - used > 1 else "")
+        choices = f"'cpu' or a GPU no group uses ({free})" if used < len(visible) else "'cpu' (every GPU is a group's)"
+        raise ValueError(f"recover.diloco.eval_device = {eval_device!r} is replica group {owner}'s GPU: the syncer "
+                         f"would take memory its learner needs; use {choices}, or set recover.share_devices = true")
+    return device

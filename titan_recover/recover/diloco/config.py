@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -37,6 +38,11 @@ class DilocoConfig:
     eval_microbatches: int = 4
     """Size of the validation slice, in replica microbatches: the ids right after the job's training budget."""
 
+    eval_device: str = "cpu"
+    """Where the syncer evaluates the global model: ``"cpu"``, or ``"cuda:N"``, the node's ``N``-th visible GPU, one
+    that no learner uses (the launcher refuses a learner's GPU unless ``recover.share_devices``). A bare ``"cuda"``
+    is refused: it would be ``cuda:0``, the first learner's."""
+
     syncer_max_restarts: int = 3
     """How often the launcher restarts a syncer that crashed (it resumes from its checkpoint)."""
 
@@ -55,5 +61,8 @@ class DilocoConfig:
                 raise ValueError(f"recover.diloco.{name} must be >= 0, got {getattr(self, name)}")
         if self.checkpoint_interval_s == 0:
             raise ValueError("recover.diloco.checkpoint_interval_s must be > 0: it bounds what a syncer crash costs")
+        if not re.fullmatch(r"cpu|cuda:\d+", self.eval_device):
+            raise ValueError("recover.diloco.eval_device must be 'cpu' or 'cuda:N' (N: a visible GPU no learner "
+                             f"uses), got {self.eval_device!r}")
         if self.syncer_max_restarts < 0:
             raise ValueError(f"recover.diloco.syncer_max_restarts must be >= 0, got {self.syncer_max_restarts}")

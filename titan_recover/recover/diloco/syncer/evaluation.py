@@ -7,8 +7,9 @@ import torch
 
 
 class GlobalEvaluator:
-    """Loss on the validation slice (``eval_microbatches`` replica microbatch ids right after the budget). Needs the
-    run's whole config (model, tokenizer, data); the validator is built at the first evaluation."""
+    """Loss on the validation slice (``eval_microbatches`` replica microbatch ids right after the budget), on
+    ``[recover.diloco] eval_device``: CPU unless a GPU is named (the launcher checked that no learner uses it). Needs
+    the run's whole config (model, tokenizer, data); the validator is built at the first evaluation."""
 
     def __init__(self, config, ranks: int):
         self.config, self.ranks = config, ranks
@@ -21,6 +22,9 @@ class GlobalEvaluator:
             from titan_recover.evaluate import Validator
 
             layout = resolve_layout(self.config.parallelism, self.ranks)  # a learner's mesh
+            device = torch.device(self.config.recover.diloco.eval_device)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # compiled kernels and the allocator's context there, not on cuda:0
             self.validator = Validator(self.config, self.config.recover.diloco.eval_microbatches,
-                                       shard_degree=layout.dp_shard)
+                                       shard_degree=layout.dp_shard, device=device)
         return self.validator.loss(parameters)
