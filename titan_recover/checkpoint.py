@@ -20,7 +20,8 @@ is never counted as one of them, so it cannot push out a good checkpoint. Its ``
 
 Run information comes from the config (the loader fills ``load_verified`` and the snapshot section) and the
 environment the launcher sets (the run folder and replica of the event log); nothing is installed after
-construction.
+construction. The one thing that changes while training is ``writer``, which the trainer sets from each step's
+report.
 """
 
 from __future__ import annotations
