@@ -1,12 +1,16 @@
-"""The project's checkpoint manager (``titan_recover/checkpoint.py``), in one process, without a process group.
+"""The project's checkpoint manager (``titan_recover/checkpoint.py``), in one process.
 
 Which durable step recovery loads (the newest verified one, or the user's explicit ``load_step``), with TorchTitan's
-own load logic and only the DCP read recorded; the ``checkpoint_choice`` event; and the refill from a keeper's
-in-memory snapshot after the durable load (a real keeper store, a fresh model restored bitwise).
+own load logic and only the DCP read recorded; the ``checkpoint_choice`` event; the refill from a keeper's
+in-memory snapshot after the durable load (a real keeper store, a fresh model restored bitwise); and the replica
+groups' one checkpoint folder (docs/replica_groups.md "Checkpoints"): only the writer saves into it, with real DCP
+files under a one-rank process group, a fresh replica loads it whoever wrote it, and the purge counts only complete
+checkpoints.
 """
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -14,7 +18,7 @@ import torch
 from torch.distributed import TCPStore
 
 from test_state_transfer import Replica
-from titan_recover.checkpoint import RecoverCheckpointManager, verified_load_step
+from titan_recover.checkpoint import RecoverCheckpointManager, stale_checkpoints, verified_load_step
 from titan_recover.recover.events import read_events
 from titan_recover.recover.phoenix.snapshots import SnapshotConfig
 from titan_recover.recover.scout.verified import mark_verified
@@ -115,3 +119,77 @@ def test_the_manager_refills_from_the_keeper_after_the_durable_load(tmp_path):
 
     without = manager(RecoverCheckpointManager, tmp_path, Replica(seed=2), enable=False)
     assert without.snapshots is None and not without.load()
+
+
+@pytest.fixture
+def process_group():
+    """The one-rank process group TorchTitan's trainer would have (its purge asks for the rank)."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def trained(steps: int, seed: int = 0) -> Replica:
+    replica = Replica(seed=seed)
+    for batch in range(steps):
+        replica.train_step(batch)
+    return replica
+
+
+def test_replica_groups_share_the_run_checkpoint_folder(tmp_path, monkeypatch):
+    from titan_recover.job_config import build_config
+    from titan_recover.train import place_replica_outputs
+
+    monkeypatch.setenv("TITAN_RECOVER_REPLICA", "1")
+    monkeypatch.setenv("TITAN_RECOVER_RUN_DIR", str(tmp_path))
+    config = build_config("train_configs/replicas.toml", ["--dump_folder", str(tmp_path)])
+    place_replica_outputs(config)
+    assert config.dump_folder == str(tmp_path / "replica_1")
+    assert config.checkpoint.folder == str(tmp_path / "checkpoint")
+
+
+def test_one_replica_writes_the_checkpoint_and_a_restart_loads_it_whoever_wrote_it(tmp_path, process_group):
+    """Two replica groups holding the same state, as after a commit: only the writer's ranks write; when the writer
+    is lost the next one writes into the same folder; a fresh replica (a restarted group, or the whole job started
+    again) loads the newest, bitwise."""
+    shared = tmp_path / "checkpoint"
+    replicas = [trained(2), trained(2)]
+    managers = [manager(RecoverCheckpointManager, tmp_path / f"replica_{i}", r, enable=True, interval=2,
+                        folder=str(shared)) for i, r in enumerate(replicas)]
+    managers[1].writer = False  # replica 0 is the lowest member
+    assert managers[0].save(curr_step=2) and not managers[1].save(curr_step=2)
+    assert list(tmp_path.rglob(".metadata")) == [shared / "step-2" / ".metadata"]  # one copy, the writer's
+    managers[0].close()
+
+    survivor = replicas[1]  # replica 0 is lost: replica 1 is the lowest member now
+    for batch in (2, 3):
+        survivor.train_step(batch)
+    managers[1].writer = True
+    assert managers[1].save(curr_step=4)
+    managers[1].close()
+    assert sorted(os.listdir(shared)) == ["step-2", "step-4"]
+
+    fresh = Replica(seed=7)
+    restarted = manager(RecoverCheckpointManager, tmp_path / "replica_0", fresh, enable=True, interval=2,
+                        folder=str(shared))
+    assert restarted.load() and fresh.step == 4
+    assert all(torch.equal(a, b) for a, b in zip(survivor.state().tensors(), fresh.state().tensors()))
+    restarted.close()
+
+
+def test_the_purge_keeps_complete_checkpoints_over_a_lost_writers_partial_one(tmp_path, process_group):
+    assert stale_checkpoints([2, 4, 6, 8, 10], complete=[2, 4, 8], keep=2) == [2]  # 6 partial, 10 in flight
+    assert stale_checkpoints([2, 4, 6], complete=[2], keep=2) == []  # too few complete: purge nothing
+    assert stale_checkpoints([2, 4, 6], complete=[2, 4, 6], keep=2) == [2]
+    assert stale_checkpoints([2, 4], complete=[2, 4], keep=0) == []  # keep_latest_k = 0: TorchTitan keeps all
+
+    shared = tmp_path / "checkpoint"
+    replica = trained(2)
+    writer = manager(RecoverCheckpointManager, tmp_path / "replica_1", replica, enable=True, interval=2,
+                     folder=str(shared), keep_latest_k=2)
+    assert writer.save(curr_step=2) and writer.save(curr_step=4)
+    (shared / "step-6").mkdir()  # the previous writer died saving step 6: no .metadata
+    assert writer.save(curr_step=8)
+    writer.close()  # joins the purge thread
+    # TorchTitan's own purge would keep step-6 and step-8 only, no complete checkpoint but the newest
+    assert sorted(os.listdir(shared)) == ["step-4", "step-6", "step-8"]

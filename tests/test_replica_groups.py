@@ -73,5 +73,7 @@ def test_too_few_replicas_stop_with_a_durable_checkpoint(tmp_path, default_data)
     assert "fewer than recover.min_replicas = 2: stopping" in proc.stdout + proc.stderr
     stopped = [e for e in events if e["event"] == "stopped"]
     assert stopped and stopped[0]["step"] == 2 and stopped[0]["checkpoint_saved"]
-    assert (tmp_path / "replica_0" / "checkpoint" / "step-2").is_dir()
+    # written once, by the survivor, into the run's checkpoint folder (docs/replica_groups.md "Checkpoints")
+    assert (tmp_path / "checkpoint" / "step-2" / ".metadata").is_file()
+    assert not list(tmp_path.glob("replica_*/checkpoint"))
     assert processes_of_run(str(tmp_path)) == []

@@ -14,6 +14,7 @@ from conftest import EXACT_REFERENCE
 from replica_runs import assert_all_equal_reference, metrics_by_replica, of, run_replicas
 from titan_recover.recover.scout.consensus import replay_plan
 from titan_recover.recover.launcher import processes_of_run
+from titan_recover.recover.scout.verified import read_verified
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,11 +61,13 @@ def test_parameter_flip_is_attributed_and_a_gradient_flip_is_caught_by_replay(tm
     admitted = [(e["replica"], e["after_step"]) for e in of(events, "replica_admitted")]
     assert [r for r, _ in admitted] == [1, holder]
     assert not of(events, "vote_inconclusive")
-    # a checkpoint is verified by the clean vote of the next commit: a replica never evicted verified every one
-    # but the final step's; the evicted replica did not verify the state it had when it was corrupt
-    steady = min({0, 2} - {holder})
-    assert {e["step"] for e in of(events, "checkpoint_verified", replica=steady)} == {2, 4, 6}
-    assert 2 not in {e["step"] for e in of(events, "checkpoint_verified", replica=1)}
+    # a checkpoint is verified by the clean vote of the next commit: every one but the final step's, recorded once,
+    # by the checkpoint writer (the lowest member of the epoch that committed the next step), in the run's folder
+    verified = [(e["step"], e["replica"]) for e in of(events, "checkpoint_verified")]
+    assert sorted(step for step, _ in verified) == [2, 4, 6]
+    for step, replica in verified:
+        assert {min(e["members"]) for e in of(events, "step_committed", step=step + 1)} == {replica}
+    assert read_verified(str(tmp_path / "checkpoint")) == [2, 4, 6]
     # both came back, and every replica ended bitwise where the failure-free run ended
     assert_all_equal_reference(exact_reference, tmp_path, events, replicas=[0, 1, 2])
     assert processes_of_run(str(tmp_path)) == []

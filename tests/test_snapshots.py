@@ -1,7 +1,9 @@
 """In-memory snapshots of a job without replicas (docs/phoenix.md "Buddy snapshots").
 
 Pure: which step is restored. In one process against a real keeper store: a snapshot restores a fresh model
-bitwise, and a send that failed midway leaves the previous snapshot the one restored. End to end: a rank of a
+bitwise, and a send that failed midway leaves the previous snapshot the one restored; the device path (a side
+stream's copy into a reused host buffer) with a fake stream whose copies happen only when their event is waited
+for: the snapshot is published after its copy, and the optimizer step after it comes after the copy. End to end: a rank of a
 tensor-parallel job is killed, torchrun restarts the job, every rank refills from the keeper, and the run logs the
 failure-free run's loss at every step.
 """
@@ -9,6 +11,7 @@ failure-free run's loss at every step.
 from __future__ import annotations
 
 import collections
+import threading
 from datetime import timedelta
 
 import pytest
@@ -16,7 +19,7 @@ import torch
 from torch.distributed import TCPStore
 
 from conftest import launch, read_metrics, TP_REFERENCE_STEPS
-from test_state_transfer import Replica
+from test_state_transfer import Deferred, DeferredCopies, Replica
 from titan_recover.recover.events import read_events
 from titan_recover.recover.phoenix.snapshots import buddy_node, restore_step, Snapshots
 
@@ -88,6 +91,76 @@ def test_a_snapshot_restores_a_fresh_replica_and_a_failed_send_keeps_the_previou
     for name, value in fresh.model.state_dict().items():
         assert torch.equal(value, expected[name]), name
     assert restorer.restore(durable_step=3) is None  # a durable checkpoint as new wins
+
+
+class GatedCopies(DeferredCopies):
+    """A side stream whose copies the sending thread can only see complete once the test opens the gate."""
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.gate = threading.Event()
+
+    def copy(self, pairs):
+        event = GatedEvent(list(pairs), self.log, self.gate)
+        self.pending.append(event)
+        return event
+
+
+class GatedEvent(Deferred):
+    def __init__(self, pairs, log, gate):
+        super().__init__(pairs, log)
+        self.gate = gate
+
+    def synchronize(self):
+        if threading.current_thread() is not threading.main_thread():
+            assert self.gate.wait(10)
+        super().synchronize()
+
+
+class LoggedStore:
+    def __init__(self, store, log):
+        self.store, self.log = store, log
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def set(self, key, value):
+        self.store.set(key, value)
+        if key.endswith("/meta"):
+            self.log.append("published")
+
+
+def test_on_a_device_the_copy_runs_on_a_side_stream_into_one_reused_buffer_and_is_published_after_it(keeper):
+    log: list[str] = []
+    copies = GatedCopies(log)
+    trained = Replica(seed=0)
+    snapshots = Snapshots(trained.state(), keepers=[keeper], rank=0, ranks=1, local_ranks=1, timeout_s=10,
+                          copies=copies)
+    snapshots.store = LoggedStore(snapshots.store, log)
+    trained.train_step(0)
+    copies.gate.set()
+    assert snapshots.take(trained.step)
+    snapshots.wait()
+    assert log == ["copied", "published"]  # hashed and published only once the copy's event completed
+    first = snapshots._payload
+
+    # the next snapshot: the copy is still in flight when the next optimizer step is due
+    copies.gate.clear()
+    trained.train_step(1)
+    expected = {k: v.clone() for k, v in trained.model.state_dict().items()}
+    assert snapshots.take(trained.step)
+    snapshots.before_optimizer()  # the step's kernels queue after the copy (here: the fake completes it now)
+    trained.train_step(2)
+    copies.gate.set()
+    snapshots.wait()
+    assert log == ["copied", "published"] * 2
+    assert copies.allocated == 1 and snapshots._payload is first  # one host buffer, reused
+
+    fresh = Replica(seed=1)
+    restorer = Snapshots(fresh.state(), keepers=[keeper], rank=0, ranks=1, local_ranks=1, timeout_s=10)
+    assert restorer.restore(durable_step=0) == 2
+    for name, value in fresh.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name  # the state of step 2, not the one step 3 made
 
 
 @pytest.mark.multiprocess

@@ -11,7 +11,10 @@ import threading
 import pytest
 import torch
 
-from titan_recover.recover.phoenix.state_transfer import ChecksumError, StateMismatch, TrainingState, transfer
+from titan_recover.recover.phoenix.staging import HostCopies
+from titan_recover.recover.phoenix.state_transfer import (
+    ChecksumError, plan_ring, StateMismatch, TrainingState, transfer,
+)
 
 
 class Replica:
@@ -41,16 +44,82 @@ class Replica:
         self.step += 1
 
 
-def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_bytes: int = 2**20, tamper=None):
-    """Donor and receiver each call transfer(); returns (donor stats, receiver stats or the exception)."""
+class StagedCopies(HostCopies):
+    """Every chunk through the ring (as a GPU tensor's would be), its buffers counted."""
+
+    def __init__(self):
+        self.allocated = 0
+
+    def in_place(self, view):
+        return False
+
+    def host_buffer(self, nbytes):
+        self.allocated += 1
+        return super().host_buffer(nbytes)
+
+
+class Deferred:
+    """A GPU copy's event as the host sees it: the bytes are only there once it was waited for."""
+
+    def __init__(self, pairs, log=None):
+        self.pairs, self.log, self.done = pairs, log, False
+
+    def synchronize(self):
+        if not self.done:
+            self.done = True
+            for dst, src in self.pairs:
+                dst.copy_(src)
+            if self.log is not None:
+                self.log.append("copied")
+
+
+class DeferredCopies(StagedCopies):
+    """Copies as a side stream makes them: nothing moves until their event is waited for (or ``join``)."""
+
+    asynchronous = True
+
+    def __init__(self, log=None):
+        super().__init__()
+        self.pending, self.log = [], log
+
+    def copy(self, pairs):
+        event = Deferred(list(pairs), self.log)
+        self.pending.append(event)
+        return event
+
+    def wait_on_device(self, event):
+        event.synchronize()
+
+    def join(self):
+        for event in self.pending:
+            event.synchronize()
+
+
+def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_bytes: int = 2**20, tamper=None,
+                 ring: int = 4, copies=None, windows=None):
+    """Donor and receiver each call transfer(); returns (donor stats, receiver stats or the exception). ``copies``:
+    a factory of each side's staging; ``windows``: a list that records every window each side issued, as the
+    set of host storages it used."""
     pipe: queue.Queue = queue.Queue()
     results: dict[str, object] = {}
+
+    def many(broadcast):
+        if windows is None:
+            return None
+
+        def broadcast_many(tensors, on_each):
+            windows.append({t.untyped_storage().data_ptr() for t in tensors})
+            for i, t in enumerate(tensors):
+                broadcast(t)
+                on_each(i)
+        return broadcast_many
 
     def donor_side():
         def broadcast(t):
             pipe.put(t.clone())
         results["donor"] = transfer(donor.state(), broadcast, is_donor=True, chunk_bytes=chunk_bytes,
-                                    direct_bytes=direct_bytes)
+                                    direct_bytes=direct_bytes, ring=ring, broadcast_many=many(broadcast),
+                                    copies=copies() if copies else None)
 
     def receiver_side():
         count = {"n": 0}
@@ -62,7 +131,8 @@ def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_
                 got = tamper(count["n"], got)
             t.copy_(got)
         try:
-            results["receiver"] = transfer(receiver.state(), broadcast, is_donor=False)
+            results["receiver"] = transfer(receiver.state(), broadcast, is_donor=False, ring=ring,
+                                           broadcast_many=many(broadcast), copies=copies() if copies else None)
         except Exception as error:  # noqa: BLE001 - handed to the test
             results["receiver"] = error
 
@@ -143,6 +213,57 @@ def test_a_corrupted_chunk_fails_its_checksum():
 
     _, received = run_transfer(donor, joiner, chunk_bytes=128, tamper=flip_a_bit_of_the_third_chunk)
     assert isinstance(received, ChecksumError) and "chunk(s) [2]" in str(received)
+
+
+def test_the_ring_plan_gives_every_window_at_most_ring_staged_chunks_and_reuses_the_buffers_in_turn():
+    windows, slots = plan_ring([True] * 10, 4)
+    assert windows == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert slots == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    # chunks that travel in place (CPU slices) need no buffer and ride along with the staged ones
+    windows, slots = plan_ring([False, True, False, True, True, False, False], 2)
+    assert windows == [[0, 1, 2, 3], [4, 5, 6]] and slots == [None, 0, None, 1, 0, None, None]
+    assert plan_ring([False, False], 3) == ([[0, 1]], [None, None])  # CPU only: one window, as before the ring
+    assert plan_ring([], 3) == ([], [])
+
+
+@pytest.mark.parametrize("ring", [1, 3])
+@pytest.mark.parametrize("copies", [StagedCopies, DeferredCopies], ids=["at-once", "deferred"])
+def test_the_ring_never_holds_more_than_its_buffers_and_every_byte_arrives(ring, copies):
+    """Every chunk through the ring, as on a GPU: tensors larger than a chunk (the weights) and many small ones
+    (biases, optimizer step counts); with deferred copies a missing wait would send or keep stale bytes."""
+    donor, joiner = Replica(seed=0, hidden=32), Replica(seed=1, hidden=32)
+    for batch in range(2):
+        donor.train_step(batch)
+    windows: list[set] = []
+    sent, received = run_transfer(donor, joiner, chunk_bytes=256, direct_bytes=128, ring=ring, copies=copies,
+                                  windows=windows)
+    assert not isinstance(received, Exception), received
+    assert sent.chunks > 3 * ring and sent.host_buffers == received.host_buffers == ring
+    assert windows and all(len(storages) <= ring for storages in windows)  # each window's distinct host buffers
+    assert len(set().union(*windows)) <= 2 * ring  # the donor's ring and the receiver's, nothing else
+    assert joiner.step == donor.step == 2
+    for a, b in zip(donor.state().tensors(), joiner.state().tensors()):
+        assert torch.equal(a, b)
+    for batch in (2, 3):
+        donor.train_step(batch)
+        joiner.train_step(batch)
+    assert all(torch.equal(a, b) for a, b in zip(donor.model.parameters(), joiner.model.parameters()))
+
+
+def test_a_corrupted_chunk_through_the_ring_fails_and_the_metadata_stays():
+    donor, joiner = Replica(seed=0), Replica(seed=1)
+    donor.train_step(0)
+
+    def flip_a_bit_of_the_fourth_chunk(n, t):
+        if n == 6:  # 1 header length, 2 header, 3.. the chunks
+            t = t.clone()
+            t[-1] ^= 4
+        return t
+
+    _, received = run_transfer(donor, joiner, chunk_bytes=128, direct_bytes=64, ring=2, copies=DeferredCopies,
+                               tamper=flip_a_bit_of_the_fourth_chunk)
+    assert isinstance(received, ChecksumError) and "chunk(s) [3]" in str(received)
+    assert joiner.step == 0  # the step, schedule and RNG load only after every chunk verified
 
 
 def _member(port: int, replica: int, die_after_broadcasts: int | None, results) -> None:

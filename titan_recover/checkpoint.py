@@ -1,8 +1,13 @@
 """TorchTitan checkpoint manager with the resilience layer's load path (docs/scout.md section 4, docs/phoenix.md).
 
-``RecoverCheckpointManager`` is TorchTitan's DCP ``CheckpointManager`` (saving, purging, async modes unchanged),
-selected through ``[checkpoint]`` by the config loader like the project's data loader and metrics processor. Its
-``load`` (called by TorchTitan's ``Trainer.train`` before the first step) differs in two ways:
+``RecoverCheckpointManager`` is TorchTitan's DCP ``CheckpointManager`` (saving and async modes unchanged),
+selected through ``[checkpoint]`` by the config loader like the project's data loader and metrics processor. It
+saves only while :attr:`~RecoverCheckpointManager.writer` is set: in sync mode the replica groups share the run's
+checkpoint folder and only the lowest member replica of the epoch that committed a step writes it (the trainer sets
+``writer`` from each step's report; docs/replica_groups.md "Checkpoints"). Its purge keeps the newest
+``keep_latest_k`` *complete* checkpoints (:func:`stale_checkpoints`): a save that never completed (its writer died)
+is never counted as one of them, so it cannot push out a good checkpoint. Its ``load`` (called by TorchTitan's
+``Trainer.train`` before the first step) differs in two ways:
 
 * which durable checkpoint: with ``load_verified`` on, "the newest" (``load_step = -1``) is the newest checkpoint
   recorded as verified by a clean parameter vote (:func:`titan_recover.recover.scout.verified.step_to_load`),
@@ -15,18 +20,21 @@ selected through ``[checkpoint]`` by the config loader like the project's data l
 
 Run information comes from the config (the loader fills ``load_verified`` and the snapshot section) and the
 environment the launcher sets (the run folder and replica of the event log); nothing is installed after
-construction.
+construction. The one thing that changes while training is ``writer``, which the trainer sets from each step's
+report.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.tools import filesystem
 
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import REPLICA_ENV, RUN_DIR_ENV
@@ -35,6 +43,8 @@ from titan_recover.recover.phoenix.state_transfer import TrainingState
 from titan_recover.recover.scout.verified import only_unverified, step_to_load
 
 logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the world size: the process group's, else torchrun's ``RANK`` / ``WORLD_SIZE``."""
@@ -45,6 +55,16 @@ def rank_and_world() -> tuple[int, int]:
 
 TRAIN_STATE = "train_state"
 """The key under which TorchTitan's trainer hands itself (step, tokens seen) to the checkpoint manager."""
+
+
+def stale_checkpoints(steps: list[int], complete: list[int], keep: int) -> list[int]:
+    """The step folders to purge so that the newest ``keep`` complete checkpoints remain: every folder older than
+    the oldest of them. Folders newer than it stay (a save in flight, or one whose writer died, removed once a
+    newer complete checkpoint makes it old); with fewer than ``keep`` complete checkpoints nothing is purged."""
+    kept = sorted(complete)[-keep:] if keep > 0 else []
+    if keep <= 0 or len(kept) < keep:
+        return []
+    return sorted(s for s in steps if s < kept[0])
 
 
 def verified_load_step(folder: str, requested: int) -> tuple[int, str | None]:
@@ -67,6 +87,11 @@ class RecoverCheckpointManager(CheckpointManager):
         _snapshot: SnapshotConfig | None = None
         """``[recover.snapshot]``, handed over by the config loader (users set it there, not here): with
         ``interval > 0`` every rank refills from the keepers' snapshots after the durable load."""
+
+    writer: bool = True
+    """This process writes the checkpoints of the steps it trains. The trainer sets it from each step's report:
+    in sync mode only the lowest member replica of the committing epoch writes (the others hold the same bytes);
+    a skipped save returns False, as TorchTitan's does on a step without a checkpoint."""
 
     snapshots: Snapshots | None = None
     """This rank's in-memory snapshots with ``[recover.snapshot] interval > 0``: restored by :meth:`load`; the
@@ -111,6 +136,22 @@ class RecoverCheckpointManager(CheckpointManager):
             return loaded
         durable_step = self._train_state.state_dict()["step"]
         return self.snapshots.restore(durable_step=durable_step) is not None or loaded
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        """TorchTitan's save on the checkpoint writer; nothing elsewhere."""
+        if not self.writer:
+            return False
+        return super()._save(curr_step, last_step)
+
+    def _purge_stale_checkpoints(self) -> None:
+        """TorchTitan's purge (rank 0, ``keep_latest_k > 0``, through its purge thread), counting only complete
+        checkpoints (:func:`stale_checkpoints`)."""
+        if not self._should_purge():
+            return
+        steps = [int(m.group(1)) for name in filesystem.listdir(self.folder) if (m := _STEP_DIR.match(name))]
+        complete = [s for s in steps if filesystem.isfile(filesystem.join(self._create_checkpoint_id(s), ".metadata"))]
+        for step in stale_checkpoints(steps, complete, self.keep_latest_k):
+            self.purge_queue.put(self._create_checkpoint_id(step))
 
     def _load(self, step: int = -1) -> bool:
         if self.load_verified:

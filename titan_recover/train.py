@@ -40,12 +40,20 @@ def fresh_store_after_restart(environ=os.environ) -> None:
 
 def place_replica_outputs(config) -> None:
     """A replica group's own outputs go under ``<run>/replica_<i>/``; the per-step metrics of all replicas go to
-    ``<run>/metrics.jsonl`` (tagged with the replica) and the events to ``<run>/events.jsonl``."""
+    ``<run>/metrics.jsonl`` (tagged with the replica) and the events to ``<run>/events.jsonl``. The durable
+    checkpoints go to the run's folder (``<run>/<checkpoint.folder>``), shared by the groups: the project's checkpoint
+    manager writes each checkpoint from one replica only (docs/replica_groups.md "Checkpoints"), and every group,
+    a restarted one or the whole job started again, loads from there whichever replica wrote it."""
+    from torchtitan.tools import filesystem
+
+    from titan_recover.checkpoint import RecoverCheckpointManager
     from titan_recover.recover.groups.member import REPLICA_ENV
     from titan_recover.recover.groups.member import RUN_DIR_ENV
 
     replica = int(os.environ[REPLICA_ENV])
     run_dir = os.path.abspath(os.environ.setdefault(RUN_DIR_ENV, os.path.abspath(config.dump_folder)))
+    if isinstance(config.checkpoint, RecoverCheckpointManager.Config):  # another manager: a folder per group
+        config.checkpoint.folder = filesystem.join(run_dir, config.checkpoint.folder)
     config.dump_folder = os.path.join(run_dir, f"replica_{replica}")
     if config.metrics.jsonl_file:
         config.metrics.jsonl_file = os.path.join(run_dir, config.metrics.jsonl_file)

@@ -75,6 +75,8 @@ class RecoverTrainer(Trainer):
         report = self.mode.train_step(self.step, functools.partial(super().train_step, data_iterator))
         if report is not None:
             self.ntokens_seen = report.ntokens_seen
+            # read by the project's checkpoint manager when TorchTitan's loop saves this step
+            self.checkpointer.writer = report.checkpoint_writer
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         return self.mode.forward_backward(self.step, input_dict=input_dict, labels=labels,
@@ -85,7 +87,8 @@ class RecoverTrainer(Trainer):
         if stop is None:
             return
         self.step, self.ntokens_seen = stop.step, stop.ntokens_seen
-        if stop.save:
+        if stop.save:  # the mode chose this replica to write the stop's checkpoint
+            self.checkpointer.writer = True
             self.checkpointer.save(curr_step=stop.step, last_step=True)
         self.mode.stopped(stop, checkpoint_saved=stop.save)
         raise SystemExit(stop.exit_code)

@@ -81,6 +81,10 @@ class StepReport:
     ntokens_seen: int
     """Tokens of the global batches committed so far (TorchTitan's ``ntokens_seen``, checkpointed with the step)."""
 
+    checkpoint_writer: bool = True
+    """This replica writes the step's durable checkpoint, if the step has one (sync mode: only the lowest member
+    of the epoch that committed the step; the others hold the same bytes and skip the save)."""
+
 
 @dataclass(frozen=True)
 class Stop:

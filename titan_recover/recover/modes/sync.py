@@ -35,6 +35,7 @@ from titan_recover.recover.groups.member import (  # noqa: E402
     RUN_DIR_ENV,
     TooFewReplicas,
 )
+from titan_recover.recover.groups.keys import GroupKeys  # noqa: E402
 from titan_recover.recover.groups.protocol import active_replicas  # noqa: E402
 from titan_recover.recover.groups.replica_sync import ReplicaSync  # noqa: E402
 from titan_recover.recover.invariant.step_recovery import STEP_MANAGERS, StepOutcome  # noqa: E402
@@ -82,6 +83,8 @@ class SyncMode(Mode):
         self.step = 0
         self.committed_tokens = 0
         """Tokens of the global batches committed before the step being trained."""
+        self.stop_writer: int | None = None
+        """After a stop that saves a checkpoint: the replica that writes it (:meth:`_stop_writer`)."""
         incarnation = incarnation_from_env()
         self.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), f"{self.replica}/{self.rank}",
                                replica=self.replica, rank=self.rank)
@@ -197,13 +200,31 @@ class SyncMode(Mode):
         lr_metrics = parts.lr_schedulers.get_metrics()
         self.worker.begin_step(step)
         outcome = self.recovery.run(step)
-        self._note_verified(step)
+        writer = self._checkpoint_writer()
+        if writer:
+            self._note_verified(step)
         self.worker.write_gradient(outcome.reduced.gradient, self.per_step / outcome.committed)
         grad_norm = self._optimizer_step(step, outcome)
         tokens = train_state["ntokens_seen"] + outcome.committed * self.worker.tokens_per_microbatch
         if parts.metrics_processor.should_log(step):
             self._log(step, outcome, grad_norm, {"n_tokens_seen": tokens, **lr_metrics})
-        return StepReport(ntokens_seen=tokens)
+        return StepReport(ntokens_seen=tokens, checkpoint_writer=writer)
+
+    def _checkpoint_writer(self) -> bool:
+        """This replica writes the durable checkpoint of the step just committed, and its verification record:
+        the lowest member of the epoch that committed it. Every member holds the same bytes after a commit, so one
+        copy is enough; its ranks each write their shard, as TorchTitan's DCP does, into the run's checkpoint
+        folder, shared by the replica groups (docs/replica_groups.md "Checkpoints")."""
+        return self.replica == min(self.sync.committed_members)
+
+    def _stop_writer(self) -> int | None:
+        """At a stop: the replica that writes the stop's checkpoint, the lowest of those left in the epoch the
+        coordinator formed with the stop (published before the stop itself, so every survivor reads the same one);
+        None if none is left."""
+        store, epoch = self.member.store, self.sync.epoch
+        while store.check([GroupKeys.members(epoch + 1)]):
+            epoch += 1
+        return min(self.sync.members_of(epoch), default=None)
 
     def _optimizer_step(self, step: int, outcome: StepOutcome) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, as TorchTitan's ``Trainer.train_step`` does; ``drop``
@@ -242,7 +263,7 @@ class SyncMode(Mode):
 
     def _note_verified(self, step: int) -> None:
         """This step committed after a clean parameter vote, which read the state saved at the previous step:
-        that checkpoint is verified (docs/scout.md)."""
+        that checkpoint is verified (docs/scout.md). Called on the checkpoint writer only (one record per run)."""
         checkpoint, localizer = self.config.checkpoint, self.localizer
         previous = step - 1
         if (checkpoint.enable and localizer is not None and localizer.config.vote and localizer.clean
@@ -296,8 +317,11 @@ class SyncMode(Mode):
         except TooFewReplicas as stop:
             # the current step was not committed: the parameters are those of the step before; replicas that
             # disagree without a majority leave no state anyone can trust, so none is saved
-            return Stop(step=self.step - 1, ntokens_seen=self.committed_tokens, reason=str(stop),
-                        save=self.config.checkpoint.enable and not stop.untrusted, exit_code=EXIT_TOO_FEW)
+            if self.config.checkpoint.enable and not stop.untrusted:
+                self.stop_writer = self._stop_writer()
+            save = self.stop_writer == self.replica
+            return Stop(step=self.step - 1, ntokens_seen=self.committed_tokens, reason=str(stop), save=save,
+                        exit_code=EXIT_TOO_FEW)
         return None
 
     def _finished(self) -> None:
@@ -312,9 +336,12 @@ class SyncMode(Mode):
 
     def stopped(self, stop: Stop, checkpoint_saved: bool) -> None:
         folder = getattr(self.parts.checkpointer, "folder", "checkpoint")
-        where = (f"durable checkpoint of step {stop.step} in {folder}" if checkpoint_saved
-                 else "no checkpoint written" + ("" if self.config.checkpoint.enable else
-                                                 " ([checkpoint] enable = false)"))
+        if self.stop_writer is not None and not checkpoint_saved:
+            where = f"replica {self.stop_writer} writes the durable checkpoint of step {stop.step} in {folder}"
+        else:
+            where = (f"durable checkpoint of step {stop.step} in {folder}" if checkpoint_saved
+                     else "no checkpoint written" + ("" if self.config.checkpoint.enable else
+                                                     " ([checkpoint] enable = false)"))
         self.member.finish()
         self.events.emit("stopped", step=stop.step, reason=stop.reason, checkpoint_saved=checkpoint_saved)
         logger.error("titan_recover: %s; %s", stop.reason, where)

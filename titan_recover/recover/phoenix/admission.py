@@ -152,4 +152,5 @@ class Admission:
         seconds = time.perf_counter() - start
         sync.events.emit("state_transferred", epoch=sync.epoch, role="donor" if is_donor else "joiner",
                          donor=donor, joiners=list(joiners), bytes=stats.bytes, chunks=stats.chunks,
-                         seconds=seconds, mb_per_s=stats.bytes / 2**20 / max(seconds, 1e-9))
+                         host_buffers=stats.host_buffers, seconds=seconds,
+                         mb_per_s=stats.bytes / 2**20 / max(seconds, 1e-9))

@@ -4,10 +4,12 @@ snapshots"). The keeper process that holds them is :mod:`titan_recover.recover.p
 With one replica (FSDP2 / TP / PP inside one torchrun) the training state exists once. torchrun's
 ``--max-restarts`` restarts every worker of the job when one dies, so a snapshot cannot live in a worker: it lives
 in a **keeper**, a small process per node that holds bytes in host memory. Every ``[recover.snapshot] interval``
-steps, after the optimizer step, each rank records the small state (step, schedule, RNG) and a background thread
-copies its shard's tensors (parameters and optimizer state: what a state transfer sends) into one host buffer
-while the next step's forward and backward run, which only read them; the next optimizer step waits for that copy
-if it is not done (``blocked_s``). The thread then sends the copy to the keeper of its buddy node (``node + 1``);
+steps, after the optimizer step, each rank records the small state (step, schedule, RNG) and copies its shard's
+tensors (parameters and optimizer state: what a state transfer sends) into one host buffer, reused between
+snapshots, while the next step's forward and backward run, which only read them: on CPU a background thread makes
+the copy and the next optimizer step waits for it if it is not done (``blocked_s``); on CUDA the copy runs on a
+dedicated stream into a pinned buffer, the next optimizer step's kernels queue after its event, and the thread
+waits for the event before it reads the bytes. The thread then sends the copy to the keeper of its buddy node (``node + 1``);
 a snapshot still being sent when the next one is due is skipped, never waited for. Each rank keeps two slots on
 its keeper and marks a slot complete (its ``meta``: step, size, xxHash3) only after the bytes are stored, having
 deleted the mark before overwriting: a rank dying mid-send leaves its previous snapshot intact.
@@ -34,6 +36,7 @@ from datetime import timedelta
 import torch
 
 from titan_recover.recover.groups.blobs import get_blob, put_blob
+from titan_recover.recover.phoenix.staging import copies_for, CopyEvent, HostCopies
 from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum, StateMismatch, tensor_spec, TrainingState
 
 logger = logging.getLogger(__name__)
@@ -109,14 +112,25 @@ def _connect(address: str, timeout_s: float):
     return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' bytes, one after the other, in one host buffer."""
-    views = [bytes_view(t) for t in tensors]
-    payload = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
-    at = 0
+def _byte_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [bytes_view(t) for t in tensors]
+
+
+def _into(payload: torch.Tensor, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(payload slice, tensor bytes) of every tensor: the tensors' bytes one after the other."""
+    pairs, at = [], 0
     for v in views:
-        payload[at : at + v.numel()].copy_(v.reshape(-1))
+        pairs.append((payload[at : at + v.numel()], v))
         at += v.numel()
+    return pairs
+
+
+def _pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors' bytes, one after the other, in one host buffer (``out`` if given, of the right size)."""
+    views = _byte_views(tensors)
+    payload = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8) if out is None else out
+    for dst, src in _into(payload, views):
+        dst.copy_(src)
     return payload
 
 
@@ -132,10 +146,17 @@ def _unpack(payload: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 class Snapshots:
     """One rank's snapshots: :meth:`take` after a step (and :meth:`before_optimizer` before every optimizer step),
-    :meth:`restore` at start, :meth:`wait` at the end."""
+    :meth:`restore` at start, :meth:`wait` at the end.
+
+    The copy into host memory goes into one payload buffer, reused from snapshot to snapshot (the next one is only
+    taken once the previous one was sent). ``copies`` (default: :func:`copies_for` the tensors) decides how: CPU
+    tensors are copied by the sending thread while the next step's forward and backward run; CUDA tensors are
+    copied by :meth:`take` onto a dedicated stream into a pinned payload (``non_blocking``, an event after the
+    copies), which overlaps the next step's compute, and the sending thread hashes and publishes the payload only
+    after that event completed."""
 
     def __init__(self, state: TrainingState, *, keepers: list[str], rank: int, ranks: int, local_ranks: int,
-                 events=None, timeout_s: float = 60.0):
+                 events=None, timeout_s: float = 60.0, copies: HostCopies | None = None):
         self.state, self.rank, self.ranks, self.events = state, rank, ranks, events
         self.timeout_s = timeout_s
         self.keepers = keepers
@@ -146,6 +167,10 @@ class Snapshots:
         self._slot = 0
         self._sender: threading.Thread | None = None
         self._copied: threading.Event | None = None
+        self._copies = copies
+        self._payload: torch.Tensor | None = None
+        self._device_copy: CopyEvent | None = None
+        """The event of the device copy the next optimizer step must come after (CUDA)."""
         self.blocked_s = 0.0
         """Time optimizer steps waited for a snapshot's copy (the only cost on the training thread)."""
         self.skipped = 0
@@ -161,42 +186,73 @@ class Snapshots:
 
     # ---- taking ------------------------------------------------------------------------------------------
     def take(self, step: int) -> bool:
-        """Copy this rank's state (training thread) and send it in the background. False: skipped, because the
-        previous snapshot is still being sent."""
+        """Copy this rank's state and send it in the background. False: skipped, because the previous snapshot is
+        still being sent."""
         if self._sender is not None and self._sender.is_alive():
             self.skipped += 1
             if self.events is not None:
                 self.events.emit("snapshot_skipped", step=step, reason="the previous snapshot is still being sent")
             return False
         tensors = self.state.tensors()
-        # the small state (step, schedule, RNG) now; the tensors are copied by the thread while the next step's
-        # forward and backward run, which only read them: the next optimizer step waits for that copy to finish
+        # the small state (step, schedule, RNG) now; the tensors are copied while the next step's forward and
+        # backward run, which only read them: the next optimizer step comes after that copy
         meta = {"step": step, "meta": self.state.metadata(), "spec": tensor_spec(tensors)}
         slot = self._slot
         self._slot = 1 - self._slot
-        self._copied = threading.Event()
-        self._sender = threading.Thread(target=self._copy_and_send, args=(slot, tensors, meta, self._copied),
-                                        daemon=True, name="titan-recover-snapshot")
+        if self._copies is None:
+            self._copies = copies_for(tensors)
+        payload = self._reused_payload(tensors)
+        if self._copies.asynchronous:
+            self._device_copy = self._copies.copy(_into(payload, _byte_views(tensors)))
+            target, args = self._wait_and_send, (slot, payload, self._device_copy, meta)
+        else:
+            self._copied = threading.Event()
+            target, args = self._copy_and_send, (slot, tensors, payload, meta, self._copied)
+        self._sender = threading.Thread(target=target, args=args, daemon=True, name="titan-recover-snapshot")
         self._sender.start()
         self.taken += 1
         return True
 
+    def _reused_payload(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The host buffer of the snapshot: the previous one's (no longer read: its sender is done) if the size is
+        the same, else a new one from ``copies`` (pinned on CUDA)."""
+        nbytes = sum(bytes_view(t).numel() for t in tensors)
+        if self._payload is None or self._payload.numel() != nbytes:
+            self._payload = self._copies.host_buffer(nbytes)
+        return self._payload
+
     def before_optimizer(self) -> None:
         """Called before every optimizer step: the parameters and optimizer state may only change once the
-        snapshot being taken has copied them."""
+        snapshot being taken has copied them (CUDA: the step's kernels queue after the copy's event, the host
+        does not wait; CPU: the training thread waits for the sending thread's copy)."""
+        if self._device_copy is not None:
+            self._copies.wait_on_device(self._device_copy)
+            self._device_copy = None
+            return
         if self._copied is not None and not self._copied.is_set():
             started = time.perf_counter()
             self._copied.wait()
             self.blocked_s += time.perf_counter() - started
 
-    def _copy_and_send(self, slot: int, tensors: list[torch.Tensor], meta: dict, copied: threading.Event) -> None:
+    def _copy_and_send(self, slot: int, tensors: list[torch.Tensor], payload: torch.Tensor, meta: dict,
+                       copied: threading.Event) -> None:
+        """The sending thread on CPU: copy, let the optimizer go on, send."""
         started = time.perf_counter()
         try:
-            payload = _pack(tensors)
+            _pack(tensors, out=payload)
         finally:
             copied.set()
+        self._send(slot, payload, meta, started, copy_s=time.perf_counter() - started)
+
+    def _wait_and_send(self, slot: int, payload: torch.Tensor, copy: CopyEvent, meta: dict) -> None:
+        """The sending thread on CUDA: wait for the side stream's copy to complete, then send."""
+        started = time.perf_counter()
+        copy.synchronize()  # the payload holds the step's bytes only from here
+        self._send(slot, payload, meta, started, copy_s=time.perf_counter() - started)
+
+    def _send(self, slot: int, payload: torch.Tensor, meta: dict, started: float, copy_s: float) -> None:
+        """Hash the copied payload and store it in ``slot`` on the buddy's keeper, marking it complete last."""
         meta["bytes"] = payload.numel()
-        copy_s = time.perf_counter() - started
         try:
             meta["xxh3"] = checksum(payload)
             self.store.delete_key(SnapshotKeys.meta(self.rank, slot))  # the slot is not complete while it is rewritten

@@ -7,10 +7,13 @@ donor to every other participant of a broadcast: first a header (metadata and th
 which the receiver checks against its own before touching anything), then the tensors' bytes in chunks of at most
 ``chunk_bytes``, then the 64-bit xxHash3 checksum of every chunk (hashed by each side after the chunk went through,
 so donor and receivers hash at the same time). Large tensors travel as slices of themselves (no copy on CPU:
-received straight into the receiver's tensor), small ones packed into a staging chunk. Receivers write into their
-existing tensors in place, so references held by the optimizer and by FSDP2 stay valid; a failed check fails the
-transfer, the receiver's metadata (step, schedule, RNG) is only loaded after the last chunk verified, and a joiner
-whose transfer failed is not admitted: it asks again.
+received straight into the receiver's tensor); small ones packed, and a GPU tensor's slices, go through a ring of
+at most ``ring`` host buffers (:class:`ChunkRing`), pinned and copied on a side stream on a GPU, so that the
+donor's device-to-host copy of the next chunks, the broadcast of the current ones and a receiver's host-to-device
+copy of the previous ones overlap. Receivers write into their existing tensors in place, as the chunks arrive, so
+references held by the optimizer and by FSDP2 stay valid; a failed check fails the transfer, the receiver's
+metadata (step, schedule, RNG) is only loaded after the last chunk verified, and a joiner whose transfer failed is
+not admitted: it asks again (a receiver is always a joiner, so its partly written tensors are never trained on).
 
 ``broadcast(tensor)`` is the only communication: it must make ``tensor`` (a CPU tensor) equal to the donor's, in
 place, or raise (the fault-tolerant group's ``broadcast_``). Tests pass a fake.
@@ -27,9 +30,12 @@ import torch
 import xxhash
 from torch.distributed.tensor import DTensor
 
+from titan_recover.recover.phoenix.staging import copies_for, CopyEvent, Done, HostCopies
+
 Broadcast = Callable[[torch.Tensor], None]
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 DEFAULT_DIRECT_BYTES = 2**20
+DEFAULT_RING = 4
 
 
 class StateMismatch(RuntimeError):
@@ -183,17 +189,23 @@ def _send_text(text: str | None, broadcast: Broadcast) -> str:
 class TransferStats:
     bytes: int
     chunks: int
+    host_buffers: int = 0
+    """Host buffers this side allocated for staged chunks (at most ``ring``)."""
 
 
 def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
              chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_bytes: int = DEFAULT_DIRECT_BYTES,
-             broadcast_many: Callable[..., None] | None = None) -> TransferStats:
+             broadcast_many: Callable[..., None] | None = None, ring: int = DEFAULT_RING,
+             copies: HostCopies | None = None) -> TransferStats:
     """Make every participant's state equal to the donor's (a collective: every participant calls it).
     ``broadcast_many(tensors, on_each)`` (optional): broadcast a list of tensors in order, all in flight at once,
     calling ``on_each(i)`` as each one is through (the fault-tolerant group's ``broadcast_many_``); default: one
-    ``broadcast`` after the other.
+    ``broadcast`` after the other. ``ring``: at most this many host buffers for the chunks that need one (the
+    :class:`ChunkRing`); ``copies``: how bytes reach host memory (default: :func:`copies_for` the tensors).
 
-    On the wire: the header (:func:`_exchange_header`), the chunks (:func:`_broadcast_chunks`), the donor's digests."""
+    On the wire: the header (:func:`_exchange_header`), the chunks in order, the donor's digests in one tensor."""
+    if ring < 1:
+        raise ValueError(f"a state transfer needs a ring of at least one buffer, got {ring}")
     if not is_donor:
         state.ensure_optimizer_state()
     tensors = state.tensors()
@@ -202,13 +214,14 @@ def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
     header = _exchange_header(state, tensors, broadcast, is_donor=is_donor, chunk_bytes=chunk_bytes,
                               direct_bytes=direct_bytes)
     pieces = plan_pieces(sizes, header["chunk_bytes"], header["direct_bytes"])
-    chunks = _chunk_buffers(pieces, views, is_donor=is_donor)
-    computed, donors = _broadcast_chunks(chunks, broadcast, broadcast_many or _one_after_another(broadcast))
+    chunks = ChunkRing(pieces, views, copies or copies_for(tensors), ring=ring, is_donor=is_donor)
+    computed = chunks.run(broadcast_many or _one_after_another(broadcast))
+    donors = computed.clone()
+    broadcast(donors)
     if not is_donor:
         _verify_chunks(computed, donors)
-        _scatter_chunks(chunks, pieces, views)
         state.load_metadata(header["meta"])
-    return TransferStats(bytes=sum(sizes), chunks=len(pieces))
+    return TransferStats(bytes=sum(sizes), chunks=len(pieces), host_buffers=chunks.allocated)
 
 
 def _one_after_another(broadcast: Broadcast) -> Callable[..., None]:
@@ -247,45 +260,112 @@ def _check_layout(donor: list[list], here: list[list]) -> None:
     )
 
 
-def _chunk_buffers(pieces: list[tuple[bool, list[Segment]]], views: list[torch.Tensor], *,
-                   is_donor: bool) -> list[torch.Tensor]:
-    """One buffer per chunk, so that all of them can be in flight at once: a large tensor's slice on CPU (sent
-    from / received into the tensor itself, no copy), else a staging buffer, which the donor fills with the
-    chunk's segments and a receiver scatters after the check (:func:`_scatter_chunks`)."""
-    buffers = []
-    for direct, segments in pieces:
-        if _in_place(direct, segments, views):
+def plan_ring(staged: list[bool], ring: int) -> tuple[list[list[int]], list[int | None]]:
+    """How the chunks go through a ring of ``ring`` host buffers, the same on both sides (a function of which
+    chunks are ``staged``, i.e. need a host buffer): the windows, successive runs of chunk indices issued together
+    with at most ``ring`` staged chunks each, and every chunk's buffer (the staged chunk ``k``-th among the staged
+    ones uses buffer ``k % ring``; a chunk that travels in place uses none)."""
+    windows: list[list[int]] = []
+    slots: list[int | None] = []
+    held = count = 0  # staged chunks in the current window, in all windows so far
+    for index, needs_buffer in enumerate(staged):
+        if not windows or (needs_buffer and held == ring):
+            windows.append([])
+            held = 0
+        windows[-1].append(index)
+        slots.append(count % ring if needs_buffer else None)
+        count += needs_buffer
+        held += needs_buffer
+    return windows, slots
+
+
+class ChunkRing:
+    """The chunks of one transfer on one side, through at most ``ring`` host buffers.
+
+    A chunk of a CPU tensor's slice travels as that slice (no copy); every other chunk (packed small tensors, a
+    device tensor's slice) travels through a buffer of the ring. The windows of :func:`plan_ring` are issued one
+    after the other with ``broadcast_many``; as chunk ``i`` is through, each side hashes it, a receiver starts
+    writing it back into its tensors (``copies``, asynchronous on a GPU) and the donor starts filling its buffer
+    with the chunk that uses it next. Before a window is issued the copies of its buffers are waited for: the
+    donor's fill (the bytes are there), a receiver's write-back of the buffer's previous chunk (it may be
+    overwritten). So the donor's device-to-host copy of the next window, the broadcast of this one and a
+    receiver's host-to-device copy of the previous one overlap, and at most ``ring`` buffers ever exist."""
+
+    def __init__(self, pieces: list[tuple[bool, list[Segment]]], views: list[torch.Tensor], copies: HostCopies, *,
+                 ring: int, is_donor: bool):
+        self.pieces, self.views, self.copies, self.ring, self.is_donor = pieces, views, copies, ring, is_donor
+        staged = [not (direct and copies.in_place(views[segments[0][0]])) for direct, segments in pieces]
+        self.windows, self.slots = plan_ring(staged, ring)
+        self.staged = [i for i, needs_buffer in enumerate(staged) if needs_buffer]
+        self.ordinal = {chunk: k for k, chunk in enumerate(self.staged)}
+        self.buffer_bytes = max((_chunk_bytes(pieces[i]) for i in self.staged), default=0)
+        self.buffers: list[torch.Tensor | None] = [None] * ring
+        self.events: list[CopyEvent] = [Done()] * ring
+        self.digests = torch.zeros(len(pieces), dtype=torch.int64)
+        self.allocated = 0
+
+    def run(self, broadcast_many: Callable[..., None]) -> torch.Tensor:
+        """Broadcast every chunk, window after window; returns this side's digest of every chunk."""
+        try:
+            if self.is_donor:
+                for chunk in self.staged[: self.ring]:
+                    self._fill(chunk)
+            for window in self.windows:
+                buffers = [self._buffer(chunk) for chunk in window]
+                for chunk in window:  # the donor's fill is done, a receiver's previous write-back from the buffer too
+                    if self.slots[chunk] is not None:
+                        self.events[self.slots[chunk]].synchronize()
+                broadcast_many(buffers, lambda j, window=window, buffers=buffers: self._through(window[j], buffers[j]))
+            for event in self.events:
+                event.synchronize()
+        finally:  # also after a failure: whatever trains next runs after the copies still in flight
+            self.copies.join()
+        return self.digests
+
+    def _through(self, chunk: int, buffer: torch.Tensor) -> None:
+        """Chunk ``chunk`` went through (while the later ones of its window travel)."""
+        staged = self.slots[chunk] is not None
+        if staged and not self.is_donor:
+            self._write_back(chunk, buffer)
+        self.digests[chunk] = checksum(buffer)  # the host bytes that went through
+        if staged and self.is_donor:  # hashed: the buffer may take the chunk that uses it next
+            following = self.ordinal[chunk] + self.ring
+            if following < len(self.staged):
+                self._fill(self.staged[following])
+
+    def _buffer(self, chunk: int) -> torch.Tensor:
+        """The bytes chunk ``chunk`` travels in: its tensor's slice, or its ring buffer (allocated at first use)."""
+        segments = self.pieces[chunk][1]
+        slot = self.slots[chunk]
+        if slot is None:
             index, offset, n = segments[0]
-            buffers.append(views[index][offset : offset + n])
-            continue
-        buffer = torch.empty(sum(n for _, _, n in segments), dtype=torch.uint8)
-        if is_donor:
-            at = 0
-            for index, offset, n in segments:
-                buffer[at : at + n].copy_(views[index][offset : offset + n])
-                at += n
-        buffers.append(buffer)
-    return buffers
+            return self.views[index][offset : offset + n]
+        if self.buffers[slot] is None:
+            self.buffers[slot] = self.copies.host_buffer(self.buffer_bytes)
+            self.allocated += 1
+        return self.buffers[slot][: _chunk_bytes(self.pieces[chunk])]
+
+    def _pairs(self, chunk: int, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(tensor slice, buffer slice) of every segment of a staged chunk."""
+        pairs, at = [], 0
+        for index, offset, n in self.pieces[chunk][1]:
+            pairs.append((self.views[index][offset : offset + n], buffer[at : at + n]))
+            at += n
+        return pairs
+
+    def _fill(self, chunk: int) -> None:
+        """The donor starts copying a staged chunk's segments into its buffer."""
+        pairs = self._pairs(chunk, self._buffer(chunk))
+        self.events[self.slots[chunk]] = self.copies.copy((part, tensor) for tensor, part in pairs)
+
+    def _write_back(self, chunk: int, buffer: torch.Tensor) -> None:
+        """A receiver starts copying a staged chunk from its buffer into its tensors (before the digests are
+        checked: a receiver is a joiner, whose failed transfer is redone before it trains)."""
+        self.events[self.slots[chunk]] = self.copies.copy(self._pairs(chunk, buffer))
 
 
-def _in_place(direct: bool, segments: list[Segment], views: list[torch.Tensor]) -> bool:
-    """The chunk travels as a slice of its tensor (a direct chunk of a CPU tensor), not through a staging buffer."""
-    return direct and views[segments[0][0]].device.type == "cpu"
-
-
-def _broadcast_chunks(chunks: list[torch.Tensor], broadcast: Broadcast,
-                      broadcast_many: Callable[..., None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Broadcast the chunks, all in flight, each side hashing a chunk as soon as it is through (while the later
-    ones travel), then the donor's digests in one broadcast. Returns (this rank's digests, the donor's)."""
-    digests = torch.zeros(len(chunks), dtype=torch.int64)
-
-    def hash_chunk(i: int) -> None:  # while the later chunks are in flight
-        digests[i] = checksum(chunks[i])
-
-    broadcast_many(chunks, hash_chunk)
-    computed = digests.clone()
-    broadcast(digests)  # the donor's
-    return computed, digests
+def _chunk_bytes(piece: tuple[bool, list[Segment]]) -> int:
+    return sum(n for _, _, n in piece[1])
 
 
 def _verify_chunks(computed: torch.Tensor, donors: torch.Tensor) -> None:
@@ -293,16 +373,3 @@ def _verify_chunks(computed: torch.Tensor, donors: torch.Tensor) -> None:
     bad = (computed != donors).nonzero().flatten().tolist()
     if bad:
         raise ChecksumError(f"chunk(s) {bad} of the state transfer failed their checksum")
-
-
-def _scatter_chunks(chunks: list[torch.Tensor], pieces: list[tuple[bool, list[Segment]]],
-                    views: list[torch.Tensor]) -> None:
-    """A receiver copies every staging buffer's segments into its tensors (slices received in place need nothing)."""
-    with torch.no_grad():
-        for buffer, (direct, segments) in zip(chunks, pieces):
-            if _in_place(direct, segments, views):
-                continue
-            at = 0
-            for index, offset, n in segments:
-                views[index][offset : offset + n].copy_(buffer[at : at + n])
-                at += n

@@ -2,8 +2,8 @@
 
 A checkpoint of step ``s`` holds the state after step ``s``'s optimizer step; the parameter vote of step ``s + 1``
 reads exactly that state on every member. When step ``s + 1`` commits with the vote on, every rank's vote was
-clean (any refusal aborts the commit for every member), so rank 0 of the replica records ``s`` in
-``<checkpoint folder>/verified_steps.json``. On load, the newest checkpoint whose step is recorded there is the one
+clean (any refusal aborts the commit for every member), so rank 0 of the replica that writes the checkpoints (the
+lowest member of the committing epoch) records ``s`` in ``<checkpoint folder>/verified_steps.json``. On load, the newest checkpoint whose step is recorded there is the one
 loaded (by :class:`titan_recover.checkpoint.RecoverCheckpointManager`); a folder with checkpoints but no record (a
 run without votes) loads TorchTitan's newest, with a warning.
 The final step of a run has no next vote: its checkpoint stays unverified.
