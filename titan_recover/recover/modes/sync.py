@@ -106,7 +106,8 @@ class SyncMode(Mode):
         hooks = ComputeHooks(before=lambda step: (member.progress(step=step, phase="forward"),
                                                   chaos.maybe_inject(step, "forward")),
                              after_backward=chaos.after_backward,
-                             after=lambda _step, seconds: chaos.after_compute(seconds))
+                             after=lambda _step, seconds: chaos.after_compute(seconds),
+                             timed=lambda: chaos.slowed)
         self.worker = ReplicaWorker(parts, per_step=self.per_step, exact=recover.quota.exact, hooks=hooks)
         self.localizer = None
         if recover.localize.witnesses:
