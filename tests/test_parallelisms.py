@@ -61,7 +61,7 @@ def test_replica_groups_log_what_native_hsdp_logs(hsdp_reference, tmp_path):
         for key in ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss"):
             assert record[key] == pytest.approx(reference[key], rel=1e-5), (key, record["step"])
         # replica groups form the norm from float64 partials (invariant/grad_norm.py); TorchTitan's float32 norm
-        # on CPU accumulates error (about 1e-6 relative on this model)
+        # on CPU accumulates error (about 2e-6 relative in this layout)
         assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5), record["step"]
     # the largest rank's mean loss is not the global mean: the comparison above is not met trivially
     assert any(r["loss_metrics/global_max_loss"] > r["loss_metrics/global_avg_loss"] * (1 + 1e-4) for r in logged)
