@@ -172,6 +172,9 @@ class SimulatedReplicas:
                     sim.computed[r].append(g)
                     self.local.add_(sim.value(g))
 
+                def synchronize(self):
+                    pass
+
                 def contribution(self):
                     return self.local, torch.zeros(()), 0.0
 
@@ -230,6 +233,9 @@ class IdleWorker:
 
     def compute(self, g, witness=None):
         return None
+
+    def synchronize(self):
+        pass
 
     def contribution(self):
         return torch.zeros(1), torch.zeros(()), 0.0

@@ -109,6 +109,14 @@ def activate(device: str | None = None) -> str:
     return resolved
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait until ``device`` has finished the work issued to it: an accelerator runs kernels after they are
+    launched, so a clock read without this measures launches, not work. A no-op on CPU (work runs when issued)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -92,6 +92,12 @@ class ChaosMonkey:
 
         return issue_or_diverge
 
+    @property
+    def slowed(self) -> bool:
+        """A ``slow`` fault fired: :meth:`after_compute` needs the microbatch's device time (the caller waits for
+        the device before measuring it)."""
+        return self.slowdown > 1
+
     def after_compute(self, elapsed_s: float) -> None:
         """Called after every microbatch: a ``slow`` rank sleeps so the microbatch took ``factor`` times as long."""
         if self.slowdown > 1:

@@ -65,6 +65,10 @@ class MicrobatchWorker(Protocol):
         """Forward and backward of microbatch ``g``, accumulated locally. ``witness``: also return the signature of
         ``g``'s gradient and loss; ``"replay"`` leaves nothing accumulated (docs/scout.md)."""
 
+    def synchronize(self) -> None:
+        """Wait until the device has finished the work issued so far (a GPU runs kernels after their launch): the
+        manager's timings read the clock after it."""
+
     def contribution(self) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor, float]:
         """``(gradient, loss, mean_loss)``: the local accumulation (flat, or its parts in order), its summed loss
         share and the mean token loss of what this rank computed in the step (0: nothing)."""
@@ -185,6 +189,9 @@ class StepRecovery:
         if plan is not None and self.replica in plan.replayers:
             # the replayed gradient is signed and dropped
             progress.replay_signature = self.worker.compute(plan.microbatch, witness="replay")
+        # the clock measures the quota's device work: none queued before it, all of it done at the end (one wait
+        # each, not one per microbatch, so the device keeps running ahead of the launches)
+        self.worker.synchronize()
         start = time.perf_counter()
         if plan is not None and plan.microbatch in own:  # the holder computes it first too, and keeps it
             own.remove(plan.microbatch)
@@ -193,6 +200,7 @@ class StepRecovery:
         for g in own:
             self.worker.compute(g)
             progress.done.append(g)
+        self.worker.synchronize()
         compute_s = time.perf_counter() - start
         speed = len(progress.done) / compute_s if progress.done and compute_s > 0 else 0.0
         if self.agree_speed is not None and self.policy.uses_speeds:
@@ -219,6 +227,7 @@ class StepRecovery:
                 self.worker.compute(g)
                 progress.done.append(g)
         if changed or attempt > 1:
+            self.worker.synchronize()  # the microbatches taken over are done
             progress.recovery_s += time.perf_counter() - recovering
 
     def _pack(self, progress: _Progress) -> torch.Tensor:

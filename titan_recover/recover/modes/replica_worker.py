@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_recover import platform
 from titan_recover.recover.modes.base import TrainerParts
 from titan_recover.recover.phoenix.state_transfer import local_tensor
 from titan_recover.recover.scout.consensus import fingerprint
@@ -28,6 +29,10 @@ def _nothing(*_args) -> None:
     pass
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class ComputeHooks:
     """Where liveness and fault injection meet a microbatch's computation (the mode chooses them)."""
@@ -38,6 +43,9 @@ class ComputeHooks:
     """Its backward finished (its gradient is in ``.grad``)."""
     after: Callable[[int, float], None] = _nothing
     """``after(step, seconds)``: it is accumulated; ``seconds`` of compute since its data was loaded."""
+    timed: Callable[[], bool] = _never
+    """Whether ``after`` needs the microbatch's device time: the worker then waits for the device before reading
+    the clock (a wait per microbatch, which a GPU pays in lost overlap; a ``slow`` fault asks for it)."""
 
 
 class ReplicaWorker:
@@ -98,8 +106,14 @@ class ReplicaWorker:
         self._computed += 1
         if self.exact:
             self._move_gradients_to_accumulator()
+        if self.hooks.timed():
+            self.synchronize()
         self.hooks.after(self.step, time.perf_counter() - loaded)
         return signature
+
+    def synchronize(self) -> None:
+        """Wait for the device to finish the work issued so far (a no-op on CPU)."""
+        platform.synchronize(self.parts.device)
 
     def _fetch(self, g: int, record: bool):
         """This rank's shard of microbatch ``g``, split into the pipeline's chunks, on the device."""

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from titan_recover import platform
 from titan_recover.recover.chaos.monkey import ChaosMonkey
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import incarnation_from_env
@@ -22,12 +23,16 @@ from titan_recover.recover.modes.base import Mode, register_mode, TrainerParts
 
 def forward_backward_with_faults(parts: TrainerParts, chaos: ChaosMonkey | None, step: int, batch: dict):
     """TorchTitan's forward and backward of one microbatch, with the faults scheduled at phase ``forward`` fired
-    before it and a ``slow`` rank's delay after it."""
+    before it and a ``slow`` rank's delay after it (measured on the device's clock: its work done)."""
     if chaos is None:
         return parts.forward_backward(**batch)
     chaos.maybe_inject(step, "forward")
+    if chaos.slowed:
+        platform.synchronize(parts.device)
     start = time.perf_counter()
     loss = parts.forward_backward(**batch)
+    if chaos.slowed:
+        platform.synchronize(parts.device)
     chaos.after_compute(time.perf_counter() - start)  # a ``slow`` rank sleeps here
     return loss
 

@@ -5,7 +5,8 @@ replica's, and runs every step itself (docs/invariant.md, docs/architecture.md):
 this replica's quota of the step's microbatch ids through the :class:`ReplicaWorker` (TorchTitan's own forward and
 backward), the ids of replicas lost during the step, and the reduction with its commit; the committed gradient
 goes into ``.grad``; then the rest of TorchTitan's step (clipping, optimizer, schedule, logging) runs as TorchTitan
-runs it, except that ``drop`` skips the optimizer on a discarded step.
+runs it, except that the clip's total norm is formed deterministically (every replica clips by the same bits) and
+``drop`` skips the optimizer on a discarded step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from titan_recover.recover.groups.member import (  # noqa: E402
 from titan_recover.recover.groups.keys import GroupKeys  # noqa: E402
 from titan_recover.recover.groups.protocol import active_replicas  # noqa: E402
 from titan_recover.recover.groups.replica_sync import ReplicaSync  # noqa: E402
+from titan_recover.recover.invariant import grad_norm  # noqa: E402
 from titan_recover.recover.invariant.step_recovery import STEP_MANAGERS, StepOutcome  # noqa: E402
 from titan_recover.recover.modes.base import Mode, register_mode, StepReport, Stop, TrainerParts  # noqa: E402
 from titan_recover.recover.modes.final_parameters import parameter_digest, save_final_parameters  # noqa: E402
@@ -108,7 +110,8 @@ class SyncMode(Mode):
         hooks = ComputeHooks(before=lambda step: (member.progress(step=step, phase="forward"),
                                                   chaos.maybe_inject(step, "forward")),
                              after_backward=chaos.after_backward,
-                             after=lambda _step, seconds: chaos.after_compute(seconds))
+                             after=lambda _step, seconds: chaos.after_compute(seconds),
+                             timed=lambda: chaos.slowed)
         self.worker = ReplicaWorker(parts, per_step=self.per_step, exact=recover.quota.exact, hooks=hooks)
         self.localizer = None
         if recover.localize.witnesses:
@@ -228,19 +231,19 @@ class SyncMode(Mode):
 
     def _optimizer_step(self, step: int, outcome: StepOutcome) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, as TorchTitan's ``Trainer.train_step`` does; ``drop``
-        discards a step that saw a failure, as torchft does: no optimizer update at all."""
+        discards a step that saw a failure, as torchft does: no optimizer update at all. The clip is TorchTitan's
+        with the total norm formed from exact per-rank partials (``invariant/grad_norm.py``), so that every
+        replica clips the committed gradient by the same bits (docs/invariant.md)."""
         parts = self.parts
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in parts.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
-            pp_mesh=parts.parallel_dims.get_optional_mesh("pp"), ep_enabled=parts.parallel_dims.ep_enabled,
-        )
+        norm = grad_norm.clip_grad_norm_([p for m in parts.model_parts for p in m.parameters()],
+                                         self.config.training.max_norm, foreach=True, device=parts.device)
         parts.checkpointer.maybe_wait_for_staging()
         if outcome.discarded:
             self.events.emit("step_discarded", step=step, epoch=self.sync.epoch, microbatches=outcome.committed)
         else:
             parts.optimizers.step()
         parts.lr_schedulers.step()
-        return grad_norm
+        return norm
 
     def _log(self, step: int, outcome: StepOutcome, grad_norm: torch.Tensor, extra: dict) -> None:
         """TorchTitan's step log: the committed batch's mean token loss, the largest mean loss of a rank's share
