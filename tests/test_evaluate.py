@@ -77,6 +77,7 @@ def training_forward_loss(config, parameters, ids, *, causal_only: bool = False)
     return total / count, documents
 
 
+@pytest.mark.multiprocess  # not a process tree, but FlexAttention compiles through inductor: 35-60 s on a cold host
 def test_validator_of_a_flex_model_gives_the_training_forward_loss(flex_config):
     """The old validator called the model with tokens only: FlexAttention asserted that a BlockMask is passed. The
     diloco syncer's evaluator (on its default device, the CPU) computes the same number."""
