@@ -8,7 +8,11 @@ same global batch). Step time is TorchTitan's per-step ``time_metrics/end_to_end
 (replica 0's lines for the replica run); the first ``--warmup`` steps of each run are dropped. Both runs train on
 the same data from the same initialisation, so their losses are also compared.
 
-    python benchmarks/failure_free_overhead.py [--rounds 2] [--steps 20] [--flavor debugmodel]
+    python benchmarks/failure_free_overhead.py [--rounds 2] [--steps 20] [--flavor debugmodel] [--seq-len 256]
+        [--local-batch 2]
+
+``reduction_share`` is the median share of a step the replica run spends in the committed reduction and its
+commit barrier (``recover/wait_s`` over the step time, replica 0): small batches make it large.
 
 Last line: ``ratio=<FTPG / native median step time> ...``. Target: ratio <= 1.05 on CPU.
 """
@@ -28,10 +32,13 @@ sys.path.insert(0, str(ROOT))
 from titan_recover.compare import load_curve, LOSS  # noqa: E402
 
 STEP_TIME = "time_metrics/end_to_end(s)"
+REDUCTION = "recover/wait_s"
+SHARES: list[float] = []
 
 
 def run(kind: str, args, folder: str) -> tuple[list[float], dict[int, float]]:
     common = ["--model.flavor", args.flavor, "--training.steps", str(args.steps), "--metrics.no_enable_wandb",
+              "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.local_batch),
               "--parallelism.data_parallel_shard_degree", str(args.shards), "--dump_folder", folder]
     if kind == "ftpg":
         cmd = ["train_configs/replicas.toml", "--recover.replicas", str(args.replicas), *common]
@@ -46,6 +53,11 @@ def run(kind: str, args, folder: str) -> tuple[list[float], dict[int, float]]:
     losses = load_curve(folder, LOSS, replica=replica)
     if sorted(times) != list(range(1, args.steps + 1)):
         raise RuntimeError(f"{kind} run logged steps {sorted(times)}")
+    if kind == "ftpg":  # the share of the step spent in the cross-replica reduction (and its commit)
+        waits = load_curve(folder, REDUCTION, replica=0)
+        shares = [waits[s] / times[s] for s in sorted(times)][args.warmup:]
+        print(f"  reduction share of the step: median {statistics.median(shares):.3f}", flush=True)
+        SHARES.extend(shares)
     return [times[s] for s in sorted(times)][args.warmup:], losses
 
 
@@ -57,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--local-batch", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
 
@@ -73,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     diff = max(abs(losses["ftpg"][s] - losses["native"][s]) / abs(losses["native"][s]) for s in losses["native"])
     print(f"{args.replicas} replicas x {args.shards} shards, {args.flavor}: fault-tolerant groups {ftpg:.4f} s, "
           f"native HSDP {native:.4f} s per step; largest relative loss difference {diff:.1e}")
-    print(f"ratio={ftpg / native:.4f} ftpg_step_s={ftpg:.4f} native_step_s={native:.4f} loss_max_rel_diff={diff:.1e}")
+    share = statistics.median(SHARES)
+    print(f"ratio={ftpg / native:.4f} ftpg_step_s={ftpg:.4f} native_step_s={native:.4f} loss_max_rel_diff={diff:.1e} "
+          f"reduction_share={share:.3f}")
     return 0
 
 

@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""The project's GPU-side components on one GPU, with plain torch (2.11 or later; no TorchTitan, no package index):
+figures a CPU machine cannot give, written as JSON (docs/platform.md records them with the date).
+
+Sections (each one's failure is recorded in the JSON and does not stop the others):
+
+- ``staging``: host <-> device bandwidth through pinned vs pageable host memory (the staging rings use pinned);
+- ``ftpg_gloo``: the fault-tolerant group's ``gloo`` backend with CUDA tensors (pinned ring, copy stream) among
+  ``--members`` processes sharing the GPU: the sum is right, its time against the plain path (``.cpu()``, one gloo
+  all-reduce, copy back), and a member SIGKILLed mid-reduction releases the survivors with ``FaultDetected``;
+- ``ftpg_nccl``: the ``nccl`` backend's communicator (non-blocking config, eager connect, pieces, abort) as a group
+  of one (NCCL refuses several ranks on one GPU), in a subprocess with a deadline;
+- ``signature``: the parameter signature of CUDA tensors equals that of the same bytes on the host, and a flipped
+  sign, exponent or mantissa bit changes it; its time for ``--mb`` MiB;
+- ``snapshot_overlap``: a snapshot-sized device -> pinned-host copy on the snapshots' side stream while a matmul
+  loop runs, against the loop alone and the copy on the compute stream.
+
+    python scripts/device_check.py [--out device_check.json] [--mb 256] [--members 3]
+    python scripts/device_check.py --allow-cpu --mb 16   # the sections that run without a GPU (a smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import platform
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+# ---- staging bandwidth ------------------------------------------------------------------------------------------
+def staging(device: torch.device, mb: int, reps: int = 5) -> dict:
+    n = mb * 2**20
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    out = {}
+    for kind, pinned in (("pinned", True), ("pageable", False)):
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+        d2h = _timed(lambda: host.copy_(src, non_blocking=pinned), device, reps)
+        h2d = _timed(lambda: src.copy_(host, non_blocking=pinned), device, reps)
+        out[f"{kind}_d2h_gb_s"] = round(n / statistics.median(d2h) / 1e9, 2)
+        out[f"{kind}_h2d_gb_s"] = round(n / statistics.median(h2d) / 1e9, 2)
+    out["mb"] = mb
+    return out
+
+
+# ---- the gloo backend with CUDA tensors among processes sharing the GPU ------------------------------------------
+def _plain_allreduce(pg, t: torch.Tensor) -> None:
+    from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
+
+    host = t.cpu()
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    pg.allreduce([host], opts).wait()
+    t.copy_(host)
+
+
+def _gloo_member(port: int, replica: int, members: tuple, device_name: str, mb: int, reps: int, results) -> None:
+    from torch.distributed import PrefixStore, TCPStore
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    from titan_recover.recover.ftpg.base import build_group, FaultDetected, FTPGConfig
+
+    try:
+        device = torch.device(device_name)
+        store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=120))
+        config = FTPGConfig(backend="gloo", chunk_mb=min(64, max(1, mb // 8)))
+        victim = replica == max(members)
+        dying = threading.Event()
+
+        def on_poll():  # the victim dies while it waits inside the reduction (its peers start 0.2 s late)
+            if dying.is_set():
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        group = build_group(config, store, epoch=0, members=members, replica=replica, rank=0, timeout_s=30.0,
+                            device=device, on_poll=on_poll)
+        plain = ProcessGroupGloo(PrefixStore("plain", store), replica, len(members), timedelta(seconds=120))
+        n = mb * 2**20 // 4
+        t = torch.empty(n, device=device)
+        staged, raw = [], []
+        for _ in range(reps):
+            t.fill_(float(replica + 1))
+            staged += _timed(lambda: group.allreduce_sum_(t), device, 1)
+            expected = len(members) * (len(members) + 1) / 2
+            correct = bool((t == expected).all())
+            t.fill_(float(replica + 1))
+            raw += _timed(lambda: _plain_allreduce(plain, t), device, 1)
+        results.put(("round", replica, {"staged_s": staged, "plain_s": raw, "correct": correct}))
+        store.add("kill_round", 1)
+        while int(store.add("kill_round", 0)) < len(members):
+            time.sleep(0.01)
+        if victim:
+            dying.set()
+        else:
+            time.sleep(0.2)
+        t.fill_(1.0)
+        start = time.monotonic()
+        try:
+            group.allreduce_sum_(t)
+            results.put(("kill", replica, {"outcome": "completed", "s": time.monotonic() - start}))
+        except FaultDetected as fault:
+            results.put(("kill", replica, {"outcome": "fault", "s": time.monotonic() - start,
+                                           "reason": fault.reason[:200]}))
+    except Exception:
+        results.put(("error", replica, traceback.format_exc()[-2000:]))
+
+
+def ftpg_gloo(device: torch.device, mb: int, members: int, reps: int = 3) -> dict:
+    from torch.distributed import TCPStore
+
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    group = tuple(range(members))
+    procs = [ctx.Process(target=_gloo_member, args=(store.port, r, group, str(device), mb, reps, results))
+             for r in group]
+    for p in procs:
+        p.start()
+    got: dict = {"round": {}, "kill": {}, "error": {}}
+    try:
+        for _ in range(2 * members - 1):
+            kind, replica, value = results.get(timeout=240)
+            got[kind][replica] = value
+            if kind == "error":
+                break
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    rounds = got["round"].values()
+    staged = statistics.median(x for r in rounds for x in r["staged_s"]) if rounds else None
+    plain = statistics.median(x for r in rounds for x in r["plain_s"]) if rounds else None
+    survivors = [v for r, v in got["kill"].items() if r != members - 1]
+    return {
+        "members": members, "mb": mb, "correct": all(r["correct"] for r in rounds) and len(rounds) == members,
+        "staged_s": staged, "plain_s": plain, "staged_vs_plain": staged / plain if staged and plain else None,
+        "kill_survivors_released": len(survivors) == members - 1 and all(v["outcome"] == "fault" for v in survivors),
+        "kill_release_s": max((v["s"] for v in survivors), default=None), "kill": got["kill"],
+        "errors": got["error"],
+    }
+
+
+# ---- the nccl backend's communicator ----------------------------------------------------------------------------
+def _nccl_alone(device_name: str, mb: int, results) -> None:
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.ftpg.base import build_group, FTPGConfig
+
+    try:
+        device = torch.device(device_name)
+        torch.cuda.set_device(device)
+        start = time.perf_counter()
+        group = build_group(FTPGConfig(backend="nccl", chunk_mb=max(1, mb // 4)), HashStore(), epoch=0,
+                            members=(0,), replica=0, rank=0, timeout_s=30.0, device=device)
+        created = time.perf_counter() - start
+        t = torch.arange(mb * 2**20 // 4, dtype=torch.float32, device=device)
+        before = t.clone()
+        times = _timed(lambda: group.allreduce_sum_(t), device, 3)
+        unchanged = bool(torch.equal(t, before))  # a group of one sums to itself
+        start = time.perf_counter()
+        group._abort()
+        results.put({"created_s": created, "allreduce_s": statistics.median(times), "sum_correct": unchanged,
+                     "abort_s": time.perf_counter() - start, "nccl": ".".join(map(str, torch.cuda.nccl.version()))})
+    except Exception:
+        results.put({"error": traceback.format_exc()[-2000:]})
+
+
+def ftpg_nccl(device: torch.device, mb: int) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_nccl_alone, args=(str(device), mb, results))
+    proc.start()
+    try:
+        return results.get(timeout=120)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+# ---- signature and bit flips on device tensors -----------------------------------------------------------------
+def signature(device: torch.device, mb: int) -> dict:
+    from titan_recover.recover.scout.consensus import fingerprint
+
+    n = mb * 2**20 // 4
+    t = torch.randn(n, device=device)
+    host = t.cpu()
+    same = fingerprint([t]) == fingerprint([host])
+    changed = {}
+    for name, bit in (("sign", 31), ("exponent", 27), ("mantissa", 3)):
+        flipped = t.clone()
+        words = flipped.view(torch.int32)
+        index = int(torch.randint(0, n, ()).item())
+        words[index] ^= torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32, device=device)
+        changed[name] = fingerprint([flipped]) != fingerprint([t])
+    times = _timed(lambda: fingerprint([t]), device, 3)
+    return {"device_equals_host": same, "flip_detected": changed, "mb": mb,
+            "gb_s": round(n * 4 / statistics.median(times) / 1e9, 2)}
+
+
+# ---- a snapshot's copy on the side stream against compute --------------------------------------------------------
+def snapshot_overlap(device: torch.device, mb: int, iters: int = 40) -> dict:
+    from titan_recover.recover.phoenix.staging import copies_for
+
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    state = [torch.randn(mb * 2**20 // 4, device=device)]
+    copies = copies_for(state)
+    host = copies.host_buffer(state[0].numel() * 4).view(torch.float32)
+
+    def matmuls():
+        for _ in range(iters):
+            torch.mm(a, a)
+
+    alone = statistics.median(_timed(matmuls, device, 3))
+    copy_alone = statistics.median(_timed(lambda: copies.copy([(host, state[0])]).synchronize(), device, 3))
+
+    def side():
+        event = copies.copy([(host, state[0])])
+        matmuls()
+        event.synchronize()
+
+    def same_stream():
+        host.copy_(state[0])
+        matmuls()
+
+    with_side = statistics.median(_timed(side, device, 3))
+    serial = statistics.median(_timed(same_stream, device, 3))
+    hidden = 1.0 - max(0.0, with_side - alone) / copy_alone if copy_alone > 0 else None
+    return {"matmuls_s": alone, "copy_s": copy_alone, "side_stream_s": with_side, "compute_stream_s": serial,
+            "copy_hidden_fraction": hidden, "asynchronous": copies.asynchronous, "mb": mb}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "device_check.json"))
+    parser.add_argument("--mb", type=int, default=256)
+    parser.add_argument("--members", type=int, default=3)
+    parser.add_argument("--allow-cpu", action="store_true", help="no GPU: run what runs on CPU tensors")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        print("device_check: no CUDA device visible (pass --allow-cpu for the sections that run without one)",
+              file=sys.stderr)
+        return 2
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
+                    "python": platform.python_version(), "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    sections = {"staging": lambda: staging(device, args.mb),
+                "ftpg_gloo": lambda: ftpg_gloo(device, args.mb, args.members),
+                "ftpg_nccl": lambda: ftpg_nccl(device, args.mb),
+                "signature": lambda: signature(device, args.mb),
+                "snapshot_overlap": lambda: snapshot_overlap(device, args.mb)}
+    for name, run in sections.items():
+        if not cuda and name in ("staging", "ftpg_nccl", "snapshot_overlap"):
+            report[name] = {"skipped": "no CUDA device"}
+            continue
+        start = time.perf_counter()
+        try:
+            report[name] = run()
+        except Exception:
+            report[name] = {"error": traceback.format_exc()[-2000:]}
+        report[name]["section_s"] = round(time.perf_counter() - start, 2)
+        print(f"{name}: {json.dumps(report[name], default=str)[:600]}", flush=True)
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""scripts/device_check.py (run on a GPU when one is lent) keeps working: its CPU sections run here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.multiprocess
+def test_the_device_check_runs_its_cpu_sections_and_writes_its_figures(tmp_path):
+    out = tmp_path / "device_check.json"
+    proc = subprocess.run([sys.executable, "scripts/device_check.py", "--allow-cpu", "--mb", "8", "--members", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    gloo = report["ftpg_gloo"]
+    assert gloo["correct"] and gloo["kill_survivors_released"] and not gloo["errors"], gloo
+    assert gloo["kill_release_s"] < 10  # a SIGKILL mid-reduction is an error at once, not a hang
+    assert report["signature"]["device_equals_host"] and all(report["signature"]["flip_detected"].values())
+    assert report["staging"] == {"skipped": "no CUDA device"}
