@@ -28,6 +28,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+class _Step:
+    """The trainer's step as the transfer carries it (TorchTitan's Stateful protocol)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "ntokens_seen": 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
 def _member(port: int, replica: int, args, results) -> None:
     import torch
     from torch.distributed import TCPStore
@@ -45,9 +58,7 @@ def _member(port: int, replica: int, args, results) -> None:
     if replica == 0:
         model(torch.randn(2, args.width)).sum().backward()
         optimizer.step()
-    step = {"value": 1 if replica == 0 else 0}
-    state = TrainingState([model], [optimizer], scheduler, lambda: step["value"],
-                          lambda s: step.__setitem__("value", s))
+    state = TrainingState([model], [optimizer], scheduler, _Step(1 if replica == 0 else 0))
     if replica == 1:
         state.ensure_optimizer_state()
     total = sum(t.numel() * t.element_size() for t in state.tensors())

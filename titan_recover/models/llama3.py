@@ -1,4 +1,5 @@
-"""Llama 3: TorchTitan's flavors, registered as they are, plus ``tiny`` for fast CPU tests.
+"""Llama 3: TorchTitan's flavors, registered as they are, plus ``tiny`` for fast CPU tests and ``small`` (dim 512,
+8 layers, 8 heads, vocabulary 32768, ~60 M parameters) for CPU benchmarks that need a large gradient.
 
 ``tiny`` (dim 64, 2 layers, 4 heads, vocab 2048, ~0.36 M parameters) is built from the same building blocks as
 TorchTitan's ``debugmodel`` and shares its parallelize / pipelining functions, so FSDP2 / TP / PP apply to it
@@ -31,7 +32,10 @@ _HARDWARE = {
 
 
 def _tiny_model_config(attn_backend: str = "flex") -> Llama3Model.Config:
-    dim, n_heads, n_layers, vocab = 64, 4, 2, 2048
+    return _model_config(dim=64, n_heads=4, n_layers=2, vocab=2048, attn_backend=attn_backend)
+
+
+def _model_config(*, dim: int, n_heads: int, n_layers: int, vocab: int, attn_backend: str) -> Llama3Model.Config:
     linear_init = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
     norm_init = {"weight": nn.init.ones_}
     out_std = dim**-0.5
@@ -86,6 +90,11 @@ def _tiny_spec():
     return dataclasses.replace(tt_llama3.model_registry("debugmodel"), flavor="tiny", model=_tiny_model_config())
 
 
+def _small_spec():
+    model = _model_config(dim=512, n_heads=8, n_layers=8, vocab=32768, attn_backend="flex")
+    return dataclasses.replace(tt_llama3.model_registry("debugmodel"), flavor="small", model=model)
+
+
 def _stock_spec(flavor: str):
     return lambda: tt_llama3.model_registry(flavor)
 
@@ -112,5 +121,15 @@ register_model(
         model_spec=_tiny_spec,
         base_config=tt_configs.llama3_debugmodel,
         hardware="any: 0.4 M parameters, for tests on CPU",
+    )
+)
+
+register_model(
+    RegisteredModel(
+        name="llama3",
+        flavor="small",
+        model_spec=_small_spec,
+        base_config=tt_configs.llama3_debugmodel,
+        hardware="any: ~60 M parameters (a 32k vocabulary), for benchmarks whose gradient must be large on CPU",
     )
 )
