@@ -4,11 +4,12 @@
 
 - ``native``: what TorchTitan's HSDP does across its replicate dimension: an in-place gloo all-reduce of each
   gradient shard (one per FSDP module), no copies;
-- ``new``: this project's path: ``ReductionLayout.pack`` into the reused buffer, the fault-tolerant group's
-  all-reduce (gloo, pieces of ``chunk_mb``, polled for the fault flag), the gradient written back into the shards;
-- ``collective``: the fault-tolerant group's all-reduce alone, in place on the gradient shards (not a usable
-  path: an aborted reduction would leave the local accumulation half-summed; it isolates the collective's cost
-  from the copies the invariant needs);
+- ``new``: this project's path: the gradient shards reduced in place with the step's small sections beside them,
+  as one collective of the fault-tolerant group (gloo, pieces of ``chunk_mb``, polled for the fault flag), each
+  piece copied into the backup just before it is issued (while the pieces before it are reduced);
+- ``collective``: the fault-tolerant group's all-reduce alone, in place on the gradient shards, without the
+  backup (not a usable path: an aborted reduction would lose the local accumulation; it isolates the collective's
+  cost from the copy the invariant needs);
 - ``old``: the data movement of the path before the FTPG backends (commit 8b7a5a7): the shards concatenated, copied
   to a new host tensor and concatenated again with the small sections, one gloo all-reduce of the whole buffer
   waited on through its future, written back parameter by parameter.
@@ -63,19 +64,16 @@ def _old_path(pg, grads: list, tail: list[float]) -> None:
         offset += g.numel()
 
 
-def _new_path(group, layout, grads: list, tail: list[float], state: dict) -> None:
+def _new_path(group, layout, grads: list, tail: list[float], backup) -> None:
     import torch
 
     r = layout.groups
-    buffer = state["buffer"] = layout.pack(grads, loss=torch.zeros(()), ledger=tail[: layout.microbatches],
-                                           speeds=tail[-2 * r - 1 : -r - 1], losses=tail[-r - 1 : -1], evidence=[],
-                                           failed=False, dtype=torch.float32, out=state.get("buffer"))
-    group.allreduce_sum_(buffer)
-    reduced = layout.read(buffer)
-    offset = 0
-    for g in grads:
-        g.copy_(reduced.gradient[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    backup.begin(grads)
+    sections = layout.tail(loss=torch.zeros(()), ledger=tail[: layout.microbatches], speeds=tail[-2 * r - 1 : -r - 1],
+                           losses=tail[-r - 1 : -1], evidence=[], failed=False, dtype=torch.float32,
+                           device=grads[0].device)
+    group.allreduce_many_([*grads, sections], backup.save)
+    layout.read(grads, sections)
 
 
 def _native_path(pg, grads: list) -> None:
@@ -93,7 +91,7 @@ def _member(port: int, replica: int, position: int, args, results) -> None:
     from torch._C._distributed_c10d import ProcessGroupGloo
 
     from titan_recover.recover.ftpg.base import build_group, FTPGConfig
-    from titan_recover.recover.invariant.reduction import ReductionLayout
+    from titan_recover.recover.invariant.reduction import Backup, ReductionLayout
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=600))
@@ -101,16 +99,16 @@ def _member(port: int, replica: int, position: int, args, results) -> None:
     numel = int(args.total_mb * 2**20 / 4 / args.shards)
     grads = [torch.full((numel // args.layers,), float(replica + 1)) for _ in range(args.layers)]
     layout = ReductionLayout(gradients=sum(g.numel() for g in grads), microbatches=8, groups=args.replicas)
-    tail = [0.0] * (layout.size - layout.gradients - 1)  # ledger, speeds, losses, failed
+    tail = [0.0] * (layout.tail_size - 1)  # ledger, speeds, losses, failed
     timeout = timedelta(seconds=600)
     raw = ProcessGroupGloo(PrefixStore(f"raw/{position}", store), replica, args.replicas, timeout)
     group = build_group(FTPGConfig(backend="gloo", chunk_mb=args.chunk_mb), store, epoch=0, members=members,
                         replica=replica, rank=position, timeout_s=600.0)
     barrier = ProcessGroupGloo(PrefixStore("barrier", store), replica * args.shards + position,
                                args.replicas * args.shards, timeout)
-    state: dict = {}
+    backup = Backup()
     run = {"old": lambda: _old_path(raw, grads, tail),
-           "new": lambda: _new_path(group, layout, grads, tail, state),
+           "new": lambda: _new_path(group, layout, grads, tail, backup),
            "collective": lambda: [group.allreduce_sum_(g) for g in grads],
            "native": lambda: _native_path(raw, grads)}
     for r in range(args.rounds + 1):  # round 0 warms up (connections, first-touch of the buffers)

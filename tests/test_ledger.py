@@ -131,21 +131,29 @@ class SimulatedReplicas:
             def members_of(self, epoch):
                 return sim.epochs[epoch]
 
-            def reduce_once(self, _step, buffer, attempt=1, verify=None):
+            def reduce_once(self, _step, tensors, attempt=1, verify=None, before_piece=None):
                 if sim.dies.get(replica) == "reduction":
+                    with sim.changed:  # lost in the reduction: once the others are in it too (not before they plan)
+                        others = len(self.members) - 1
+                        assert sim.changed.wait_for(lambda: len(sim.packed.get(self.epoch, {})) >= others, 10)
                     sim.lose(replica)
                     raise SystemExit
+                for i, t in enumerate(tensors):  # the collective is about to write each tensor
+                    before_piece(i, 0, t.view(-1))
                 with sim.changed:
                     packed = sim.packed.setdefault(self.epoch, {})
-                    packed[replica] = buffer.clone()
+                    packed[replica] = [t.clone() for t in tensors]
                     sim.changed.notify_all()
                     complete = lambda: set(packed) == set(self.members)
                     superseded = lambda: max(sim.epochs) > self.epoch
                     assert sim.changed.wait_for(lambda: complete() or superseded(), timeout=10)
                     if complete():
-                        buffer.copy_(sum(packed.values()))
+                        for i, t in enumerate(tensors):
+                            t.copy_(sum(p[i] for p in packed.values()))
                         self.committed_epoch, self.committed_members = self.epoch, self.members
                         return True
+                    for t in tensors:  # an abandoned reduction leaves partial sums behind
+                        t.add_(1000.0)
                     self.epoch = max(sim.epochs)
                     self.members = sim.epochs[self.epoch]
                     return False
@@ -178,6 +186,9 @@ class SimulatedReplicas:
                 def contribution(self):
                     return self.local, torch.zeros(()), 0.0
 
+                def replace_gradient(self, parts):
+                    (self.local,) = parts
+
             manager = StepRecovery(QuotaConfig(policy=self.policy), replica=r, groups=self.replicas,
                                    per_step=self.per_step, sync=self.sync(r), worker=Worker(), dtype=torch.float64)
             try:
@@ -204,7 +215,7 @@ def test_manager_a_replica_lost_in_forward_has_its_ids_computed_by_survivors():
     assert everything == list(range(6))  # replica 1 computed nothing; all ids once
     expected = sum(sim.value(g) for g in range(6))
     for o in survivors:
-        assert torch.equal(o.reduced.gradient, expected)
+        assert torch.equal(o.reduced.gradient[0], expected)
         assert o.recomputed == 2 and o.quotas == {0: 2, 1: 2, 2: 2}
 
 
@@ -214,7 +225,7 @@ def test_manager_a_replica_lost_in_reduction_keeps_the_survivors_accumulation():
     assert outcomes[2] == "dead"
     for r in (0, 1):
         assert outcomes[r].committed == 6
-        assert torch.equal(outcomes[r].reduced.gradient, sum(sim.value(g) for g in range(6)))
+        assert torch.equal(outcomes[r].reduced.gradient[0], sum(sim.value(g) for g in range(6)))
     # replica 2's two ids were recomputed by the survivors on top of what they had
     assert sorted(sim.computed[0] + sim.computed[1]) == list(range(6))
 
@@ -240,6 +251,9 @@ class IdleWorker:
     def contribution(self):
         return torch.zeros(1), torch.zeros(()), 0.0
 
+    def replace_gradient(self, parts):
+        pass
+
 
 def test_manager_gives_up_after_the_epoch_bound():
     class NeverCommits:
@@ -249,7 +263,7 @@ def test_manager_gives_up_after_the_epoch_bound():
         def catch_up(self, _step):
             pass
 
-        def reduce_once(self, *_args, verify=None):
+        def reduce_once(self, *_args, verify=None, before_piece=None):
             return False
 
     manager = StepRecovery(QuotaConfig(), replica=0, groups=2, per_step=2, sync=NeverCommits(), worker=IdleWorker(),
@@ -277,16 +291,40 @@ def test_reduction_layout_packs_and_reads_every_section():
     from titan_recover.recover.invariant.reduction import ReductionLayout
 
     layout = ReductionLayout(gradients=3, microbatches=4, groups=2, evidence=2)
-    buffer = layout.pack(torch.tensor([1.0, 2.0, 3.0]), loss=torch.tensor(0.5), ledger=[1, 0, 1, 0], speeds=[2.0, 0.0],
-                         losses=[7.0, 0.0], evidence=[5.0, 6.0], failed=True, dtype=torch.float64)
-    assert buffer.numel() == layout.size == 3 + 1 + 4 + 2 * 2 + 2 + 1
-    summed = buffer + layout.pack(torch.tensor([1.0, 1.0, 1.0]), loss=torch.tensor(0.25), ledger=[0, 1, 0, 1],
-                                  speeds=[0.0, 3.0], losses=[0.0, 8.0], evidence=[0.0, 0.0], failed=False,
-                                  dtype=torch.float64)
-    reduced = layout.read(summed)
-    assert reduced.gradient.tolist() == [2.0, 3.0, 4.0] and reduced.loss == 0.75
+    sections = dict(dtype=torch.float64, device=torch.device("cpu"))
+    tail = layout.tail(loss=torch.tensor(0.5), ledger=[1, 0, 1, 0], speeds=[2.0, 0.0], losses=[7.0, 0.0],
+                       evidence=[5.0, 6.0], failed=True, **sections)
+    assert tail.numel() == layout.tail_size == 1 + 4 + 2 * 2 + 2 + 1
+    summed = tail + layout.tail(loss=torch.tensor(0.25), ledger=[0, 1, 0, 1], speeds=[0.0, 3.0], losses=[0.0, 8.0],
+                                evidence=[0.0, 0.0], failed=False, **sections)
+    parts = [torch.tensor([2.0, 3.0]), torch.tensor([4.0])]
+    layout.check(parts)
+    reduced = layout.read(parts, summed)
+    assert reduced.gradient is parts and reduced.loss == 0.75
     assert reduced.ledger == [1, 1, 1, 1] and reduced.speeds == [2.0, 3.0] and reduced.losses == [7.0, 8.0]
     assert reduced.evidence == [5.0, 6.0] and reduced.failed
     with pytest.raises(ValueError, match="do not fit the layout"):
-        layout.pack(torch.zeros(3), loss=torch.tensor(0.0), ledger=[0] * 4, speeds=[0.0], losses=[0.0, 0.0],
-                    evidence=[0.0, 0.0], failed=False, dtype=torch.float64)
+        layout.tail(loss=torch.tensor(0.0), ledger=[0] * 4, speeds=[0.0], losses=[0.0, 0.0], evidence=[0.0, 0.0],
+                    failed=False, **sections)
+    with pytest.raises(ValueError, match="gradient has 2 elements, the layout 3"):
+        layout.check([torch.zeros(2)])
+
+
+def test_an_aborted_reduction_is_undone_from_the_backup_into_fresh_storage():
+    """Pieces are saved just before the collective writes them; after an abort the parts come back as they were,
+    in new tensors, whatever the collective wrote (and may still write) into the old ones."""
+    from titan_recover.recover.ftpg.polled import pieces_of
+    from titan_recover.recover.invariant.reduction import Backup
+
+    parts = [torch.arange(10.0), torch.arange(4, dtype=torch.float64), torch.arange(6.0)]
+    before = [p.clone() for p in parts]
+    backup = Backup()
+    backup.begin(parts)
+    pieces = pieces_of([*parts, torch.zeros(3)], chunk_bytes=16)
+    for index, start, view in pieces[:5]:  # the collective got through the first five pieces, then failed
+        backup.save(index, start, view)
+        view.add_(100.0)
+    fresh = backup.restored(parts)
+    assert all(torch.equal(f, b) for f, b in zip(fresh, before))
+    assert all(f.data_ptr() != p.data_ptr() for f, p in zip(fresh, parts))
+    assert not torch.equal(parts[1], before[1])  # the old storage keeps what the collective wrote

@@ -57,6 +57,17 @@ class FaultTolerantGroup(abc.ABC):
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` (contiguous, on the group's device or the host) over the members, in place."""
 
+    def allreduce_many_(self, tensors: list[torch.Tensor],
+                        before_piece: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
+        """Sum each tensor over the members, in place, as one collective. ``before_piece(index, start, view)`` is
+        called, in order, just before a part of tensor ``index`` (elements ``start`` to ``start + view.numel()``)
+        is first written by the collective: the caller may still read it there (a backup taken piece by piece,
+        overlapping the reduction of the pieces before). This default reduces tensor by tensor."""
+        for index, tensor in enumerate(tensors):
+            if before_piece is not None:
+                before_piece(index, 0, tensor.view(-1))
+            self.allreduce_sum_(tensor)
+
     def broadcast_(self, tensor: torch.Tensor, root_replica: int) -> None:
         """Replace ``tensor`` with ``root_replica``'s, in place."""
         self.broadcast_many_([tensor], root_replica)

@@ -23,7 +23,7 @@ from torch.distributed import PrefixStore
 from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ProcessGroupGloo, ReduceOp
 
 from titan_recover.recover.ftpg.base import register_backend
-from titan_recover.recover.ftpg.polled import Piece, pieces_of, PolledGroup, Progress
+from titan_recover.recover.ftpg.polled import check_contiguous, Piece, pieces_of, PolledGroup, Progress
 from titan_recover.recover.ftpg.staging import discard_staging, HostStaging, staging_for
 from titan_recover.recover.groups.keys import GroupKeys
 
@@ -44,16 +44,23 @@ class PolledGlooGroup(PolledGroup):
         self._staging: HostStaging | None = None
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
-        self._guarded("allreduce", lambda: self._pipeline("allreduce", [tensor], root=None))
+        self.allreduce_many_([tensor])
+
+    def allreduce_many_(self, tensors: list[torch.Tensor], before_piece=None) -> None:
+        check_contiguous(tensors)
+        self._guarded("allreduce", lambda: self._pipeline("allreduce", tensors, root=None,
+                                                          before_piece=before_piece))
 
     def broadcast_many_(self, tensors: list[torch.Tensor], root_replica: int, on_each=None) -> None:
         """Broadcast each tensor in order, in pieces; ``on_each(i)`` is called on this thread as soon as tensor
         ``i`` is through, in order, while the later ones are in flight."""
+        check_contiguous(tensors)
         root = self.members.index(root_replica)
         self._guarded("broadcast", lambda: self._pipeline("broadcast", tensors, root=root, on_each=on_each))
 
     # ---- one collective, piece by piece ----------------------------------------------------------------------
-    def _pipeline(self, name: str, tensors: list[torch.Tensor], root: int | None, on_each=None) -> None:
+    def _pipeline(self, name: str, tensors: list[torch.Tensor], root: int | None, on_each=None,
+                  before_piece=None) -> None:
         """Issue the pieces, at most ``in_flight`` pending at once; stage them through host memory when the
         tensors live on a device. ``on_each`` follows the pieces of host tensors; for staged tensors it is called
         for all of them once the copies back are complete."""
@@ -61,12 +68,14 @@ class PolledGlooGroup(PolledGroup):
         staging = self._staging_for(tensors)
         through = _InOrder(len(tensors), on_each if staging is None else None)
         through.mark([i for i, t in enumerate(tensors) if t.numel() == 0])
-        last_piece = {index: i for i, (index, _) in enumerate(pieces)}
+        last_piece = {index: i for i, (index, _, _) in enumerate(pieces)}
         progress = Progress(self.timeout_s)
         window: deque = deque()
         if staging is not None:
             staging.begin()
         for i, piece in enumerate(pieces):
+            if before_piece is not None:
+                before_piece(*piece)
             window.append((i, piece, *self._issue(i, piece, root, staging)))
             if len(window) >= self.config.in_flight:
                 through.mark(self._finish(name, window.popleft(), root, staging, progress, last_piece))
@@ -81,9 +90,10 @@ class PolledGlooGroup(PolledGroup):
 
     def _issue(self, i: int, piece: Piece, root: int | None, staging: HostStaging | None):
         """Start piece ``i``: copied out to its host slot first when staged (for a broadcast, only by the root)."""
-        _, view = piece
+        view = piece[2]
         host = view
         if staging is not None:
+            staging.begin()  # after whatever the caller queued on the piece (a backup copy) in the meantime
             host = staging.slot(i, view)
             if root is None or root == self.group_rank:
                 staging.copy_out(view, host)
@@ -97,7 +107,7 @@ class PolledGlooGroup(PolledGroup):
 
     def _finish(self, name, entry, root, staging, progress, last_piece) -> list[int]:
         """Wait for one piece, copy it back when staged; the tensor whose last piece it was, if any."""
-        i, (index, view), host, pending = entry
+        i, (index, _, view), host, pending = entry
         self._wait(name, pending, progress)
         if staging is not None and (root is None or root != self.group_rank):
             staging.copy_back(i, host, view)

@@ -24,7 +24,7 @@ from torch.distributed import PrefixStore, Store
 from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ReduceOp
 
 from titan_recover.recover.ftpg.base import register_backend
-from titan_recover.recover.ftpg.polled import pieces_of, PolledGroup, Progress
+from titan_recover.recover.ftpg.polled import check_contiguous, pieces_of, PolledGroup, Progress
 from titan_recover.recover.groups.keys import GroupKeys
 
 _QUERY_S = 0.0005
@@ -62,8 +62,12 @@ class NcclGroup(PolledGroup):
         return self.timeout_s * (index + 2) + 60.0
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
-        self._check_device([tensor])
-        self._guarded("allreduce", lambda: self._collective("allreduce", [tensor], root=None))
+        self.allreduce_many_([tensor])
+
+    def allreduce_many_(self, tensors: list[torch.Tensor], before_piece=None) -> None:
+        self._check_device(tensors)
+        self._guarded("allreduce", lambda: self._collective("allreduce", tensors, root=None,
+                                                            before_piece=before_piece))
 
     def broadcast_many_(self, tensors: list[torch.Tensor], root_replica: int, on_each=None) -> None:
         self._check_device(tensors)
@@ -72,15 +76,21 @@ class NcclGroup(PolledGroup):
 
     def _check_device(self, tensors: list[torch.Tensor]) -> None:
         """A caller's mistake, not a fault of the epoch: raised before anything is issued."""
+        check_contiguous(tensors)
         off = [str(t.device) for t in tensors if t.device != self.device]
         if off:
             raise ValueError(f"the nccl group of {self.device} was given tensors on {sorted(set(off))}")
 
-    def _collective(self, name: str, tensors: list[torch.Tensor], root: int | None, on_each=None) -> None:
+    def _collective(self, name: str, tensors: list[torch.Tensor], root: int | None, on_each=None,
+                    before_piece=None) -> None:
         pieces = pieces_of(tensors, self.config.chunk_bytes)
-        works = [self._issue(i, view, root) for i, (_, view) in enumerate(pieces)]
+        works = []
+        for i, piece in enumerate(pieces):
+            if before_piece is not None:  # queued on the caller's stream, which NCCL's stream waits for
+                before_piece(*piece)
+            works.append(self._issue(i, piece[2], root))
         progress = Progress(self.timeout_s)
-        last = {index: i for i, (index, _) in enumerate(pieces)}
+        last = {index: i for i, (index, _, _) in enumerate(pieces)}
         reported = 0
         for i, work in enumerate(works):
             self._wait(name, work, progress)

@@ -19,20 +19,26 @@ from torch.distributed import Store
 from titan_recover.recover.ftpg.base import FaultDetected, FaultTolerantGroup, FTPGConfig
 from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
 
-Piece = tuple[int, torch.Tensor]
-"""(index of the tensor it belongs to, a contiguous 1-D view of part of that tensor)."""
+Piece = tuple[int, int, torch.Tensor]
+"""(index of the tensor it belongs to, its first element there, a contiguous 1-D view of that part)."""
+
+
+def check_contiguous(tensors: list[torch.Tensor]) -> None:
+    """A caller's mistake, raised before anything is issued (not a fault of the epoch)."""
+    for index, tensor in enumerate(tensors):
+        if not tensor.is_contiguous():
+            raise ValueError(f"tensor {index} of a collective is not contiguous (shape {tuple(tensor.shape)})")
 
 
 def pieces_of(tensors: list[torch.Tensor], chunk_bytes: int) -> list[Piece]:
     """Every tensor as consecutive 1-D views of at most ``chunk_bytes`` (at least one element each), in order; an
     empty tensor has no piece."""
+    check_contiguous(tensors)
     out: list[Piece] = []
     for index, tensor in enumerate(tensors):
-        if not tensor.is_contiguous():
-            raise ValueError(f"tensor {index} of a collective is not contiguous (shape {tuple(tensor.shape)})")
         flat = tensor.view(-1)
         step = max(1, chunk_bytes // max(1, flat.element_size()))
-        out.extend((index, flat[start : start + step]) for start in range(0, flat.numel(), step))
+        out.extend((index, start, flat[start : start + step]) for start in range(0, flat.numel(), step))
     return out
 
 

@@ -1,8 +1,8 @@
 """One rank's synchronisation with the other replicas: epochs, the gradient reduction and its commit point.
 
-:meth:`ReplicaSync.reduce_once` is the only place a step's cross-replica result is decided. It reduces a buffer
-(a *copy* of the local gradients, with the step's ledger) over the fault-tolerant group, then runs the commit
-barrier: ``commit`` and the buffer holds the sum; ``abort`` (a fault anywhere in the epoch) and the rank has moved
+:meth:`ReplicaSync.reduce_once` is the only place a step's cross-replica result is decided. It reduces the local
+gradients in place, with the step's ledger beside them, over the fault-tolerant group (the caller keeps a backup),
+then runs the commit barrier: ``commit`` and the tensors hold the sums; ``abort`` (a fault anywhere in the epoch) and the rank has moved
 to the next epoch, where the caller (:mod:`~titan_recover.recover.invariant.step_recovery`) completes the step's
 microbatches and tries again. The start-up broadcast goes through the same commit barrier (as step 0), so that
 every member agrees on the epoch the first step's quotas start from. A commit's decision also names the replicas
@@ -147,24 +147,26 @@ class ReplicaSync:
     def mark_committed(self) -> None:
         self.committed_epoch, self.committed_members = self.epoch, self.members
 
-    def reduce_once(self, step: int, buffer: torch.Tensor, attempt: int = 1, verify=None) -> bool:
-        """Sum ``buffer`` in place over the current epoch's members and run the commit barrier.
+    def reduce_once(self, step: int, tensors: list[torch.Tensor], attempt: int = 1, verify=None,
+                    before_piece=None) -> bool:
+        """Sum ``tensors`` in place over the current epoch's members (one collective; ``before_piece``: see
+        :meth:`~titan_recover.recover.ftpg.base.FaultTolerantGroup.allreduce_many_`) and run the commit barrier.
 
-        ``verify(reduced_buffer) -> Refusal | None``: the witnesses' votes, judged between the reduction and the
+        ``verify(reduced_tensors) -> Refusal | None``: the witnesses' votes, judged between the reduction and the
         commit barrier (docs/scout.md).
 
-        True: committed, ``buffer`` holds the sum. False: aborted, this rank is now in the next epoch (``buffer``
-        is garbage). Raises ``TooFewReplicas`` / ``Excluded`` when the next epoch says so.
+        True: committed, ``tensors`` hold the sums. False: aborted, this rank is now in the next epoch (the tensors
+        are garbage). Raises ``TooFewReplicas`` / ``Excluded`` when the next epoch says so.
         """
         self.member.progress(step=step, phase="reduction")
         try:
             if self.chaos is not None:
                 self.chaos.maybe_inject(step, "reduction")
-            self.group.allreduce_sum_(buffer)
+            self.group.allreduce_many_(tensors, before_piece)
             self.member.progress(phase="commit")
             if self.chaos is not None:
                 self.chaos.maybe_inject(step, "commit")
-            refusal = verify(buffer) if verify is not None else None
+            refusal = verify(tensors) if verify is not None else None
             if refusal is not None:
                 decision = self._refuse(step, refusal)
             else:

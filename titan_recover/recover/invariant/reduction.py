@@ -1,11 +1,20 @@
-"""The one buffer a rank reduces across replicas per step: its layout, packing and reading (docs/invariant.md).
+"""What a rank reduces across replicas per step: the gradient in place, the small sections beside it, and the
+backup that lets an aborted reduction leave the local accumulation as it was (docs/invariant.md).
 
 Every entry is summed over the member replicas at the same rank, so each section is either this rank's
 share of a sum (gradient, loss) or a vector in which every replica writes only its own entries (ledger: one count
 per microbatch id; speeds and losses: one entry per replica; evidence: see
-:class:`~titan_recover.recover.scout.localize.Localizer`); the last entry counts the members that saw a failure::
+:class:`~titan_recover.recover.scout.localize.Localizer`); the last entry counts the members that saw a failure.
+The gradient is reduced where it lies (the parameters' local gradients, or the exact-mode accumulator), as one
+collective with the *tail* holding the rest::
 
-    | gradient (G) | loss (1) | ledger (M) | speeds (R) | losses (R) | evidence (E) | failed (1) |
+    gradient parts (G elements, in parameter order) + tail: | loss (1) | ledger (M) | speeds (R) | losses (R) |
+                                                              | evidence (E) | failed (1) |
+
+In place means an aborted reduction may have left partial sums in the gradient, and an abandoned collective (gloo
+cannot abort one) may still write into it. :class:`Backup` copies each piece just before the collective first
+writes it; after an abort the worker's gradient gets *fresh* storage holding what it held before (the old storage
+is left to the abandoned collective).
 """
 
 from __future__ import annotations
@@ -17,9 +26,9 @@ import torch
 
 @dataclass(frozen=True)
 class Reduced:
-    """A reduced buffer, read by section (``gradient`` is a view into it)."""
+    """A reduced step, read by section (``gradient``: the reduced parts themselves)."""
 
-    gradient: torch.Tensor
+    gradient: list[torch.Tensor]
     loss: float
     """Summed token loss of the committed batch at this rank (and the same rank of every replica), divided by the global batch's tokens."""
     ledger: list[float]
@@ -44,45 +53,81 @@ class ReductionLayout:
     """E: signature entries of the witnesses (0: localisation off)."""
 
     @property
-    def size(self) -> int:
-        return self.gradients + 1 + self.microbatches + 2 * self.groups + self.evidence + 1
+    def tail_size(self) -> int:
+        return 1 + self.microbatches + 2 * self.groups + self.evidence + 1
 
-    def pack(self, gradient: torch.Tensor | list[torch.Tensor], *, loss: torch.Tensor, ledger: list[float],
-             speeds: list[float], losses: list[float], evidence: list[float], failed: bool, dtype: torch.dtype,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's contribution in one buffer on the gradient's device (the fault-tolerant group reduces it
-        there, or stages it through host memory). ``gradient``: the flat accumulation, or its parts in order.
-        ``out``: a buffer of this layout to fill again (a new one when it does not fit)."""
-        parts = [gradient] if isinstance(gradient, torch.Tensor) else list(gradient)
+    def check(self, parts: list[torch.Tensor]) -> None:
         numel = sum(p.numel() for p in parts)
         if numel != self.gradients:
             raise ValueError(f"gradient has {numel} elements, the layout {self.gradients}")
-        tail = [*ledger, *speeds, *losses, *evidence, 1.0 if failed else 0.0]
-        if len(tail) != self.size - self.gradients - 1:
+
+    def tail(self, *, loss: torch.Tensor, ledger: list[float], speeds: list[float], losses: list[float],
+             evidence: list[float], failed: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This rank's small sections in one tensor on ``device`` (reduced in the same collective as the gradient)."""
+        values = [*ledger, *speeds, *losses, *evidence, 1.0 if failed else 0.0]
+        if len(values) != self.tail_size - 1:
             raise ValueError(f"sections of {len(ledger)}, {len(speeds)}, {len(losses)}, {len(evidence)} entries do "
                              f"not fit the layout {self}")
-        device = parts[0].device if parts else loss.device
-        fits = out is not None and out.device == device and out.dtype == dtype and out.numel() == self.size
-        buffer = out if fits else torch.empty(self.size, dtype=dtype, device=device)
-        with torch.no_grad():
-            offset = 0
-            for part in parts:
-                buffer[offset : offset + part.numel()].copy_(part.detach().reshape(-1))
-                offset += part.numel()
-            g = self.gradients
-            buffer[g : g + 1].copy_(loss.detach().reshape(1))
-            buffer[g + 1 :].copy_(torch.tensor(tail, dtype=dtype))
-        return buffer
+        tail = torch.empty(self.tail_size, dtype=dtype, device=device)
+        tail[:1].copy_(loss.detach().reshape(1))
+        tail[1:].copy_(torch.tensor(values, dtype=dtype))
+        return tail
 
-    def read(self, buffer: torch.Tensor) -> Reduced:
-        g, m, r, e = self.gradients, self.microbatches, self.groups, self.evidence
-        loss, *tail = buffer[g:].tolist()  # one small copy to the host
+    def read(self, parts: list[torch.Tensor], tail: torch.Tensor) -> Reduced:
+        m, r, e = self.microbatches, self.groups, self.evidence
+        loss, *rest = tail.tolist()  # one small copy to the host
         return Reduced(
-            gradient=buffer[:g],
+            gradient=parts,
             loss=loss,
-            ledger=tail[:m],
-            speeds=tail[m : m + r],
-            losses=tail[m + r : m + 2 * r],
-            evidence=tail[m + 2 * r : m + 2 * r + e],
-            failed=tail[-1] > 0,
+            ledger=rest[:m],
+            speeds=rest[m : m + r],
+            losses=rest[m + r : m + 2 * r],
+            evidence=rest[m + 2 * r : m + 2 * r + e],
+            failed=rest[-1] > 0,
         )
+
+
+class Backup:
+    """The gradient parts as they were before a reduction, saved piece by piece (:meth:`save`, the fault-tolerant
+    group's ``before_piece``) and handed back as fresh tensors after an abort (:meth:`restored`). One byte buffer
+    per rank (the parts may differ in dtype), reused from step to step."""
+
+    def __init__(self):
+        self.flat: torch.Tensor | None = None
+        self.offsets: list[int] = []
+        """Byte offset of each part."""
+        self.saved = 0
+        """Bytes saved so far: pieces come in order, so the saved region is a prefix of the parts."""
+
+    def begin(self, parts: list[torch.Tensor]) -> None:
+        self.offsets = [0]
+        for p in parts:
+            self.offsets.append(self.offsets[-1] + p.numel() * p.element_size())
+        device = parts[0].device if parts else None
+        if parts and (self.flat is None or self.flat.numel() != self.offsets[-1] or self.flat.device != device):
+            self.flat = torch.empty(self.offsets[-1], dtype=torch.uint8, device=device)
+        self.saved = 0
+
+    def save(self, index: int, start: int, view: torch.Tensor) -> None:
+        """Called just before the collective first writes ``view`` (part ``index`` from element ``start``); indices
+        past the parts (the tail) need no backup."""
+        if index >= len(self.offsets) - 1:
+            return
+        data = view.view(torch.uint8)
+        at = self.offsets[index] + start * view.element_size()
+        self.flat[at : at + data.numel()].copy_(data)
+        self.saved = at + data.numel()
+
+    def restored(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """New tensors with the parts' values before the reduction: the saved prefix from the backup, the rest
+        (never issued, so never written) from the parts themselves."""
+        fresh = []
+        for i, part in enumerate(parts):
+            start, end = self.offsets[i], self.offsets[i + 1]
+            out = torch.empty_like(part)
+            target, source = out.view(-1).view(torch.uint8), part.reshape(-1).view(torch.uint8)
+            saved = min(end, max(start, self.saved)) - start
+            target[:saved].copy_(self.flat[start : start + saved])
+            target[saved:].copy_(source[saved:])
+            fresh.append(out)
+        return fresh

@@ -12,8 +12,10 @@ The manager does not know about models: it is given a *worker* (:class:`Microbat
 microbatch ``g``, accumulating locally, and this rank's contribution to the reduction) and a *sync* (``catch_up``,
 ``epoch``, ``members``, ``members_of``, ``reduce_once``, ``committed_epoch``, ``committed_members``,
 ``recoveries``, ``events``: a :class:`~titan_recover.recover.groups.replica_sync.ReplicaSync`), which tests replace
-with fakes. The buffer it reduces is laid out by :class:`~titan_recover.recover.invariant.reduction.ReductionLayout`.
-With a :class:`~titan_recover.recover.scout.localize.Localizer` the buffer carries the witnesses' signatures too and
+with fakes. It reduces the local accumulation in place, with a tail of small sections laid out by
+:class:`~titan_recover.recover.invariant.reduction.ReductionLayout`, behind a
+:class:`~titan_recover.recover.invariant.reduction.Backup` that an aborted reduction restores from.
+With a :class:`~titan_recover.recover.scout.localize.Localizer` the tail carries the witnesses' signatures too and
 the sync judges them before the commit (docs/scout.md).
 
 Managers are registered by name (``[recover.step] manager``); ``recompute`` is the one described here.
@@ -30,7 +32,7 @@ import torch
 from titan_recover.recover.groups.protocol import active_replicas
 from titan_recover.recover.invariant.ledger import StepLedger
 from titan_recover.recover.invariant.quota import get_policy, QuotaConfig
-from titan_recover.recover.invariant.reduction import Reduced, ReductionLayout
+from titan_recover.recover.invariant.reduction import Backup, Reduced, ReductionLayout
 from titan_recover.registry import Registry
 
 STEP_MANAGERS: Registry[type] = Registry("step recovery manager")
@@ -70,8 +72,13 @@ class MicrobatchWorker(Protocol):
         manager's timings read the clock after it."""
 
     def contribution(self) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor, float]:
-        """``(gradient, loss, mean_loss)``: the local accumulation (flat, or its parts in order), its summed loss
-        share and the mean token loss of what this rank computed in the step (0: nothing)."""
+        """``(gradient, loss, mean_loss)``: the local accumulation (flat, or its parts in order: the manager
+        reduces them in place), its summed loss share and the mean token loss of what this rank computed in the
+        step (0: nothing)."""
+
+    def replace_gradient(self, parts: list[torch.Tensor]) -> None:
+        """After an aborted reduction: make ``parts`` (fresh tensors holding the values before it) the local
+        accumulation, in place of the tensors the abandoned collective may still write into."""
 
 
 @dataclass
@@ -80,7 +87,7 @@ class StepOutcome:
 
     step: int
     reduced: Reduced
-    """The reduced buffer, by section."""
+    """The reduced step, by section."""
     committed: int
     """Microbatches committed (M, or fewer with ``drop``)."""
     participants: int
@@ -136,9 +143,8 @@ class StepRecovery:
         """Capacity was lost (a replica lost, or fewer than ``active`` replicas holding quota) and has not come
         back."""
         self._holding: tuple[int, ...] = ()
-        self._buffer: torch.Tensor | None = None
-        """The reduction buffer, filled again at every attempt; dropped after a failed reduction (an abandoned
-        collective may still write into it)."""
+        self._backup = Backup()
+        """The local accumulation as it was before the reduction being tried (docs/invariant.md)."""
 
     # the speed estimates travel with a replica's state (state transfer), as TorchTitan's Stateful components do
     def state_dict(self) -> dict:
@@ -167,12 +173,14 @@ class StepRecovery:
         progress, compute_s = self._compute_quota(step, ledger)
         for attempt in range(1, self.config.max_epochs_per_step + 2):
             self._take_over(step, progress, attempt)
-            buffer = self._buffer = self._pack(progress)
+            parts, tail = self._pack(progress)
             reducing = time.perf_counter()
-            if self.sync.reduce_once(step, buffer, attempt, verify=self._verifier(step)):
-                return self._committed(step, progress, buffer, quotas, attempt, compute_s,
+            if self.sync.reduce_once(step, [*parts, tail], attempt, verify=self._verifier(step),
+                                     before_piece=self._backup.save):
+                return self._committed(step, progress, parts, tail, quotas, attempt, compute_s,
                                        wait_s=time.perf_counter() - reducing)
-            self._buffer = None
+            # the local accumulation as it was, in storage no abandoned collective writes into
+            self.worker.replace_gradient(self._backup.restored(parts))
             progress.recovery_s += time.perf_counter() - reducing
         raise RuntimeError(
             f"step {step}: the reduction failed in {self.config.max_epochs_per_step + 1} consecutive epochs "
@@ -230,28 +238,34 @@ class StepRecovery:
             self.worker.synchronize()  # the microbatches taken over are done
             progress.recovery_s += time.perf_counter() - recovering
 
-    def _pack(self, progress: _Progress) -> torch.Tensor:
+    def _pack(self, progress: _Progress) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The gradient parts (reduced where they lie) and the tail of small sections beside them."""
         gradient, loss, mean_loss = self.worker.contribution()
+        parts = [gradient] if isinstance(gradient, torch.Tensor) else list(gradient)
+        self.layout.check(parts)
+        self._backup.begin(parts)
         losses = [0.0] * self.groups
         losses[self.replica] = mean_loss
         evidence = []
         if self.layout.evidence:
             evidence = self.localizer.evidence(self.signature() if self.signature else None,
                                                progress.replay_signature)
-        return self.layout.pack(gradient, loss=loss, ledger=progress.ledger.vector(progress.done),
-                                speeds=progress.speeds, losses=losses, evidence=evidence, failed=progress.failed,
-                                dtype=self.dtype, out=self._buffer)
+        tail = self.layout.tail(loss=loss, ledger=progress.ledger.vector(progress.done), speeds=progress.speeds,
+                                losses=losses, evidence=evidence, failed=progress.failed, dtype=self.dtype,
+                                device=parts[0].device if parts else loss.device)
+        return parts, tail
 
     def _verifier(self, step: int):
-        """The witnesses' votes, judged on the reduced buffer before the commit barrier (docs/scout.md)."""
+        """The witnesses' votes, judged on the reduced tail before the commit barrier (docs/scout.md)."""
         if not self.layout.evidence:
             return None
-        return lambda buffer: self.localizer.judge(step, self.sync.members, self.layout.read(buffer).evidence)
+        return lambda tensors: self.localizer.judge(step, self.sync.members,
+                                                    self.layout.read(tensors[:-1], tensors[-1]).evidence)
 
-    def _committed(self, step: int, progress: _Progress, buffer: torch.Tensor, quotas: dict[int, int], attempt: int,
-                   compute_s: float, wait_s: float) -> StepOutcome:
+    def _committed(self, step: int, progress: _Progress, parts: list[torch.Tensor], tail: torch.Tensor,
+                   quotas: dict[int, int], attempt: int, compute_s: float, wait_s: float) -> StepOutcome:
         sync, ledger = self.sync, progress.ledger
-        reduced = self.layout.read(buffer)
+        reduced = self.layout.read(parts, tail)
         count = ledger.check(reduced.ledger)
         self._update_speeds(reduced.speeds)
         if self.localizer is not None:

@@ -25,6 +25,20 @@ def local_parameters(model_parts) -> list[torch.Tensor]:
     return [local_tensor(p.data) for m in model_parts for p in m.parameters()]
 
 
+def _set_grad(p: torch.Tensor, local: torch.Tensor) -> None:
+    """Make ``local`` (this rank's part, shaped as ``p``'s local tensor) the gradient of ``p``."""
+    if isinstance(p, DTensor):
+        p.grad = DTensor.from_local(local.view(local_tensor(p).shape), p.device_mesh, p.placements,
+                                    run_check=False, shape=p.shape, stride=p.stride())
+    else:
+        p.grad = local.view_as(p)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when contiguous (reduced in place), else a copy (which the committed step writes back)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _nothing(*_args) -> None:
     pass
 
@@ -146,32 +160,51 @@ class ReplicaWorker:
 
     def contribution(self) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor, float]:
         """``(gradient, loss, mean_loss)``: the local accumulation (the float64 accumulator in exact mode, else
-        every parameter's local gradient in order, packed by the reduction without an intermediate copy), the
-        summed loss share and the mean token loss of what this rank computed in the step (0: nothing)."""
+        every parameter's local gradient in order: the step reduces them in place), the summed loss share and the
+        mean token loss of what this rank computed in the step (0: nothing)."""
         if self.exact:
             gradient = self._accumulator
         else:
-            gradient = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
+            gradient = [_contiguous(local_tensor(p.grad)) if p.grad is not None else torch.zeros_like(local_tensor(p))
                         for p in self.params]
         loss = self._loss.detach().cpu()  # the mean loss below is a host number: one small wait for the device
         local_tokens = self._computed * self.local_batch * self.parts.config.training.seq_len
         mean_loss = float(loss) * self.global_token_count / local_tokens if local_tokens else 0.0
         return gradient, loss, mean_loss
 
-    def write_gradient(self, summed: torch.Tensor, scale: float) -> None:
-        """The committed gradient into the parameters' ``.grad`` (``scale``: 1 unless ``drop`` lost
-        microbatches)."""
-        offset = 0
+    def replace_gradient(self, parts: list[torch.Tensor]) -> None:
+        """After an aborted reduction: ``parts`` (fresh tensors, the values before it) become the accumulation."""
+        if self.exact:
+            (self._accumulator,) = parts
+            return
+        for p, part in zip(self.params, parts):
+            _set_grad(p, part)
+
+    def write_gradient(self, summed: list[torch.Tensor], scale: float) -> None:
+        """The committed gradient in the parameters' ``.grad`` (``scale``: 1 unless ``drop`` lost microbatches):
+        copied from the exact-mode accumulator, else already there (reduced in place; a parameter that had no
+        gradient gets the reduced zeros it contributed)."""
         with torch.no_grad():
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                g = local_tensor(p.grad)
-                part = summed[offset : offset + g.numel()].view_as(g)
-                g.copy_((part * scale if scale != 1 else part).to(g.dtype))
-                offset += g.numel()
+            if self.exact:
+                self._copy_into_grads(summed[0], scale)
+            else:
+                for p, part in zip(self.params, summed):
+                    if p.grad is None or local_tensor(p.grad).data_ptr() != part.data_ptr():
+                        _set_grad(p, part)
+                    if scale != 1:
+                        local_tensor(p.grad).mul_(scale)
         if not self._loaded:  # a spare computed nothing; TorchTitan averages the loading times it logs
             self.parts.metrics_processor.record_batch(0, 0.0)
+
+    def _copy_into_grads(self, flat: torch.Tensor, scale: float) -> None:
+        offset = 0
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = local_tensor(p.grad)
+            part = flat[offset : offset + g.numel()].view_as(g)
+            g.copy_((part * scale if scale != 1 else part).to(g.dtype))
+            offset += g.numel()
 
     def parameter_signature(self) -> int:
         return fingerprint(local_parameters(self.parts.model_parts))
