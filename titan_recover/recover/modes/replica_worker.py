@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titan_recover import platform
 from titan_recover.recover.modes.base import TrainerParts
