@@ -24,7 +24,7 @@ from titan_recover.recover.ftpg.base import (
 )
 from titan_recover.recover.ftpg.gloo import PolledGlooGroup
 from titan_recover.recover.ftpg.nccl import NcclGroup
-from titan_recover.recover.ftpg.polled import pieces_of, Progress
+from titan_recover.recover.ftpg.polled import batches_of, pieces_of, Progress
 from titan_recover.recover.ftpg.staging import HostStaging
 from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
 
@@ -266,9 +266,9 @@ def _both(fn_0, fn_1):
 class _SlowLink(PolledGlooGroup):
     """A member behind a slow link: each piece leaves after ``bytes / rate`` seconds (80 MiB/s)."""
 
-    def _issue(self, i, piece, root, staging):
-        time.sleep(piece[2].numel() * piece[2].element_size() / (80 * 2**20))
-        return super()._issue(i, piece, root, staging)
+    def _issue(self, i, batch, root, staging):
+        time.sleep(sum(v.numel() * v.element_size() for _, (_, _, v) in batch) / (80 * 2**20))
+        return super()._issue(i, batch, root, staging)
 
 
 def test_a_big_reduction_on_a_slow_link_outlasts_the_timeout_while_it_makes_progress(monkeypatch):
@@ -417,3 +417,26 @@ def test_nccl_without_progress_for_the_timeout_aborts_and_raises_the_flag():
     assert fault.value.raised_here and group.pg.aborted and done.is_set()
     assert time.monotonic() - start > 0.6  # the deadline moved with each completed piece
     assert group.store.check([GroupKeys.fault(0)])
+
+
+def test_small_whole_tensors_share_a_batch_and_large_ones_are_split():
+    tensors = [torch.zeros(2), torch.zeros(3), torch.zeros(10), torch.zeros(1), torch.zeros(1), torch.zeros(4)]
+    pieces = pieces_of(tensors, chunk_bytes=16)  # 4 floats a piece
+    batches = batches_of(pieces, tensors, chunk_bytes=16)
+    shapes = [[(index, start, view.numel()) for _, (index, start, view) in batch] for batch in batches]
+    # 2 + 3 floats exceed a piece; the 10 are split; 1 + 1 fit together; a whole tensor of 4 is a piece on its own
+    assert shapes == [[(0, 0, 2)], [(1, 0, 3)], [(2, 0, 4)], [(2, 4, 4)], [(2, 8, 2)], [(3, 0, 1), (4, 0, 1)],
+                      [(5, 0, 4)]]
+    assert [n for batch in batches for n, _ in batch] == list(range(len(pieces)))
+
+
+def test_many_small_gradients_are_reduced_together_and_right(monkeypatch):
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    members = _gloo_pair(HashStore(), FTPGConfig(chunk_mb=1), 10.0)
+    grads = [[torch.full((n,), float(r + 1)) for n in (3, 1000, 7, 300_000, 5)] for r in (0, 1)]
+    saved = {0: [], 1: []}
+    results, _ = _both(lambda: members[0].allreduce_many_(grads[0], lambda *p: saved[0].append(p[:2])),
+                       lambda: members[1].allreduce_many_(grads[1], lambda *p: saved[1].append(p[:2])))
+    assert results == {0: None, 1: None}
+    assert all(bool((g == 3.0).all()) for g in grads[0] + grads[1])
+    assert saved[0] == saved[1] == [(0, 0), (1, 0), (2, 0), (3, 0), (3, 262144), (4, 0)]

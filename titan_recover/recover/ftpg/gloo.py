@@ -4,7 +4,8 @@ gloo gives no error to ring peers of a dead rank that are not its neighbours, an
 a pending operation. So every collective here is issued asynchronously, in pieces (:mod:`.polled`), and polled:
 each piece completes, or it fails (gloo error, no progress for the timeout), or the epoch's fault flag in the
 coordinator's store appears. At most ``[recover.ftpg] in_flight`` pieces are issued at once; gloo's own timeout
-applies to one piece. A group is never reused after a fault: the next epoch builds a new one from a new store
+applies to one piece. Consecutive whole host tensors smaller than a piece are reduced together, as one coalesced
+operation (a model's many small gradients are not one round trip each). A group is never reused after a fault: the next epoch builds a new one from a new store
 prefix. A failed group is never destroyed during the run either: gloo's destructor joins threads that may still
 be blocked on a dead peer (observed: a survivor stuck for minutes), so the owner keeps it until the process exits.
 
@@ -20,10 +21,16 @@ from datetime import timedelta
 
 import torch
 from torch.distributed import PrefixStore
-from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ProcessGroupGloo, ReduceOp
+from torch._C._distributed_c10d import (
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    BroadcastOptions,
+    ProcessGroupGloo,
+    ReduceOp,
+)
 
 from titan_recover.recover.ftpg.base import register_backend
-from titan_recover.recover.ftpg.polled import check_contiguous, Piece, pieces_of, PolledGroup, Progress
+from titan_recover.recover.ftpg.polled import batches_of, check_contiguous, Piece, pieces_of, PolledGroup, Progress
 from titan_recover.recover.ftpg.staging import discard_staging, HostStaging, staging_for
 from titan_recover.recover.groups.keys import GroupKeys
 
@@ -66,17 +73,22 @@ class PolledGlooGroup(PolledGroup):
         for all of them once the copies back are complete."""
         pieces = pieces_of(tensors, self.config.chunk_bytes)
         staging = self._staging_for(tensors)
+        if root is None and staging is None:  # small host tensors go together (allreduce_coalesced)
+            batches = batches_of(pieces, tensors, self.config.chunk_bytes)
+        else:
+            batches = [[(n, piece)] for n, piece in enumerate(pieces)]
         through = _InOrder(len(tensors), on_each if staging is None else None)
         through.mark([i for i, t in enumerate(tensors) if t.numel() == 0])
-        last_piece = {index: i for i, (index, _, _) in enumerate(pieces)}
+        last_piece = {index: n for n, (index, _, _) in enumerate(pieces)}
         progress = Progress(self.timeout_s)
         window: deque = deque()
         if staging is not None:
             staging.begin()
-        for i, piece in enumerate(pieces):
+        for i, batch in enumerate(batches):
             if before_piece is not None:
-                before_piece(*piece)
-            window.append((i, piece, *self._issue(i, piece, root, staging)))
+                for _, piece in batch:
+                    before_piece(*piece)
+            window.append((i, batch, *self._issue(i, batch, root, staging)))
             if len(window) >= self.config.in_flight:
                 through.mark(self._finish(name, window.popleft(), root, staging, progress, last_piece))
         while window:
@@ -88,9 +100,14 @@ class PolledGlooGroup(PolledGroup):
                 for i in range(len(tensors)):
                     on_each(i)
 
-    def _issue(self, i: int, piece: Piece, root: int | None, staging: HostStaging | None):
-        """Start piece ``i``: copied out to its host slot first when staged (for a broadcast, only by the root)."""
-        view = piece[2]
+    def _issue(self, i: int, batch: list[tuple[int, Piece]], root: int | None, staging: HostStaging | None):
+        """Start batch ``i``: one piece copied out to its host slot first when staged (for a broadcast, only by
+        the root), or several whole small host tensors reduced as one coalesced operation."""
+        if len(batch) > 1:
+            opts = AllreduceCoalescedOptions()
+            opts.reduceOp = ReduceOp.SUM
+            return None, _Pending(self.pg.allreduce_coalesced([piece[2] for _, piece in batch], opts))
+        view = batch[0][1][2]
         host = view
         if staging is not None:
             staging.begin()  # after whatever the caller queued on the piece (a backup copy) in the meantime
@@ -106,12 +123,12 @@ class PolledGlooGroup(PolledGroup):
         return host, _Pending(self.pg.broadcast([host], opts))
 
     def _finish(self, name, entry, root, staging, progress, last_piece) -> list[int]:
-        """Wait for one piece, copy it back when staged; the tensor whose last piece it was, if any."""
-        i, (index, _, view), host, pending = entry
+        """Wait for one batch, copy it back when staged; the tensors whose last piece it held."""
+        i, batch, host, pending = entry
         self._wait(name, pending, progress)
         if staging is not None and (root is None or root != self.group_rank):
-            staging.copy_back(i, host, view)
-        return [index] if last_piece[index] == i else []
+            staging.copy_back(i, host, batch[0][1][2])
+        return [index for n, (index, _, _) in batch if last_piece[index] == n]
 
     def _staging_for(self, tensors: list[torch.Tensor]) -> HostStaging | None:
         if all(t.device.type == "cpu" for t in tensors):

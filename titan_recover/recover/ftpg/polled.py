@@ -42,6 +42,25 @@ def pieces_of(tensors: list[torch.Tensor], chunk_bytes: int) -> list[Piece]:
     return out
 
 
+def batches_of(pieces: list[Piece], tensors: list[torch.Tensor], chunk_bytes: int) -> list[list[tuple[int, Piece]]]:
+    """The pieces, numbered, in batches issued as one operation each: consecutive whole tensors smaller than
+    ``chunk_bytes`` share a batch up to ``chunk_bytes`` in all (one coalesced operation instead of one per small
+    tensor, such as a model's many norm weights); every other piece is a batch of its own."""
+    batches: list[list[tuple[int, Piece]]] = []
+    room = 0
+    for n, piece in enumerate(pieces):
+        index, start, view = piece
+        nbytes = view.numel() * view.element_size()
+        whole = start == 0 and view.numel() == tensors[index].numel() and nbytes < chunk_bytes
+        if whole and batches and room >= nbytes:
+            batches[-1].append((n, piece))
+            room -= nbytes
+            continue
+        batches.append([(n, piece)])
+        room = chunk_bytes - nbytes if whole else 0
+    return batches
+
+
 class Progress:
     """The deadline of one collective: ``timeout_s`` after the last piece completed (or the start)."""
 
