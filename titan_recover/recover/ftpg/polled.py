@@ -10,6 +10,7 @@ raises the flag, so every other member stops waiting too, and the backend's ``_a
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Callable
 
@@ -95,9 +96,9 @@ class PolledGroup(FaultTolerantGroup):
         """A collective of this group failed: it is never used again (the next epoch builds a new group)."""
 
     # ---- what a backend provides ----------------------------------------------------------------------------
+    @abc.abstractmethod
     def _wait_for(self, work, seconds: float) -> bool:
         """True once ``work`` is complete, False if still pending after ``seconds``."""
-        raise NotImplementedError
 
     def _abort(self) -> None:
         """Release whatever this group has pending after a fault (a backend that cannot does nothing)."""

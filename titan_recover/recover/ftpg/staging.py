@@ -46,25 +46,24 @@ class HostStaging:
 
     def copy_out(self, piece: torch.Tensor, host: torch.Tensor) -> None:
         """Device -> host; returns once ``host`` holds the piece (the host collective reads it next)."""
-        if self.stream is None:
-            host.copy_(piece)
-            return
-        with torch.cuda.stream(self.stream):
-            host.copy_(piece, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        done.synchronize()
+        done = self._copy(host, piece)
+        if done is not None:
+            done.synchronize()
 
     def copy_back(self, i: int, host: torch.Tensor, piece: torch.Tensor) -> None:
         """Host -> device, queued on the copy stream; slot ``i % slots`` is free again once it has run."""
+        self._free[i % self.slots] = self._copy(piece, host)
+
+    def _copy(self, target: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event | None:
+        """``target <- source``: at once without a stream, else queued on the copy stream (its event returned)."""
         if self.stream is None:
-            piece.copy_(host)
-            return
+            target.copy_(source)
+            return None
         with torch.cuda.stream(self.stream):
-            piece.copy_(host, non_blocking=True)
+            target.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._free[i % self.slots] = done
+        return done
 
     def end(self) -> None:
         """The caller's stream waits for every copy back (the caller may use the tensors at once)."""
