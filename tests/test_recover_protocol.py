@@ -276,8 +276,8 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
     from titan_recover.recover.events import read_events
     from titan_recover.recover.groups.keys import GroupKeys
 
-    coordinator = Coordinator(RecoverConfig(replicas=2), replicas=2, ranks_per_replica=1, run_dir=str(tmp_path),
-                              host="127.0.0.1")
+    coordinator = Coordinator(RecoverConfig(replicas=2), job_store(), replicas=2, ranks_per_replica=1,
+                              run_dir=str(tmp_path))
     coordinator._publish(0, (0, 1), (), "all replicas registered", timing={})
 
     def beat(*replicas):
@@ -305,6 +305,68 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
     [detected] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure_detected"]
     assert detected["replica"] == 1 and detected["beats"]["0"]["quiet_s"] >= 2.0 and detected["unwatched_s"] > 2.5
     assert coordinator.store.check([GroupKeys.fault(0)])
+
+
+def job_store():
+    """The job's store as the launcher hosts it (in this process)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+
+def test_coordinator_state_round_trips_and_says_how_to_resume():
+    from titan_recover.recover.groups.protocol import CoordinatorState, resume_action
+
+    state = CoordinatorState(3, (0, 2), "replica 1 rank(s) [0] did not join", (1,), (7, (1,)), {0: 0, 2: 1},
+                             {1: 0}, (1,), "")
+    assert CoordinatorState.decode(state.encode()) == state
+    assert resume_action(None, -1) == "form_first"
+    assert resume_action(state, 2) == "finish"  # died between its write-ahead record and the epoch
+    assert resume_action(state, 3) == "resume"
+    with pytest.raises(ValueError, match="another job"):
+        resume_action(state, 5)
+    with pytest.raises(ValueError, match="state is missing"):
+        resume_action(None, 0)
+
+
+def test_a_restarted_coordinator_resumes_the_epoch_it_was_publishing(tmp_path):
+    """A coordinator dies after writing epoch 1's state ahead and before members can read the epoch (as the
+    ``publish`` chaos phase does): the next start publishes exactly that epoch, keeps the incarnations and the
+    drop, and a fault it did not see while nobody coordinated is handled once it is back."""
+    from titan_recover.recover.events import read_events
+    from titan_recover.recover.groups.coordinator import Coordinator
+    from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag
+    from titan_recover.recover.groups.protocol import CoordinatorState, decode_members
+
+    store = job_store()
+    config = RecoverConfig(replicas=3, join_window_s=0.3, heartbeat_timeout_s=2.0)
+    first = Coordinator(config, store, replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
+    first.incarnation = {0: 0, 1: 0, 2: 0}
+    first._publish(0, (0, 1, 2), (), "all replicas registered", timing={})
+    first.dropped[1] = 0
+    first._save(CoordinatorState(1, (0, 2), "replica 1 lost", (1,), None, dict(first.incarnation),
+                                 dict(first.dropped)))  # ... and dies here
+    assert int(store.get(GroupKeys.EPOCH)) == 0
+
+    second = Coordinator(config, store, replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
+    assert second.start == 1 and second._resume()
+    assert int(store.get(GroupKeys.EPOCH)) == 1 and second.members == (0, 2)
+    assert decode_members(store.get(GroupKeys.members(1))) == ((0, 2), "replica 1 lost")
+    assert store.get(GroupKeys.dropped(1)).decode().startswith("0|")
+    assert second.incarnation == {0: 0, 1: 0, 2: 0}
+
+    # a fault raised while no coordinator ran: the next start forms the epoch after it from who joins
+    raise_fault_flag(store, 1, "replica 2 rank 0: collective failed")
+    store.set(GroupKeys.join(2, 0, 0), "1")
+    third = Coordinator(config, store, replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
+    assert third._resume() and third.epoch == 1
+    third._form_next_epoch()
+    assert third.epoch == 2 and third.members == (0,)
+    assert decode_members(store.get(GroupKeys.members(2)))[0] == (0,)
+    starts = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "coordinator_started"]
+    assert [(e["start"], e["action"]) for e in starts] == [(1, "finish"), (2, "resume")]
 
 
 def test_the_coordinator_imports_no_client_module():

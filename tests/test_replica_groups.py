@@ -8,6 +8,7 @@ replicas, and that no process of the run is left behind.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -43,7 +44,10 @@ def test_hung_process_and_stuck_main_thread_are_dropped_after_their_timeouts(tmp
     assert progress_timeout_s - 1.0 < detected[1]["time"] - injected[1] < progress_timeout_s + 5.0
 
 
-def test_ctrl_c_stops_every_process(tmp_path, default_data):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl_c", "launcher_killed"])
+def test_ctrl_c_or_a_killed_launcher_leaves_no_process_behind(tmp_path, default_data, sig):
+    """Ctrl-C: the launcher forwards it and cleans up. SIGKILL of the launcher: it cleans up nothing, and every
+    child still ends (PR_SET_PDEATHSIG; torchrun ends its workers)."""
     cmd = [sys.executable, "-m", "titan_recover.launch", "train_configs/replicas.toml", "--model.flavor", "tiny",
            "--metrics.no_enable_wandb", "--training.steps", "1000", "--recover.replicas", "2",
            "--parallelism.data_parallel_shard_degree", "1", "--dump_folder", str(tmp_path)]
@@ -53,14 +57,20 @@ def test_ctrl_c_stops_every_process(tmp_path, default_data):
         while not any(e["event"] == "step_committed" for e in read_events(tmp_path / "events.jsonl")):
             assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
             time.sleep(0.5)
-        assert len(processes_of_run(str(tmp_path))) >= 4  # coordinator, 2 torchruns, 2 workers
-        proc.send_signal(signal.SIGINT)
+        assert len(processes_of_run(str(tmp_path))) >= 5  # coordinator, 2 torchruns, 2 workers
+        proc.send_signal(sig)
         proc.wait(timeout=60)
+        deadline = time.monotonic() + 30  # torchrun gives its workers a grace period after SIGTERM
+        while processes_of_run(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         if proc.poll() is None:
             proc.kill()
+        left = processes_of_run(str(tmp_path))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
     assert proc.returncode != 0
-    assert processes_of_run(str(tmp_path)) == []
+    assert left == []
 
 
 def test_too_few_replicas_stop_with_a_durable_checkpoint(tmp_path, default_data):

@@ -26,6 +26,8 @@ TIMEOUT_ORDER = (
     ("heartbeat_timeout_s", "collective_timeout_s"),
     ("collective_timeout_s", "agree_timeout_s"),
     ("heartbeat_timeout_s", "progress_timeout_s"),
+    ("heartbeat_interval_s", "coordinator_timeout_s"),
+    ("coordinator_timeout_s", "agree_timeout_s"),
 )
 
 
@@ -71,7 +73,17 @@ class RecoverConfig:
     share GPUs instead (tests on a machine with fewer GPUs; every group's memory then lands on the same devices)."""
 
     coordinator_port: int = 0
-    """TCP port of the coordinator's store; 0 picks a free one (single node). Fix it for multi-node jobs."""
+    """TCP port of the job's store (hosted by the launcher; the coordinator and every rank are its clients); 0
+    picks a free one (single node). Fix it for multi-node jobs."""
+
+    coordinator_restarts: int = 3
+    """How often the launcher restarts a coordinator that died or hung; a restarted coordinator resumes the
+    job's state from the store while the replicas train on. With none left the job stops with the last committed
+    step (docs/replica_groups.md "Coordinator restarts")."""
+
+    coordinator_timeout_s: float = 10.0
+    """A coordinator whose beat in the store stayed unchanged this long is hung: the launcher kills and restarts
+    it. Must be below ``agree_timeout_s`` (how long members wait for an epoch), so a replacement can decide in time."""
 
     heartbeat_interval_s: float = 0.1
     """How often every rank writes its heartbeat and looks for a fault flag."""
@@ -126,9 +138,9 @@ class RecoverConfig:
                              "share for a spare to take over; set recover.spares = 0")
         if self.rejoin_wait_s < 0:
             raise ValueError(f"recover.rejoin_wait_s must be >= 0, got {self.rejoin_wait_s}")
-        if self.spares < 0 or self.max_restarts < 0:
-            raise ValueError(f"recover.spares and recover.max_restarts must be >= 0, got {self.spares} and "
-                             f"{self.max_restarts}")
+        if self.spares < 0 or self.max_restarts < 0 or self.coordinator_restarts < 0:
+            raise ValueError(f"recover.spares, recover.max_restarts and recover.coordinator_restarts must be >= 0, "
+                             f"got {self.spares}, {self.max_restarts} and {self.coordinator_restarts}")
         if self.snapshot.interval and self.replicas > 1:
             raise ValueError("recover.snapshot.interval is for a job without replicas (recover.replicas = 1): with "
                              "replicas, a restarted replica receives its state from a live one (docs/phoenix.md)")
@@ -144,7 +156,7 @@ class RecoverConfig:
                 f"got {self.min_replicas}"
             )
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "join_window_s", "collective_timeout_s",
-                     "agree_timeout_s", "progress_timeout_s", "startup_timeout_s"):
+                     "agree_timeout_s", "progress_timeout_s", "startup_timeout_s", "coordinator_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"recover.{name} must be > 0, got {getattr(self, name)}")
         for smaller, larger in TIMEOUT_ORDER:
@@ -152,8 +164,9 @@ class RecoverConfig:
                 raise ValueError(
                     f"recover.{smaller} ({getattr(self, smaller)}) must be smaller than recover.{larger} "
                     f"({getattr(self, larger)}): required order is heartbeat_interval_s < join_window_s < "
-                    "heartbeat_timeout_s < collective_timeout_s < agree_timeout_s, and heartbeat_timeout_s < "
-                    "progress_timeout_s (docs/replica_groups.md)"
+                    "heartbeat_timeout_s < collective_timeout_s < agree_timeout_s, heartbeat_timeout_s < "
+                    "progress_timeout_s and heartbeat_interval_s < coordinator_timeout_s < agree_timeout_s "
+                    "(docs/replica_groups.md)"
                 )
 
     @property

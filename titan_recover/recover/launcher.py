@@ -1,13 +1,19 @@
-"""Start a replica-group job on one node: the coordinator, then one torchrun per replica group (and, in diloco
-mode, the syncer).
+"""Start a replica-group job on one node: the job's store, the coordinator, then one torchrun per replica group
+(and, in diloco mode, the syncer).
 
-Each child runs in its own session; the launcher forwards Ctrl-C / SIGTERM to all of them, kills what is left
-after a grace period, and finally kills any process that still carries this run's marker in its environment, so
-nothing outlives the job. Output of every replica is prefixed with ``[replica i]``.
+The launcher hosts the job's store (a TCPStore in this process): every decision of the protocol lives there, so the
+coordinator is a replaceable client that the launcher restarts when it dies or stops beating
+(``[recover] coordinator_restarts``), and it resumes from the stored state (docs/replica_groups.md "Coordinator
+restarts"). Each child runs in its own session and dies with the launcher (``PR_SET_PDEATHSIG``: a killed launcher
+leaves no orphan); the launcher forwards Ctrl-C / SIGTERM to all of them, kills what is left after a grace period,
+and finally kills any process that still carries this run's marker in its environment, so nothing outlives the
+job. Output of every replica is prefixed with ``[replica i]``. The exit code is the job's verdict: 0 only when the
+coordinator saw the training budget committed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -16,21 +22,32 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
-from titan_recover.recover.groups.member import (
-    connect,
-    COORDINATOR_ENV,
-    INCARNATION_ENV,
-    REPLICA_ENV,
-    RUN_DIR_ENV,
-)
+from torch.distributed import TCPStore
+
+from titan_recover.recover.groups.member import COORDINATOR_ENV, INCARNATION_ENV, REPLICA_ENV, RUN_DIR_ENV
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
-from titan_recover.recover.groups.keys import GroupKeys, read_dropped
+from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag, read_dropped
 from titan_recover.recover.placement import VISIBLE_ENV
-from titan_recover.recover.servers import wait_for_port
 
 GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher(sig: int):
+    """A ``preexec_fn``: the child gets ``sig`` when the launcher dies (Linux ``PR_SET_PDEATHSIG``), so killing the
+    launcher, even with SIGKILL, leaves no orphan. torchrun is given SIGTERM (it then ends its workers); the other
+    children SIGKILL."""
+    launcher = os.getpid()
+
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != launcher:  # the launcher died before the signal was armed
+            os.kill(os.getpid(), sig)
+
+    return arm
 
 
 def _pump(stream, prefix: str, sink) -> None:
@@ -39,8 +56,9 @@ def _pump(stream, prefix: str, sink) -> None:
         sink.flush()
 
 
-def _spawn(cmd: list[str], env: dict, prefix: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+def _spawn(cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIGKILL) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_launcher(death_signal))
     threading.Thread(target=_pump, args=(proc.stdout, prefix, sys.stdout), daemon=True).start()
     return proc
 
@@ -116,25 +134,24 @@ class ReplicaJob:
                  metrics_rank: int, devices: list[list[str]] | None = None):
         """``devices``: the GPUs of each replica group (``recover/placement.py``); None: no split (CPU)."""
         self.recover = config.recover
+        self.chaos = config.chaos
         self.devices = devices
         self.toml_path, self.overrides = toml_path, overrides
         self.ranks, self.metrics_rank = ranks_per_replica, metrics_rank
         self.run_dir = os.path.abspath(config.dump_folder)
         os.makedirs(self.run_dir, exist_ok=True)
-        self.address_file = os.path.join(self.run_dir, "coordinator.port")
-        if os.path.exists(self.address_file):
-            os.remove(self.address_file)
         self.base_env = self._base_env()
         self.children: list[subprocess.Popen] = []
         """Every process started, for the signal forwarding and the cleanup."""
         self.stopped_by: int | None = None
         """The signal (Ctrl-C / SIGTERM) that stops the job, once one came."""
-        self.coordinator: subprocess.Popen | None = None
+        self.store: TCPStore | None = None
+        """The job's store, hosted here (:meth:`host_store`)."""
         self.address = ""
-        self.store = None
+        self.coordinator = ReplicaSlot(-1, self.recover.coordinator_restarts)
+        self.coordinator_beat = BeatWatch()
         self.slots: list[ReplicaSlot] = []
         self.syncer: ReplicaSlot | None = None
-        self._watching = True  # the coordinator's store can be asked (it lives and has not finished)
 
     def _base_env(self) -> dict:
         env = dict(os.environ, **{RUN_DIR_ENV: self.run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1"})
@@ -144,8 +161,8 @@ class ReplicaJob:
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(self.recover.groups * self.ranks)))
         return env
 
-    def _start(self, cmd: list[str], env: dict, prefix: str) -> subprocess.Popen:
-        proc = _spawn(cmd, env, prefix)
+    def _start(self, cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIGKILL) -> subprocess.Popen:
+        proc = _spawn(cmd, env, prefix, death_signal)
         self.children.append(proc)
         return proc
 
@@ -156,24 +173,22 @@ class ReplicaJob:
             _signal_group(child, signal.SIGTERM)
 
     # ---- starts ------------------------------------------------------------------------------------------
+    def host_store(self) -> None:
+        """The job's store, in this process: it lives as long as the job (the coordinator is only its client)."""
+        self.store = TCPStore("127.0.0.1", self.recover.coordinator_port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=self.recover.agree_timeout_s))
+        self.address = f"127.0.0.1:{self.store.port}"
+
     def start_coordinator(self) -> None:
-        recover, run_dir, ranks_per_replica, address_file = self.recover, self.run_dir, self.ranks, self.address_file
-        self.coordinator = self._start(
-            [sys.executable, "-m", "titan_recover.recover.groups.coordinator", "--replicas", str(recover.groups),
-             "--ranks-per-replica", str(ranks_per_replica), "--run-dir", run_dir, "--host", "127.0.0.1",
-             "--port", str(recover.coordinator_port), "--recover-json", json.dumps(asdict(recover)),
-             "--address-file", address_file],
+        """The coordinator's current start; a restart resumes the state it finds in the store."""
+        recover = self.recover
+        self.coordinator.proc = self._start(
+            [sys.executable, "-m", "titan_recover.recover.coordinator_process", "--replicas", str(recover.groups),
+             "--ranks-per-replica", str(self.ranks), "--run-dir", self.run_dir, "--store", self.address,
+             "--recover-json", json.dumps(asdict(recover)), "--chaos-json", json.dumps(asdict(self.chaos))],
             self.base_env, "[coordinator] ",
         )
-
-    def connect(self) -> bool:
-        """Wait for the coordinator's store and connect to it; False if the coordinator did not start."""
-        port = wait_for_port(self.address_file, self.coordinator, "coordinator")
-        if port is None:
-            return False
-        self.address = f"127.0.0.1:{port}"
-        self.store = connect(self.address, timeout_s=30)
-        return True
+        self.coordinator_beat = BeatWatch()
 
     def start_replicas(self) -> None:
         """The syncer (diloco mode, docs/diloco.md), then one torchrun per replica group."""
@@ -195,7 +210,7 @@ class ReplicaJob:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0",
                f"--nproc-per-node={ranks_per_replica}", f"--local-ranks-filter={metrics_rank}",
                "-m", "titan_recover.train", *([toml_path] if toml_path else []), *overrides]
-        slot.proc = self._start(cmd, env, f"[replica {slot.index}] ")
+        slot.proc = self._start(cmd, env, f"[replica {slot.index}] ", death_signal=signal.SIGTERM)
         threshold = recover.localize.hang_threshold_s
         if threshold > 0:  # the replica's hang observer, a process of its own (docs/scout.md)
             if slot.observer is not None and slot.observer.poll() is None:
@@ -248,54 +263,98 @@ class ReplicaJob:
                   flush=True)
             self.start_replica(slot)
 
+    def supervise_coordinator(self) -> None:
+        """A coordinator that exited before the job finished, or stopped beating (hung), is started again while
+        it has restarts left; it resumes from the store. Without restarts left the job is stopped: every member
+        stops at its next collective with the last committed step (and a durable checkpoint, with
+        ``[checkpoint]``), never trains on without anyone to judge failures."""
+        slot = self.coordinator
+        if self.stopped_by is not None or self.store.check([GroupKeys.FINISHED]):
+            return
+        code = slot.proc.poll()
+        if code is None:
+            beat = self.store.get(GroupKeys.COORDINATOR_BEAT) if self.store.check([GroupKeys.COORDINATOR_BEAT]) else b""
+            quiet = self.coordinator_beat.quiet_s(beat, time.monotonic())
+            if quiet <= self.recover.coordinator_timeout_s:
+                return
+            print(f"[titan_recover] the coordinator made no progress for {quiet:.1f} s "
+                  f"(recover.coordinator_timeout_s = {self.recover.coordinator_timeout_s}): ending it",
+                  file=sys.stderr, flush=True)
+            _signal_group(slot.proc, signal.SIGKILL)
+            code = slot.proc.wait()
+        if slot.ended_incarnation == slot.incarnation:
+            return  # given up already
+        if slot.restarts_left > 0:
+            slot.restarts_left -= 1
+            slot.incarnation += 1
+            print(f"[titan_recover] the coordinator exited with {code}: restarting it (start {slot.incarnation}, "
+                  f"{slot.restarts_left} restart(s) left); it resumes the job's state from the store",
+                  file=sys.stderr, flush=True)
+            self.start_coordinator()
+            return
+        slot.ended_incarnation = slot.incarnation
+        reason = (f"the coordinator exited with {code} and has no restarts left (recover.coordinator_restarts = "
+                  f"{self.recover.coordinator_restarts}): stopping the job with the last committed step")
+        print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
+        self.store.set(GroupKeys.STOP, reason)
+        if self.store.check([GroupKeys.EPOCH]):  # members in a collective or a barrier abort it and read the stop
+            raise_fault_flag(self.store, int(self.store.get(GroupKeys.EPOCH)), reason)
+
     def job_state(self) -> tuple[bool, dict[int, int | None]]:
-        """What the coordinator's store says: (the job is over or stopping, so nothing is restarted; replica ->
-        its incarnation last dropped). Once the coordinator ended or finished, the store is not asked again."""
-        if self._watching and self.coordinator.poll() is None:
-            try:
-                if self.store.check([GroupKeys.FINISHED]):
-                    self._watching = False  # its store closes soon: stop asking before it does
-                over = not self._watching or self.store.check([GroupKeys.STOP])
-                return over, {slot.index: _dropped_incarnation(self.store, slot.index) for slot in self.slots}
-            except Exception:
-                pass
-        self._watching = False
-        return True, {}
+        """What the job's store says: (the job is over or stopping, so nothing is restarted; replica -> its
+        incarnation last dropped)."""
+        over = self.store.check([GroupKeys.FINISHED]) or self.store.check([GroupKeys.STOP])
+        return over, {slot.index: _dropped_incarnation(self.store, slot.index) for slot in self.slots}
 
     def watch(self) -> None:
-        """Until every replica group has ended: end dropped replicas, restart crashed ones (and the syncer). Ends
-        early once the syncer finished (learners still restarting are not needed) or the coordinator has been gone
-        for GRACE_S (members exit by themselves; a restarted group still waiting for admission, or anything stuck,
-        is ended by the cleanup)."""
-        coordinator_ended = None
+        """Until every replica group has ended: keep a coordinator running, end dropped replicas, restart crashed
+        ones (and the syncer). Ends early once the syncer finished (learners still restarting are not needed)."""
         while any(slot.running for slot in self.slots):
             time.sleep(0.1)
             if self.syncer is not None:
                 if self.syncer.proc.poll() == 0:  # the budget is trained
                     break
                 self.restart_syncer_if_crashed()
-            if self.coordinator.poll() is not None:
-                coordinator_ended = coordinator_ended or time.monotonic()
-                if time.monotonic() - coordinator_ended > GRACE_S:
-                    break
+            self.supervise_coordinator()
             over, dropped = self.job_state()
             for slot in self.slots:
                 self.end_if_dropped(slot, dropped)
                 self.restart_if_crashed(slot, over)
+        self.await_verdict()
+
+    def await_verdict(self) -> None:
+        """The replica groups ended: wait (``agree_timeout_s`` at most) for the coordinator to record the job's
+        verdict, keeping one running (a restarted coordinator may still be starting when the last step ends)."""
+        if self.syncer is not None or self.stopped_by is not None:
+            return
+        deadline = time.monotonic() + self.recover.agree_timeout_s
+        while not self.store.check([GroupKeys.FINISHED]) and time.monotonic() < deadline:
+            if self.coordinator.proc.poll() is not None and self.coordinator.ended_incarnation == self.coordinator.incarnation:
+                return  # no coordinator left to judge
+            self.supervise_coordinator()
+            time.sleep(0.1)
 
     # ---- the end -----------------------------------------------------------------------------------------
     def result(self) -> int:
-        """The job's exit code (once the replica groups ended): 128 + the signal that stopped it, 1 if the syncer
-        did not save the global model or fewer than ``min_replicas`` groups finished training, else 0."""
+        """The job's exit code (once the replica groups ended): 128 + the signal that stopped it; in diloco mode
+        1 if the syncer did not save the global model; otherwise 0 only if the coordinator saw the training
+        budget committed (every member finished without a stop), else 1 with the reason."""
         codes = [slot.proc.returncode for slot in self.slots]
         finished = sum(1 for c in codes if c == 0)
-        print(f"[titan_recover] replica exit codes {codes}; {finished} of {self.recover.groups} finished training",
+        print(f"[titan_recover] replica exit codes {codes}; {finished} of {self.recover.groups} ended normally",
               file=sys.stderr, flush=True)
         if self.stopped_by is not None:
             return 128 + self.stopped_by
-        if self.syncer is not None and not self.finish_syncer():
-            return 1
-        return 0 if finished >= self.recover.min_replicas else 1
+        if self.syncer is not None:
+            return 0 if self.finish_syncer() else 1
+        verdict = self.store.get(GroupKeys.FINISHED).decode() if self.store.check([GroupKeys.FINISHED]) else ""
+        if verdict == "trained":
+            return 0
+        stop = self.store.get(GroupKeys.STOP).decode() if self.store.check([GroupKeys.STOP]) else ""
+        print("[titan_recover] the job did not commit its training budget: " +
+              (stop or "every replica group ended before the coordinator saw the last step committed"),
+              file=sys.stderr, flush=True)
+        return 1
 
     def finish_syncer(self) -> bool:
         """The learners are over: the syncer merges what is left and saves the global model (restarted if it
@@ -326,15 +385,28 @@ class ReplicaJob:
         _kill_all(processes_of_run(self.run_dir))
 
 
+class BeatWatch:
+    """How long a process's beat in the store (a value it rewrites while it makes progress) has stayed unchanged,
+    on this process's clock."""
+
+    def __init__(self):
+        self._value: bytes | None = None
+        self._since = 0.0
+
+    def quiet_s(self, value: bytes, now: float) -> float:
+        if value != self._value:
+            self._value, self._since = value, now
+        return now - self._since
+
+
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
                     metrics_rank: int, devices: list[list[str]] | None = None) -> int:
     """Run the replica-group job to its end; returns the launcher's exit code (:meth:`ReplicaJob.result`)."""
     job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank, devices=devices)
-    job.start_coordinator()
     previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if not job.connect():
-            return 1
+        job.host_store()
+        job.start_coordinator()
         job.start_replicas()
         job.watch()
         return job.result()

@@ -35,10 +35,14 @@ JOB_START_ENV = "TITAN_RECOVER_JOB_START"
 STEP_PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
 """Phases every step passes (a seeded random schedule draws from these)."""
 FLIP_TARGETS = ("parameter", "gradient", "activation")
-PHASES = (*STEP_PHASES, "transfer", "collective", "merge")
-PROCESSES = ("trainer", "syncer")
-SYNCER_KINDS = ("kill", "hang", "stall", "raise")
-"""Fault kinds that act on a process, not on training state: the ones the diloco syncer can be given."""
+TRAINER_PHASES = (*STEP_PHASES, "transfer", "collective")
+PROCESS_PHASES = {"trainer": TRAINER_PHASES, "syncer": ("merge",), "coordinator": ("step", "epoch", "publish")}
+"""The phases at which each process can be hit."""
+PHASES = tuple(phase for phases in PROCESS_PHASES.values() for phase in phases)
+PROCESSES = tuple(PROCESS_PHASES)
+PROCESS_KINDS = ("kill", "hang", "stall", "raise")
+"""Fault kinds that act on a process, not on training state: the ones the diloco syncer and the coordinator can
+be given."""
 
 @dataclass(kw_only=True, slots=True)
 class FaultSpec:
@@ -75,7 +79,10 @@ class FaultSpec:
     process: str = "trainer"
     """``trainer``: a rank of a replica group (or learner). ``syncer``: the diloco syncer (``replica`` and
     ``rank`` ignored); ``step`` counts its merges and ``phase`` is ``merge``: the fault fires right after that
-    merge was published."""
+    merge was published. ``coordinator`` (``replica`` and ``rank`` ignored, ``incarnation``: which start of the
+    coordinator): phase ``step`` fires once every member it watches is at ``step`` or later (mid-step), ``epoch``
+    once it noticed a fault and is about to form epoch ``step``, ``publish`` after it wrote epoch ``step``'s
+    state ahead and before members can read the epoch."""
 
     def __post_init__(self) -> None:
         FAULTS.get(self.kind)  # raises, naming the registered kinds
@@ -85,13 +92,12 @@ class FaultSpec:
             raise ValueError(f"chaos fault bit must be in [0, 64) and element >= 0, got {self.bit} and {self.element}")
         if self.process not in PROCESSES:
             raise ValueError(f"chaos fault process {self.process!r} must be one of {', '.join(PROCESSES)}")
-        if (self.process == "syncer") != (self.phase == "merge"):
-            raise ValueError("chaos fault phase \"merge\" goes with process = \"syncer\" and only with it")
-        if self.process == "syncer" and self.kind not in SYNCER_KINDS:
-            raise ValueError(f"chaos fault kind {self.kind!r} cannot hit the syncer (no training there): use one of "
-                             f"{', '.join(SYNCER_KINDS)}")
-        if self.phase not in PHASES:
-            raise ValueError(f"chaos fault phase {self.phase!r} must be one of {', '.join(PHASES)}")
+        if self.phase not in PROCESS_PHASES[self.process]:
+            raise ValueError(f"chaos fault phase {self.phase!r} must be one of "
+                             f"{', '.join(PROCESS_PHASES[self.process])} (the phases of process = {self.process!r})")
+        if self.process != "trainer" and self.kind not in PROCESS_KINDS:
+            raise ValueError(f"chaos fault kind {self.kind!r} cannot hit the {self.process} (no training there): use "
+                             f"one of {', '.join(PROCESS_KINDS)}")
         if self.factor < 1:
             raise ValueError(f"chaos fault factor must be >= 1, got {self.factor}")
         if self.at_s is not None and (self.at_s < 0 or self.process != "trainer"):

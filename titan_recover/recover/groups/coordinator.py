@@ -1,38 +1,40 @@
-"""The coordinator: hosts the run's TCPStore, judges liveness from heartbeats, forms membership epochs.
+"""The coordinator: judges liveness from heartbeats and forms membership epochs, in the job's store.
 
-    python -m titan_recover.recover.groups.coordinator --replicas R --ranks-per-replica W --run-dir DIR [--port P]
-
-One small process per job (started by the launcher, or by hand on the head node of a multi-node job). It decides
+One small process per job (:mod:`titan_recover.recover.coordinator_process`), a client of the job's store (which
+the launcher hosts: the coordinator can die and be restarted without losing anything members need). It decides
 nothing about training itself: it raises fault flags for members that stopped beating or progressing, and after
-every fault publishes the next epoch's members (see docs/replica_groups.md). It exits when every replica has
-finished, when it is told to stop (SIGTERM / SIGINT), or after writing ``stop``.
+every fault publishes the next epoch's members (see docs/replica_groups.md). Its decisions are written to the store before members can read them, so a new start
+resumes where a killed one stopped ("Coordinator restarts"). It exits when every replica has finished, when it is
+told to stop (SIGTERM / SIGINT), or after writing ``stop``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import dataclasses
 import logging
 import os
-import signal
-import sys
 import time
-from dataclasses import asdict
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from torch.distributed import TCPStore
+from torch.distributed import Store
 
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag, read_join_requests
+from titan_recover.recover.groups.keys import (
+    fault_time_and_reason,
+    GroupKeys,
+    raise_fault_flag,
+    read_join_requests,
+)
 from titan_recover.recover.groups.liveness import Heartbeat, LivenessWatch, WatchedTime
 from titan_recover.recover.groups.protocol import (
     all_joined,
+    CoordinatorState,
     decide_members,
     decode_admission,
     encode_admission,
     encode_members,
     ready_to_join,
+    resume_action,
 )
 
 if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
@@ -41,7 +43,6 @@ if TYPE_CHECKING:  # the [recover] section composes this package's users: only i
 logger = logging.getLogger("titan_recover.coordinator")
 
 TICK_S = 0.02
-FINISH_LINGER_S = 0.5
 MAX_LOOK_GAP_S = 0.25
 """Most time one look at the heartbeats counts (the coordinator looks every TICK_S): a longer gap means the
 coordinator or its store stalled, and the rest is not held against the members (liveness.LivenessWatch)."""
@@ -65,15 +66,22 @@ def describe_beats(beats: dict[int, Heartbeat], ages: dict[int, tuple[float, flo
 
 
 class Coordinator:
-    def __init__(self, config: RecoverConfig, *, replicas: int, ranks_per_replica: int, run_dir: str,
-                 host: str = "0.0.0.0", port: int = 0):
+    """One start of the job's coordinator, a client of the job's store. Everything it decided lives in the store
+    (:class:`CoordinatorState`, written ahead of every epoch it publishes), so a coordinator that was killed is
+    replaced by a new start that resumes where it stopped; what it only watched (heartbeats) it watches afresh."""
+
+    def __init__(self, config: RecoverConfig, store: Store, *, replicas: int, ranks_per_replica: int, run_dir: str,
+                 chaos=None):
         self.config = config
         self.replicas, self.ranks = replicas, ranks_per_replica
         self.run_dir = run_dir
-        self.store = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=config.agree_timeout_s))
-        self.port = self.store.port
-        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "coordinator")
+        self.store = store
+        self.start = self.store.add(GroupKeys.COORDINATOR_STARTS, 1) - 1
+        """Which start of the job's coordinator this is (0: the first)."""
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "coordinator", start=self.start)
+        self.chaos = chaos
+        """Faults of the coordinator (``[chaos]``, ``process = "coordinator"``): an object with
+        ``maybe_inject(step, phase)``, or None."""
         self.epoch = -1
         self.members: tuple[int, ...] = ()
         self.excluded: set[int] = set()
@@ -82,6 +90,7 @@ class Coordinator:
         self.watch = LivenessWatch(config.heartbeat_timeout_s, config.progress_timeout_s,
                                    max_gap_s=max(MAX_LOOK_GAP_S, 2 * config.heartbeat_interval_s))
         self._terminate = False
+        self._beaten = 0.0
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def request_stop(self, *_args) -> None:
@@ -90,16 +99,16 @@ class Coordinator:
     def run(self) -> int:
         if self.config.mode == "diloco":
             return self._serve_learners()
-        if not self._form_first_epoch():
+        if not self._resume():
             return 1
         while not self._terminate:
             if self._finished():
                 stopped = self.store.check([GroupKeys.STOP])
                 self.events.emit("job_finished", epoch=self.epoch, members=list(self.members), stopped=stopped)
-                self.store.set(GroupKeys.FINISHED, "1")
-                time.sleep(FINISH_LINGER_S)  # let clients that poll the store (the launcher) see it before it closes
+                self.store.set(GroupKeys.FINISHED, "stopped" if stopped else "trained")
                 return 1 if stopped else 0
-            if not self.store.check([GroupKeys.STOP]):  # after a stop, only keep serving the store to the survivors
+            self._beat()
+            if not self.store.check([GroupKeys.STOP]):  # after a stop, the survivors only finish
                 self._watch_liveness()
                 if self.store.check([GroupKeys.fault(self.epoch)]):
                     self._form_next_epoch()
@@ -108,16 +117,47 @@ class Coordinator:
             time.sleep(TICK_S)
         return 0
 
+    def _resume(self) -> bool:
+        """Form epoch 0, or take over the stored state of a coordinator that died (docs/replica_groups.md
+        "Coordinator restarts"). False if epoch 0 could not be formed."""
+        published = int(self.store.get(GroupKeys.EPOCH)) if self.store.check([GroupKeys.EPOCH]) else -1
+        state = (CoordinatorState.decode(self.store.get(GroupKeys.COORDINATOR_STATE))
+                 if self.store.check([GroupKeys.COORDINATOR_STATE]) else None)
+        action = resume_action(state, published)
+        self.events.emit("coordinator_started", action=action, epoch=published)
+        if action == "form_first":
+            return self._form_first_epoch()
+        self.incarnation, self.dropped = dict(state.incarnation), dict(state.dropped)
+        if action == "finish":  # the previous start died half-way through publishing this epoch
+            written = self._write(state)
+            self.events.emit("epoch_formed", epoch=state.epoch, members=list(state.members),
+                             removed=list(state.removed), reason=state.reason, finished_publication=True)
+            return written
+        self.epoch, self.members, self.excluded = state.epoch, state.members, set(state.excluded)
+        return True
+
     def _serve_learners(self) -> int:
-        """Diloco mode: learners never form epochs; this store is the job's stable meeting point (the syncer's
+        """Diloco mode: learners never form epochs; the job's store is their stable meeting point (the syncer's
         address, the data-block counter, heartbeats) until the syncer reports the job finished."""
+        self.events.emit("coordinator_started", action="serve_learners")
         while not self._terminate:
             if self.store.check([GroupKeys.FINISHED]):
                 self.events.emit("job_finished", mode="diloco")
-                time.sleep(FINISH_LINGER_S)
                 return 0
+            self._beat()
             time.sleep(TICK_S * 5)
         return 0
+
+    def _beat(self) -> None:
+        """Tell the launcher this start makes progress (at most every ``heartbeat_interval_s``)."""
+        now = time.monotonic()
+        if now - self._beaten >= self.config.heartbeat_interval_s:
+            self.store.set(GroupKeys.COORDINATOR_BEAT, f"{self.start}:{time.time():.6f}")
+            self._beaten = now
+
+    def _inject(self, phase: str, step: int) -> None:
+        if self.chaos:
+            self.chaos.maybe_inject(step, phase)
 
     def _done(self, replica: int, rank: int) -> bool:
         return self.store.check([GroupKeys.done(replica, rank)])
@@ -145,6 +185,7 @@ class Coordinator:
                 reason = "all replicas registered" if not missing else f"replicas {missing} did not register in time"
                 self.incarnation = {i: self._registered_incarnation(i) for i in complete}
                 return self._publish(0, tuple(complete), tuple(missing), reason, timing={})
+            self._beat()
             time.sleep(TICK_S)
         return False
 
@@ -158,11 +199,14 @@ class Coordinator:
         now = time.monotonic()  # after the read: what it returned is the store's state at about this time
         beats = {key: Heartbeat.decode(value) for key, value in zip(keys, raw)}
         self.watch.look(now, beats)
+        if self.chaos:
+            self._inject("step", min(beat.step for beat in beats.values()))
         for replica in watched:
             ranks = [r for m, r in keys if m == replica]
             verdict = self.watch.judge(replica, ranks, self.incarnation.get(replica, 0))
             if not verdict.alive:
                 self.excluded.add(replica)
+                self._save(dataclasses.replace(self._state(), excluded=tuple(sorted(self.excluded))))
                 flag = raise_fault_flag(self.store, self.epoch, verdict.reason())
                 self.events.emit("failure_detected", epoch=self.epoch, replica=replica, by="coordinator",
                                  reason=verdict.reason(), dead_ranks=list(verdict.dead_ranks),
@@ -177,6 +221,7 @@ class Coordinator:
         noticed = time.time()
         self.events.emit("fault_flag", epoch=self.epoch, reason=reason, raised_at=fault_time)
         target = self.epoch + 1
+        self._inject("epoch", target)
         for replica in self.members:  # members that voted a replica out (docs/scout.md)
             if replica not in self.excluded and self.store.check([GroupKeys.evicted(self.epoch, replica)]):
                 self.excluded.add(replica)
@@ -189,6 +234,7 @@ class Coordinator:
             window.tick(time.monotonic())
             if all_joined(candidates, joined, self.ranks) or window.elapsed_s > self.config.join_window_s:
                 break
+            self._beat()
             time.sleep(0.005)
         decision = decide_members(self.members, joined, self.ranks, excluded=self.excluded)
         self.excluded -= set(decision.removed)
@@ -210,58 +256,48 @@ class Coordinator:
                              incarnation=self.incarnation[replica])
         withdrawn = sorted(set(requested) - set(admitted))
         reason = f"admitted {list(admitted)} after step {step}" + (f"; {withdrawn} no longer ready" if withdrawn else "")
-        self.store.set(GroupKeys.admitted(self.epoch + 1), encode_admission(step, admitted))
-        self._publish(self.epoch + 1, tuple(sorted(self.members + admitted)), (), reason, timing={})
+        self._publish(self.epoch + 1, tuple(sorted(self.members + admitted)), (), reason, timing={},
+                      admitted=(step, admitted))
+
+    # ---- the store: the state written ahead, then the epoch members read -----------------------------------
+    def _state(self) -> CoordinatorState:
+        return CoordinatorState(self.epoch, self.members, "", incarnation=self.incarnation, dropped=self.dropped,
+                                excluded=tuple(sorted(self.excluded)))
+
+    def _save(self, state: CoordinatorState) -> None:
+        self.store.set(GroupKeys.COORDINATOR_STATE, state.encode())
 
     def _publish(self, epoch: int, members: tuple[int, ...], removed: tuple[int, ...], reason: str,
-                 timing: dict) -> bool:
+                 timing: dict, admitted: tuple[int, tuple[int, ...]] | None = None) -> bool:
         for replica in removed:
             self.dropped[replica] = self.incarnation.get(replica, 0)
             self.watch.forget(replica)
-            self.store.set(GroupKeys.dropped(replica), f"{self.dropped[replica]}|{time.time():.6f}")
-        self.store.set(GroupKeys.members(epoch), encode_members(members, reason))
-        self.epoch, self.members = epoch, members
-        too_few = len(members) < self.config.min_replicas
-        if too_few:
-            message = (f"only {len(members)} replica(s) left {list(members)} after losing {list(removed)}, "
-                       f"fewer than recover.min_replicas = {self.config.min_replicas}: stopping")
-            self.store.set(GroupKeys.STOP, message)
-        self.store.set(GroupKeys.EPOCH, str(epoch))
+        stop = ""
+        if len(members) < self.config.min_replicas:
+            stop = (f"only {len(members)} replica(s) left {list(members)} after losing {list(removed)}, "
+                    f"fewer than recover.min_replicas = {self.config.min_replicas}: stopping")
+        state = CoordinatorState(epoch, members, reason, removed, admitted, dict(self.incarnation),
+                                 dict(self.dropped), tuple(sorted(self.excluded)), stop)
+        self._save(state)  # ahead of what members read: a restarted coordinator finishes this publication
+        self._inject("publish", epoch)
+        written = self._write(state)
         self.events.emit("epoch_formed", epoch=epoch, members=list(members), removed=list(removed), reason=reason,
                          **timing)
-        if too_few:
-            self.events.emit("job_stopped", epoch=epoch, reason=message)
-            logger.error(message)
-        return not too_few
+        if state.stop:
+            self.events.emit("job_stopped", epoch=epoch, reason=state.stop)
+            logger.error(state.stop)
+        return written
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, required=True)
-    parser.add_argument("--ranks-per-replica", type=int, required=True)
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--recover-json", default="{}", help="the [recover] section as JSON")
-    parser.add_argument("--address-file", help="write HOST:PORT here once the store listens")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[coordinator] %(asctime)s %(message)s")
-    fields = json.loads(args.recover_json)
-    from titan_recover.recover.config import RecoverConfig  # the process entry: the launcher's [recover] section
-
-    config = RecoverConfig.from_dict(fields)
-    coordinator = Coordinator(config, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
-                              run_dir=args.run_dir, host=args.host, port=args.port)
-    signal.signal(signal.SIGTERM, coordinator.request_stop)
-    signal.signal(signal.SIGINT, coordinator.request_stop)
-    coordinator.events.emit("coordinator_started", port=coordinator.port, config=asdict(config))
-    if args.address_file:
-        tmp = args.address_file + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(f"{coordinator.port}\n")
-        os.replace(tmp, args.address_file)
-    return coordinator.run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    def _write(self, state: CoordinatorState) -> bool:
+        """Publish ``state``'s epoch to the members (every write idempotent: a restart may repeat them); False if
+        it stops the job."""
+        for replica in state.removed:
+            self.store.set(GroupKeys.dropped(replica), f"{state.dropped[replica]}|{time.time():.6f}")
+        if state.admitted is not None:
+            self.store.set(GroupKeys.admitted(state.epoch), encode_admission(*state.admitted))
+        self.store.set(GroupKeys.members(state.epoch), encode_members(state.members, state.reason))
+        if state.stop:
+            self.store.set(GroupKeys.STOP, state.stop)
+        self.store.set(GroupKeys.EPOCH, str(state.epoch))
+        self.epoch, self.members = state.epoch, state.members
+        return not state.stop

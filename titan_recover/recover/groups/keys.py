@@ -9,8 +9,9 @@ values are in :mod:`~titan_recover.recover.groups.protocol`; the contract is doc
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
-from torch.distributed import Store
+from torch.distributed import Store, TCPStore
 
 
 class GroupKeys:
@@ -21,6 +22,15 @@ class GroupKeys:
     STOP_UNTRUSTED = "stop/untrusted"
     """Set before ``STOP`` when replicas disagree without a majority: no replica's state may be saved."""
     FINISHED = "finished"
+    """Written by the coordinator once every member finished: ``trained`` (the training budget was committed) or
+    ``stopped`` (the job stopped early; ``STOP`` says why). The launcher's exit code follows it."""
+    COORDINATOR_STATE = "coordinator/state"
+    """The coordinator's write-ahead state (:class:`~titan_recover.recover.groups.protocol.CoordinatorState`)."""
+    COORDINATOR_BEAT = "coordinator/beat"
+    """Rewritten by the coordinator while it makes progress; the launcher restarts one whose beat stays unchanged
+    for ``coordinator_timeout_s`` (hung)."""
+    COORDINATOR_STARTS = "coordinator/starts"
+    """How many times a coordinator of this job started (a counter; a restart resumes the stored state)."""
 
     @staticmethod
     def register(replica: int, rank: int) -> str:
@@ -84,6 +94,14 @@ class GroupKeys:
         """Members of ``epoch`` voted ``replica`` out (its state or computation is corrupt): the reason. The
         coordinator leaves it out of the next epoch (docs/scout.md)."""
         return f"evicted/e{epoch}/{replica}"
+
+
+def connect(address: str, timeout_s: float) -> TCPStore:
+    """A client of the job's store at ``HOST:PORT`` (hosted by the launcher; every process of the job connects)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"the job's store address must be HOST:PORT, got {address!r}")
+    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 # ---- the fault flag: raised by a rank whose collective failed, or by the coordinator -------------------------

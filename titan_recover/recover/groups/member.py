@@ -12,12 +12,11 @@ import os
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from torch.distributed import TCPStore
 
-from titan_recover.recover.groups.keys import GroupKeys
+from titan_recover.recover.groups.keys import connect, GroupKeys  # noqa: F401 (connect: the clients' entry)
 from titan_recover.recover.groups.liveness import Heartbeat
 from titan_recover.recover.groups.protocol import decode_members
 
@@ -59,13 +58,6 @@ def incarnation_from_env(environ=os.environ) -> int:
     torchrun's own (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT``, as in scripts/slurm_replicas.sh). One of
     the two restarts a group, never both (the launcher runs torchrun with ``--max-restarts 0``)."""
     return int(environ.get(INCARNATION_ENV, 0)) + int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-
-
-def connect(address: str, timeout_s: float) -> TCPStore:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
-    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 class ReplicaMember:
@@ -148,9 +140,12 @@ class ReplicaMember:
                 self.admitted = True
                 return epoch, members, reason
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"replica {self.replica} rank {self.rank}: no epoch after {after} within {timeout_s} s "
-                    "(is the coordinator alive? recover.agree_timeout_s)"
+                # no coordinator decided within the bound (the launcher restarts a dead one well within it): stop
+                # with the last committed step rather than train on without anyone to judge failures
+                raise TooFewReplicas(
+                    f"replica {self.replica} rank {self.rank}: no epoch after {after} was published within "
+                    f"{timeout_s} s (recover.agree_timeout_s): the coordinator is gone and was not restarted; "
+                    "stopping with the last committed step"
                 )
             time.sleep(0.005)
 

@@ -7,6 +7,7 @@ The next epoch's members, the commit decision and admission of joiners. Liveness
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -128,3 +129,64 @@ def active_replicas(members: Iterable[int], active: int) -> tuple[int, ...]:
     standby when the restarted replica is admitted again. ``active = 0``: every member."""
     members = tuple(sorted(members))
     return members[:active] if active else members
+
+
+# ---- the coordinator's state, kept in the store so that a restarted coordinator resumes it --------------------
+
+
+@dataclass(frozen=True)
+class CoordinatorState:
+    """What the coordinator knows that members do not report: the epoch it publishes (or is publishing) and its
+    members, the incarnation of each member, the incarnation of each replica last dropped, the replicas declared
+    failed but not yet removed. Written to the store *before* the epoch it describes is published (a write-ahead
+    record): a coordinator restarted between the two finishes the publication instead of deciding again, so
+    members never see two different member lists for one epoch (docs/replica_groups.md "Coordinator restarts")."""
+
+    epoch: int
+    members: tuple[int, ...]
+    reason: str
+    removed: tuple[int, ...] = ()
+    admitted: tuple[int, tuple[int, ...]] | None = None
+    """(step, replicas) when the epoch admits replicas after ``step``'s commit."""
+    incarnation: dict[int, int] | None = None
+    dropped: dict[int, int] | None = None
+    excluded: tuple[int, ...] = ()
+    stop: str = ""
+    """Set when the epoch leaves fewer than ``min_replicas``: the message members stop with."""
+
+    def encode(self) -> str:
+        return json.dumps({"epoch": self.epoch, "members": list(self.members), "reason": self.reason,
+                           "removed": list(self.removed),
+                           "admitted": None if self.admitted is None else [self.admitted[0], list(self.admitted[1])],
+                           "incarnation": {str(k): v for k, v in (self.incarnation or {}).items()},
+                           "dropped": {str(k): v for k, v in (self.dropped or {}).items()},
+                           "excluded": list(self.excluded), "stop": self.stop})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "CoordinatorState":
+        d = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        admitted = d["admitted"]
+        return cls(d["epoch"], tuple(d["members"]), d["reason"], tuple(d["removed"]),
+                   None if admitted is None else (admitted[0], tuple(admitted[1])),
+                   {int(k): v for k, v in d["incarnation"].items()}, {int(k): v for k, v in d["dropped"].items()},
+                   tuple(d["excluded"]), d["stop"])
+
+
+def resume_action(state: CoordinatorState | None, published_epoch: int) -> str:
+    """What a (re)started coordinator does, from its stored state and the epoch members can read (``-1``: none):
+
+    - ``form_first``: no epoch was published and none is being published: form epoch 0;
+    - ``finish``: the state describes the epoch after the published one (the previous coordinator died while
+      publishing it): publish it as recorded;
+    - ``resume``: the state describes the published epoch: watch it.
+    """
+    if state is None:
+        if published_epoch >= 0:
+            raise ValueError(f"epoch {published_epoch} is published but the coordinator's state is missing")
+        return "form_first"
+    if state.epoch == published_epoch + 1:
+        return "finish"
+    if state.epoch == published_epoch:
+        return "resume"
+    raise ValueError(f"the coordinator's state describes epoch {state.epoch}, and epoch {published_epoch} is "
+                     "published: the store holds another job's keys")

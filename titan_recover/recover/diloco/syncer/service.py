@@ -13,6 +13,7 @@ import os
 import time
 from datetime import timedelta
 
+from titan_recover.recover.chaos.process import ProcessFaults
 from titan_recover.recover.diloco.blocks import blocks_trained, requeue_block
 from titan_recover.recover.diloco.messages import read_offer
 from titan_recover.recover.diloco.rules import DilocoKeys, total_blocks
@@ -52,8 +53,7 @@ class Syncer:
         self.who = f"syncer.{self.generation}"
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "syncer", start=start,
                                generation=self.generation)
-        self.faults = [f for f in config.chaos.schedule(self.learners, ranks)
-                       if f.process == "syncer" and f.incarnation == start]
+        self.faults = ProcessFaults(config.chaos.schedule(self.learners, ranks), "syncer", start, self.events)
         self.model = GlobalModel(ranks=ranks, outer_lr=self.options.outer_lr,
                                  outer_momentum=self.options.outer_momentum)
         self.progress = Progress()
@@ -161,13 +161,7 @@ class Syncer:
 
     def _inject_faults(self) -> None:
         """``[chaos]`` faults of the syncer fire right after their merge (``step``: merges so far)."""
-        for fault in self.faults:
-            if fault.step == self.progress.merges:
-                from titan_recover.recover.chaos.kinds import FAULTS
-
-                self.events.emit("fault_injected", kind=fault.kind, step=self.progress.merges, phase="merge",
-                                 pid=os.getpid(), process="syncer")
-                FAULTS.get(fault.kind)(None, fault)
+        self.faults.maybe_inject(self.progress.merges, "merge")
 
     # ---- evaluation --------------------------------------------------------------------------------------
     def evaluate(self, now: float) -> float | None:

@@ -1,0 +1,64 @@
+"""The coordinator is not a single point of failure (docs/replica_groups.md "Coordinator restarts").
+
+The launcher hosts the job's store; a coordinator killed at any point (mid-step, while forming an epoch, half-way
+through publishing one) is restarted by the launcher and resumes from the store while the replicas train on. Every
+run is in exact mode: "nothing lost" means every replica ends bitwise equal to the failure-free run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import EXACT_REFERENCE
+from replica_runs import assert_all_equal_reference, metrics_by_replica, of, run_replicas
+from titan_recover.recover.launcher import processes_of_run
+
+pytestmark = pytest.mark.multiprocess
+
+REPLICAS, STEPS = EXACT_REFERENCE["replicas"], EXACT_REFERENCE["steps"]
+EXACT = ("--recover.quota.exact",)
+
+
+def coordinator_fault(phase, step, *, start=0):
+    return {"kind": "kill", "process": "coordinator", "phase": phase, "step": step, "incarnation": start}
+
+
+def test_the_coordinator_killed_mid_step_is_restarted_and_the_replicas_train_through(tmp_path, exact_reference):
+    """SIGKILL of the coordinator once every replica is in step 4: the replicas never notice (the store lives in
+    the launcher); the next start resumes epoch 0; no epoch change, no replica dropped, no step lost."""
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS,
+                                faults=[coordinator_fault("step", 4)], extra=EXACT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [killed] = of(events, "fault_injected", process="coordinator")
+    assert killed["step"] == 4
+    starts = [(e["start"], e["action"]) for e in of(events, "coordinator_started")]
+    assert starts == [(0, "form_first"), (1, "resume")]
+    assert [e["epoch"] for e in of(events, "epoch_formed")] == [0]  # nobody was dropped
+    for replica, logged in metrics_by_replica(tmp_path).items():
+        assert sorted(logged) == list(range(1, STEPS + 1)), replica
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert of(events, "job_finished")[-1]["start"] == 1
+    assert processes_of_run(str(tmp_path)) == []
+
+
+def test_the_coordinator_killed_during_an_epoch_change_is_restarted_and_finishes_it(tmp_path, exact_reference):
+    """Replica 1 is killed in step 3. The coordinator is killed as it is about to form epoch 1; its next start is
+    killed half-way through publishing it (its state written ahead, the epoch not yet readable); the third start
+    publishes that same epoch. The survivors recompute replica 1's microbatch in step 3, the launcher restarts
+    replica 1, it is admitted and receives its state: everyone ends bitwise equal to the failure-free run."""
+    faults = [{"kind": "kill", "replica": 1, "rank": 0, "step": 3, "phase": "forward"},
+              coordinator_fault("epoch", 1), coordinator_fault("publish", 1, start=1)]
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults,
+                                extra=(*EXACT, "--recover.max_restarts", "1", "--recover.rejoin_wait_s", "150"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(of(events, "fault_injected")) == 3
+    starts = [(e["start"], e["action"]) for e in of(events, "coordinator_started")]
+    assert starts == [(0, "form_first"), (1, "resume"), (2, "finish")]
+    formed = {e["epoch"]: e for e in of(events, "epoch_formed")}
+    assert formed[1]["members"] == [0, 2] and formed[1]["removed"] == [1]
+    assert formed[1]["start"] == 2 and formed[1]["finished_publication"]  # decided by start 1, published by 2
+    assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(1, 1)]
+    logged = metrics_by_replica(tmp_path)
+    assert sorted(logged[0]) == sorted(logged[2]) == list(range(1, STEPS + 1))
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert processes_of_run(str(tmp_path)) == []
