@@ -1,5 +1,5 @@
 """The job's store: one contract run against TCPStore and EtcdStore (what the protocols rely on, TCPStore's answers
-being the reference), the store URL, gloo's rendezvous over etcd.
+being the reference), the store URL, gloo's rendezvous over etcd, and leader election with a lease.
 
 The etcd cases need an etcd server (the session's ``etcd_server``, skipped without the binary) and are in the
 multiprocess tier; the TCPStore cases and the URL rules are fast.
@@ -281,7 +281,7 @@ def test_a_server_that_is_not_an_etcd_v3_gateway_is_named():
         server.server_close()
 
 
-# ---- etcd: gloo's rendezvous, a second member of the cluster -----------------------------------------------
+# ---- etcd: gloo's rendezvous, a second member of the cluster, leader election --------------------------------
 def _gloo_member(url: str, prefix: str, replica: int, results) -> None:
     from titan_recover.recover.ftpg.base import build_group, FTPGConfig
 
@@ -328,3 +328,66 @@ def test_a_member_that_cannot_be_reached_is_skipped(etcd_server):
     store.set("k", "v")
     assert store.get("k") == b"v" and store.cluster.member == (host, int(port))
 
+
+def _candidate(url: str, prefix: str, identity: str, events) -> None:
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    election = LeaderElection(open_store(url, timeout=timedelta(seconds=30), prefix=prefix), "coordinator", identity)
+    election.campaign(timedelta(seconds=60))
+    events.put((identity, election.term, election.ttl_s))
+    time.sleep(120)  # leads until killed
+
+
+@pytest.mark.multiprocess
+def test_a_standby_takes_over_when_the_leader_dies(etcd_server):
+    """The leader's process is killed (its keepalive with it): the standby leads within the lease's TTL + 1 s."""
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    url, prefix = f"etcd://{etcd_server}", f"leader-{uuid.uuid4().hex}"
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    leader = ctx.Process(target=_candidate, args=(url, prefix, "coordinator-a", events))
+    leader.start()
+    try:
+        _, first_term, ttl_s = events.get(timeout=60)
+        store = open_store(url, timeout=TIMEOUT, prefix=prefix)
+        standby = LeaderElection(store, "coordinator", "coordinator-b")
+        with pytest.raises(TimeoutError, match="coordinator still held by coordinator-a"):
+            standby.campaign(timedelta(seconds=0.3))
+        leader.kill()
+        killed = time.monotonic()
+        standby.campaign(timedelta(seconds=30))
+        takeover = time.monotonic() - killed
+    finally:
+        leader.kill()
+        leader.join(10)
+    print(f"takeover after the leader was killed: {takeover:.2f} s (lease TTL {ttl_s} s)")
+    assert standby.is_leader and standby.term > first_term and store.get("coordinator") == b"coordinator-b"
+    assert ttl_s - ttl_s / 3 - 0.5 < takeover < ttl_s + 1.0
+    standby.resign()
+    assert not store.check(["coordinator"])
+
+
+@pytest.mark.multiprocess
+def test_a_leader_whose_lease_is_revoked_knows_it_and_resigning_hands_over_at_once(etcd_server):
+    from etcd3gw.lease import Lease
+
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    store = open_store(f"etcd://{etcd_server}", timeout=TIMEOUT, prefix=f"leader-{uuid.uuid4().hex}")
+    a, b, c = (LeaderElection(store, "coordinator", name) for name in ("a", "b", "c"))
+    a.campaign(timedelta(seconds=5))
+    assert a.is_leader and store.get("coordinator") == b"a"
+    store.cluster.call(lambda client: Lease(a.lease, client=client).revoke())  # as if it expired
+    b.campaign(timedelta(seconds=5))
+    assert a.lost.wait(a.ttl_s / 3 + 1.0) and not a.is_leader
+    with pytest.raises(RuntimeError, match="the lease was lost"):
+        a.campaign(timedelta(seconds=1))
+    standby = threading.Thread(target=c.campaign, args=(timedelta(seconds=5),))
+    standby.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    b.resign()
+    standby.join()
+    assert c.is_leader and time.monotonic() - start < 0.5  # no TTL to wait for
+    c.resign()
