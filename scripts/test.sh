@@ -5,5 +5,6 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/bootstrap.sh"
+"$root/scripts/ensure_etcd.sh"
 cd "$root"
 exec "$PY" -m pytest "$@"

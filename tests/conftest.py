@@ -6,9 +6,13 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -115,3 +119,44 @@ def tp_reference(tmp_path_factory, default_data):
                   "--training.steps", str(TP_REFERENCE_STEPS), "--dump_folder", str(folder), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return folder, proc.stdout + proc.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory):
+    """A one-member etcd cluster for the session (the ``etcd`` binary on PATH: Debian's etcd-server, which
+    scripts/test.sh installs where it can), on free ports with a throwaway data dir: yields its ``HOST:PORT``.
+    Skips, naming the binary, where there is none."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server; scripts/test.sh installs it as root)")
+    folder = tmp_path_factory.mktemp("etcd")
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    cmd = [binary, "--name", "test", "--data-dir", str(folder / "data"), "--listen-client-urls", client,
+           "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+           "--initial-cluster", f"test={peer}", "--logger", "zap", "--log-level", "warn"]
+    log = folder / "etcd.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{client}/version", timeout=1).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"etcd did not answer at {client}:\n{log.read_text()[-3000:]}")
+            time.sleep(0.05)
+    yield client.removeprefix("http://")
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -7,7 +7,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "titan_recover"
 COMPONENTS = ("invariant", "phoenix", "scout", "diloco", "chaos")
-BELOW = ("groups", "ftpg")
+BELOW = ("groups", "ftpg", "stores")
 ABOVE = ("trainer", "job_config", "launch", "train")
 
 
@@ -40,7 +40,7 @@ def modules(*where: str) -> list[pathlib.Path]:
 
 def test_components_import_nothing_above_them():
     """A component never imports a mode, the trainer or an entry point; the layer below the components (groups,
-    ftpg) imports no component, and names the [recover] section only as a type; config/ never imports the
+    ftpg, stores) imports no component, and names the [recover] section only as a type; config/ never imports the
     trainer or the resilience layer."""
     wrong = []
     for pkg in (*COMPONENTS, *BELOW):

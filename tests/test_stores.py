@@ -1,0 +1,393 @@
+"""The job's store: one contract run against TCPStore and EtcdStore (what the protocols rely on, TCPStore's answers
+being the reference), the store URL, gloo's rendezvous over etcd, and leader election with a lease.
+
+The etcd cases need an etcd server (the session's ``etcd_server``, skipped without the binary) and are in the
+multiprocess tier; the TCPStore cases and the URL rules are fast.
+"""
+
+from __future__ import annotations
+
+import http.server
+import multiprocessing as mp
+import socket
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import DistNetworkError, DistStoreError, PrefixStore, TCPStore
+
+from titan_recover.recover.groups.keys import raise_fault_flag
+from titan_recover.recover.stores import etcd_prefix, open_store, parse_store_url, StoreAddress, URL_FORMS
+from titan_recover.recover.stores.etcd import EtcdCluster, EtcdStore
+
+TIMEOUT = timedelta(seconds=0.25)
+
+
+class Backend:
+    """A fresh job's store, and more clients of the same store (one per thread, as the project uses them)."""
+
+    def __init__(self, kind: str, request):
+        self.kind = kind
+        if kind == "tcp":
+            self.server = open_store("127.0.0.1:0", timeout=TIMEOUT, is_server=True)
+            self.url, self.prefix = f"127.0.0.1:{self.server.port}", None
+        else:
+            self.url, self.prefix = f"etcd://{request.getfixturevalue('etcd_server')}", f"test-{uuid.uuid4().hex}"
+        self.store = self.client()
+
+    def client(self, timeout: timedelta = TIMEOUT):
+        return open_store(self.url, timeout=timeout, prefix=self.prefix)
+
+
+@pytest.fixture(params=["tcp", pytest.param("etcd", marks=pytest.mark.multiprocess)])
+def backend(request) -> Backend:
+    return Backend(request.param, request)
+
+
+def elapsed(fn) -> float:
+    start = time.monotonic()
+    fn()
+    return time.monotonic() - start
+
+
+def later(seconds: float, fn) -> threading.Thread:
+    thread = threading.Timer(seconds, fn)
+    thread.start()
+    return thread
+
+
+# ---- the contract ------------------------------------------------------------------------------------------
+def test_set_and_get_keep_bytes(backend):
+    store = backend.store
+    store.set("text", "épsilon")
+    store.set("raw", b"\x00\x01\xff")
+    store.set("empty", "")
+    assert store.get("text") == "épsilon".encode() and store.get("raw") == b"\x00\x01\xff"
+    assert store.get("empty") == b""
+    store.set("text", "again")
+    assert backend.client().get("text") == b"again"
+
+
+def test_get_of_a_missing_key_raises_the_stores_error_after_its_timeout(backend):
+    store = backend.store
+    start = time.monotonic()
+    with pytest.raises(DistStoreError, match="wait timeout after 250ms, keys: .*never"):
+        store.get("never")
+    assert 0.2 < time.monotonic() - start < 1.0
+    store.set_timeout(timedelta(seconds=0.15))
+    assert store.timeout == timedelta(seconds=0.15)
+    start = time.monotonic()
+    with pytest.raises(DistStoreError, match="wait timeout after 150ms"):
+        store.multi_get(["never"])
+    assert 0.1 < time.monotonic() - start < 1.0
+
+
+def test_add_is_atomic_across_clients(backend):
+    assert backend.store.add("counter", 5) == 5  # a missing key starts at 0
+    assert backend.store.add("counter", -5) == 0
+    seen: list[int] = []
+
+    def adder():
+        client = backend.client(timeout=timedelta(seconds=30))
+        seen.extend(client.add("counter", 1) for _ in range(50))
+
+    threads = [threading.Thread(target=adder) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == list(range(1, 201))  # every add saw its own new value: none lost, none doubled
+    assert backend.store.get("counter") == b"200"
+
+
+COMPARE_SET = [  # (key, expected, desired) -> the value returned, and the key's value after (None: absent)
+    (("a", "", "v1"), b"v1", b"v1"),  # absent, "" expected: set
+    (("a", "", "v2"), b"v1", b"v1"),  # present: "" does not match
+    (("a", "v1", "v3"), b"v3", b"v3"),  # match: set
+    (("a", "zz", "v4"), b"v3", b"v3"),  # mismatch: the current value
+    (("b", "x", "v5"), b"x", None),  # absent, something expected: TCPStore answers the expected value, sets nothing
+    (("e", "", "v6"), b"v6", b"v6"),  # "e" holds b"": "" matches it
+    (("c", b"", b"\x00\xff"), b"\x00\xff", b"\x00\xff"),
+]
+
+
+def test_compare_set_answers_as_tcpstore_does(backend):
+    store = backend.store
+    store.set("e", "")
+    for (key, expected, desired), answer, after in COMPARE_SET:
+        assert store.compare_set(key, expected, desired) == answer, (key, expected, desired)
+        assert (store.get(key) if store.check([key]) else None) == after, (key, expected, desired)
+
+
+def test_the_first_fault_flag_wins_a_race(backend):
+    answers: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def raiser(n):
+        client = backend.client(timeout=timedelta(seconds=30))
+        barrier.wait()
+        answers.append(raise_fault_flag(client, 7, f"rank {n}"))
+
+    threads = [threading.Thread(target=raiser, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(answers)) == 1 and answers[0] == backend.store.get("fault/e7").decode()
+
+
+def test_check_multi_get_and_multi_set(backend):
+    store = backend.store
+    assert store.check([])
+    store.multi_set(["x", "y"], ["1", b"2"])
+    assert store.check(["x"]) and store.check(["x", "y"]) and not store.check(["x", "z"])
+    assert store.multi_get(["y", "x"]) == [b"2", b"1"]
+    with pytest.raises(DistStoreError):
+        store.multi_get(["x", "z"])
+
+
+def test_wait_wakes_when_another_client_sets_the_key(backend):
+    other = backend.client()
+    later(0.1, lambda: other.set("k2", "v"))
+    store = backend.client(timeout=timedelta(seconds=10))
+    store.set("k1", "v")
+    took = elapsed(lambda: store.wait(["k1", "k2"]))
+    assert 0.09 < took < 1.0
+    later(0.1, lambda: other.set("k3", "v"))
+    assert store.get("k3") == b"v"  # get blocks as wait does
+    start = time.monotonic()
+    with pytest.raises(DistStoreError):
+        store.wait(["k4"], timedelta(seconds=0.15))  # its own timeout, not the store's 10 s
+    assert 0.1 < time.monotonic() - start < 1.0
+
+
+def test_delete_and_num_keys(backend):
+    store = backend.store
+    for key in ("p", "q", "r"):
+        store.set(key, "1")
+    assert store.num_keys() == 3
+    assert store.delete_key("q") is True and store.delete_key("q") is False
+    assert not store.check(["q"]) and store.num_keys() == 2
+
+
+def test_a_prefix_store_over_it_forwards_every_call(backend):
+    """As gloo's rendezvous and the fault-tolerant groups use it: C++ calls the store through the PrefixStore."""
+    group = PrefixStore("grp", backend.store)
+    group.set("k", "v")
+    group.multi_set(["m1", "m2"], ["1", "2"])
+    assert group.get("k") == b"v" and backend.store.get("grp/k") == b"v"
+    assert group.add("n", 2) == 2 and group.compare_set("f", "", "up") == b"up"
+    assert group.check(["k", "n"]) and group.multi_get(["m2", "m1"]) == [b"2", b"1"]
+    group.wait(["k"])
+    group.wait(["k"], timedelta(seconds=1))
+    assert group.num_keys() == 5 and group.delete_key("k") and not group.check(["k"])
+    with pytest.raises(DistStoreError):
+        group.get("never")
+
+
+# ---- the store URL and the factory ---------------------------------------------------------------------------
+@pytest.mark.parametrize("url, kind, endpoints, path", [
+    ("node7:29500", "tcp", (("node7", 29500),), ""),
+    ("tcp://10.0.0.2:0", "tcp", (("10.0.0.2", 0),), ""),
+    ("etcd://e1:2379", "etcd", (("e1", 2379),), ""),
+    ("etcd://e1:2379,e2:2379,[::1]:2381/jobs/run-42/", "etcd", (("e1", 2379), ("e2", 2379), ("::1", 2381)),
+     "/jobs/run-42"),
+])
+def test_store_urls(url, kind, endpoints, path):
+    assert parse_store_url(url) == StoreAddress(kind, endpoints, path)
+
+
+@pytest.mark.parametrize("url, what", [
+    ("", "empty"),
+    ("node7", "'node7' is not HOST:PORT"),
+    ("http://node7:2379", "unknown scheme 'http://'"),
+    ("tcp://node7:29500/job", "a TCPStore URL has no path"),
+    ("node7:1,node8:1", "a TCPStore has one server"),
+    ("etcd://e1:0", "port 0 out of range"),
+    ("etcd://e1:2379,", "an empty HOST:PORT"),
+    ("etcd://e1:2379//job", "an empty segment in the key prefix '//job'"),
+    ("tcp://node7:70000", "port 70000 out of range"),
+])
+def test_a_bad_store_url_says_what_is_wrong_and_the_accepted_forms(url, what):
+    with pytest.raises(ValueError) as error:
+        parse_store_url(url)
+    assert str(error.value) == f"store URL {url!r}: {what}; accepted forms: {URL_FORMS}"
+
+
+def test_every_job_has_its_own_etcd_prefix():
+    assert etcd_prefix(parse_store_url("etcd://e:1"), "run-42") == "/titan_recover/run-42/"
+    assert etcd_prefix(parse_store_url("etcd://e:1/jobs/run-42"), None) == "/jobs/run-42/"
+    assert etcd_prefix(parse_store_url("etcd://e:1/jobs"), "run-42") == "/jobs/run-42/"
+    with pytest.raises(ValueError, match="needs a per-job key prefix"):
+        etcd_prefix(parse_store_url("etcd://e:1"), None)
+
+
+def test_open_store_tcp():
+    server = open_store("tcp://127.0.0.1:0", timeout=TIMEOUT, is_server=True, prefix="run-42")
+    assert isinstance(server, PrefixStore) and isinstance(server.underlying_store, TCPStore)
+    client = open_store(f"127.0.0.1:{server.underlying_store.port}", timeout=TIMEOUT)
+    server.set("k", "v")
+    assert client.get("run-42/k") == b"v"
+    with pytest.raises(ValueError, match="port 0 .* only for the process that hosts the store"):
+        open_store("127.0.0.1:0", timeout=TIMEOUT)
+
+
+def test_an_unreachable_etcd_fails_after_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistNetworkError, match="no etcd member answered: 127.0.0.1:1: "):
+        EtcdStore([("127.0.0.1", 1)], "/titan_recover/job", timeout=timedelta(seconds=0.1))
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(ValueError, match="needs a key prefix naming the job"):
+        EtcdStore([("127.0.0.1", 1)], "/")
+
+
+def test_a_request_that_may_have_been_applied_is_not_sent_again():
+    """``add`` is not idempotent: after a member took the request and did not answer, it fails instead of being
+    sent to the next member; a request no member received goes on to the next."""
+    with socket.socket() as silent, socket.socket() as closed:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # connects, never answers
+        closed.bind(("127.0.0.1", 0))  # refuses: nobody listens
+        members = [("127.0.0.1", closed.getsockname()[1]), ("127.0.0.1", silent.getsockname()[1])]
+        cluster = EtcdCluster(members, request_timeout_s=0.1)
+        status = lambda client: client.status()  # noqa: E731
+        with pytest.raises(DistNetworkError, match="may or may not have been applied"):
+            cluster.call(status, idempotent=False)  # the refused one is skipped, the silent one took it
+        assert cluster.member == members[0]  # the next request tries the other member first
+        with pytest.raises(DistNetworkError, match="no etcd member answered"):
+            cluster.call(status)
+
+
+def test_a_server_that_is_not_an_etcd_v3_gateway_is_named():
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b"404 page not found")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        with pytest.raises(DistNetworkError, match=r"does not serve etcd's v3 gateway at /v3/ \(etcd >= 3.4 does\)"):
+            EtcdStore([("127.0.0.1", server.server_address[1])], "/titan_recover/job", timeout=TIMEOUT)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ---- etcd: gloo's rendezvous, a second member of the cluster, leader election --------------------------------
+def _gloo_member(url: str, prefix: str, replica: int, results) -> None:
+    from titan_recover.recover.ftpg.base import build_group, FTPGConfig
+
+    store = open_store(url, timeout=timedelta(seconds=60), prefix=prefix)
+    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=replica, rank=0, timeout_s=30.0)
+    tensor = torch.full((1000,), float(replica + 1))
+    group.allreduce_sum_(tensor)
+    results.put((replica, tensor.tolist()))
+
+
+@pytest.mark.multiprocess
+def test_a_gloo_group_rendezvous_over_etcd(etcd_server):
+    """The fault-tolerant group's gloo backend builds its process group over ``PrefixStore(..., EtcdStore)``."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    url, prefix = f"etcd://{etcd_server}", f"gloo-{uuid.uuid4().hex}"
+    procs = [ctx.Process(target=_gloo_member, args=(url, prefix, r, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: [3.0] * 1000, 1: [3.0] * 1000}
+    store = open_store(url, timeout=TIMEOUT, prefix=prefix)
+    assert store.num_keys() > 0 and store.check(["ftpg/e0/p0/0/0"])  # gloo's own keys, under the job's prefix
+
+
+@pytest.mark.multiprocess
+def test_a_value_over_etcds_request_limit_is_refused_with_the_reason(etcd_server):
+    store = open_store(f"etcd://{etcd_server}", timeout=TIMEOUT, prefix=f"big-{uuid.uuid4().hex}")
+    store.set("fits", b"x" * 2**20)
+    with pytest.raises(DistStoreError, match="etcdserver: request is too large"):
+        store.set("too-big", b"x" * (2 * 2**20 - 2**10))  # etcd's --max-request-bytes: 1.5 MiB by default
+
+
+@pytest.mark.multiprocess
+def test_a_member_that_cannot_be_reached_is_skipped(etcd_server):
+    host, port = etcd_server.rsplit(":", 1)
+    store = EtcdStore([("127.0.0.1", 1), (host, int(port))], f"/t/{uuid.uuid4().hex}", timeout=TIMEOUT)
+    store.set("k", "v")
+    assert store.get("k") == b"v" and store.cluster.member == (host, int(port))
+
+
+def _candidate(url: str, prefix: str, identity: str, events) -> None:
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    election = LeaderElection(open_store(url, timeout=timedelta(seconds=30), prefix=prefix), "coordinator", identity)
+    election.campaign(timedelta(seconds=60))
+    events.put((identity, election.term, election.ttl_s))
+    time.sleep(120)  # leads until killed
+
+
+@pytest.mark.multiprocess
+def test_a_standby_takes_over_when_the_leader_dies(etcd_server):
+    """The leader's process is killed (its keepalive with it): the standby leads within the lease's TTL + 1 s."""
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    url, prefix = f"etcd://{etcd_server}", f"leader-{uuid.uuid4().hex}"
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    leader = ctx.Process(target=_candidate, args=(url, prefix, "coordinator-a", events))
+    leader.start()
+    try:
+        _, first_term, ttl_s = events.get(timeout=60)
+        store = open_store(url, timeout=TIMEOUT, prefix=prefix)
+        standby = LeaderElection(store, "coordinator", "coordinator-b")
+        with pytest.raises(TimeoutError, match="coordinator still held by coordinator-a"):
+            standby.campaign(timedelta(seconds=0.3))
+        leader.kill()
+        killed = time.monotonic()
+        standby.campaign(timedelta(seconds=30))
+        takeover = time.monotonic() - killed
+    finally:
+        leader.kill()
+        leader.join(10)
+    print(f"takeover after the leader was killed: {takeover:.2f} s (lease TTL {ttl_s} s)")
+    assert standby.is_leader and standby.term > first_term and store.get("coordinator") == b"coordinator-b"
+    assert ttl_s - ttl_s / 3 - 0.5 < takeover < ttl_s + 1.0
+    standby.resign()
+    assert not store.check(["coordinator"])
+
+
+@pytest.mark.multiprocess
+def test_a_leader_whose_lease_is_revoked_knows_it_and_resigning_hands_over_at_once(etcd_server):
+    from etcd3gw.lease import Lease
+
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    store = open_store(f"etcd://{etcd_server}", timeout=TIMEOUT, prefix=f"leader-{uuid.uuid4().hex}")
+    a, b, c = (LeaderElection(store, "coordinator", name) for name in ("a", "b", "c"))
+    a.campaign(timedelta(seconds=5))
+    assert a.is_leader and store.get("coordinator") == b"a"
+    store.cluster.call(lambda client: Lease(a.lease, client=client).revoke())  # as if it expired
+    b.campaign(timedelta(seconds=5))
+    assert a.lost.wait(a.ttl_s / 3 + 1.0) and not a.is_leader
+    with pytest.raises(RuntimeError, match="the lease was lost"):
+        a.campaign(timedelta(seconds=1))
+    standby = threading.Thread(target=c.campaign, args=(timedelta(seconds=5),))
+    standby.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    b.resign()
+    standby.join()
+    assert c.is_leader and time.monotonic() - start < 0.5  # no TTL to wait for
+    c.resign()
