@@ -21,6 +21,17 @@ from titan_recover.recover.chaos.process import ProcessFaults
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import Coordinator
 from titan_recover.recover.groups.keys import connect
+from titan_recover.recover.scout.verified import complete_checkpoints, step_to_load
+
+
+def newest_checkpoint(folder: str) -> str | None:
+    """What a restart of every group would load from ``folder`` (as the checkpoint manager chooses), or None when
+    it holds no complete checkpoint."""
+    available = complete_checkpoints(folder) if folder else []
+    if not available:
+        return None
+    _, why = step_to_load(folder)
+    return f"{why} (complete checkpoints: steps {available})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,12 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", required=True, help="HOST:PORT of the job's store")
     parser.add_argument("--recover-json", default="{}", help="the [recover] section as JSON")
     parser.add_argument("--chaos-json", default="{}", help="the [chaos] section as JSON (faults of the coordinator)")
+    parser.add_argument("--checkpoint-folder", default="",
+                        help="the job's durable checkpoints ([checkpoint] enable): what a job that lost every replica "
+                             "restarts from")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     config = RecoverConfig.from_dict(json.loads(args.recover_json))
     faults = [FaultSpec(**fault) for fault in json.loads(args.chaos_json).get("faults", [])]
     coordinator = Coordinator(config, connect(args.store, config.agree_timeout_s), replicas=args.replicas,
-                              ranks_per_replica=args.ranks_per_replica, run_dir=args.run_dir)
+                              ranks_per_replica=args.ranks_per_replica, run_dir=args.run_dir,
+                              durable_state=lambda: newest_checkpoint(args.checkpoint_folder))
     coordinator.chaos = ProcessFaults(faults, "coordinator", coordinator.start, coordinator.events)
     signal.signal(signal.SIGTERM, coordinator.request_stop)
     signal.signal(signal.SIGINT, coordinator.request_stop)

@@ -135,6 +135,8 @@ class ReplicaJob:
         """``devices``: the GPUs of each replica group (``recover/placement.py``); None: no split (CPU)."""
         self.recover = config.recover
         self.chaos = config.chaos
+        self.checkpoint_folder = (os.path.join(os.path.abspath(config.dump_folder), config.checkpoint.folder)
+                                  if config.checkpoint.enable else "")
         self.devices = devices
         self.toml_path, self.overrides = toml_path, overrides
         self.ranks, self.metrics_rank = ranks_per_replica, metrics_rank
@@ -152,6 +154,8 @@ class ReplicaJob:
         self.coordinator_beat = BeatWatch()
         self.slots: list[ReplicaSlot] = []
         self.syncer: ReplicaSlot | None = None
+        self.cold_restarted = -1
+        """The latest cold restart (its empty epoch) this launcher restarted its groups for."""
 
     def _base_env(self) -> dict:
         env = dict(os.environ, **{RUN_DIR_ENV: self.run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1"})
@@ -185,7 +189,8 @@ class ReplicaJob:
         self.coordinator.proc = self._start(
             [sys.executable, "-m", "titan_recover.recover.coordinator_process", "--replicas", str(recover.groups),
              "--ranks-per-replica", str(self.ranks), "--run-dir", self.run_dir, "--store", self.address,
-             "--recover-json", json.dumps(asdict(recover)), "--chaos-json", json.dumps(asdict(self.chaos))],
+             "--recover-json", json.dumps(asdict(recover)), "--chaos-json", json.dumps(asdict(self.chaos)),
+             "--checkpoint-folder", self.checkpoint_folder],
             self.base_env, "[coordinator] ",
         )
         self.coordinator_beat = BeatWatch()
@@ -300,6 +305,41 @@ class ReplicaJob:
         if self.store.check([GroupKeys.EPOCH]):  # members in a collective or a barrier abort it and read the stop
             raise_fault_flag(self.store, int(self.store.get(GroupKeys.EPOCH)), reason)
 
+    def cold_restart_due(self) -> int | None:
+        """The empty epoch of a cold restart this launcher has not yet restarted its groups for, or None."""
+        if self.store.check([GroupKeys.COLD_RESTART]):
+            cold = int(self.store.get(GroupKeys.COLD_RESTART))
+            if cold > self.cold_restarted:
+                return cold
+        return None
+
+    def restart_every_group(self) -> bool:
+        """The coordinator lost every replica and restarts the job from the newest durable state: every group of
+        this node is started afresh (a start made before, e.g. a joiner that loaded an older checkpoint, is ended
+        first), each start counting against its ``max_restarts``, and named in the store as the one that founds
+        the next epoch (``-1``: no restarts left). True if any group was started."""
+        cold = self.cold_restart_due()
+        if cold is None or self.stopped_by is not None:
+            return False
+        self.cold_restarted = cold
+        started = False
+        for slot in self.slots:
+            if slot.proc is not None:
+                _signal_group(slot.proc, signal.SIGKILL)
+                _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
+            if slot.restarts_left == 0:
+                self.store.set(GroupKeys.founding(cold, slot.index), "-1")
+                continue
+            slot.restarts_left -= 1
+            slot.incarnation += 1
+            self.store.set(GroupKeys.founding(cold, slot.index), str(slot.incarnation))  # before it can look
+            print(f"[titan_recover] every replica was lost: restarting replica {slot.index} from the newest durable "
+                  f"state (start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
+                  flush=True)
+            self.start_replica(slot)
+            started = True
+        return started
+
     def job_state(self) -> tuple[bool, dict[int, int | None]]:
         """What the job's store says: (the job is over or stopping, so nothing is restarted; replica -> its
         incarnation last dropped)."""
@@ -309,30 +349,36 @@ class ReplicaJob:
     def watch(self) -> None:
         """Until every replica group has ended: keep a coordinator running, end dropped replicas, restart crashed
         ones (and the syncer). Ends early once the syncer finished (learners still restarting are not needed)."""
-        while any(slot.running for slot in self.slots):
+        while any(slot.running for slot in self.slots) or self.restart_every_group():
             time.sleep(0.1)
             if self.syncer is not None:
                 if self.syncer.proc.poll() == 0:  # the budget is trained
                     break
                 self.restart_syncer_if_crashed()
             self.supervise_coordinator()
+            self.restart_every_group()
             over, dropped = self.job_state()
             for slot in self.slots:
                 self.end_if_dropped(slot, dropped)
                 self.restart_if_crashed(slot, over)
-        self.await_verdict()
+        if self.await_verdict():
+            self.watch()  # every group was restarted meanwhile (a cold restart)
 
-    def await_verdict(self) -> None:
+    def await_verdict(self) -> bool:
         """The replica groups ended: wait (``agree_timeout_s`` at most) for the coordinator to record the job's
-        verdict, keeping one running (a restarted coordinator may still be starting when the last step ends)."""
+        verdict, keeping one running (a restarted coordinator may still be starting when the last step ends).
+        True if a cold restart started groups again meanwhile (the job goes on)."""
         if self.syncer is not None or self.stopped_by is not None:
-            return
+            return False
         deadline = time.monotonic() + self.recover.agree_timeout_s
         while not self.store.check([GroupKeys.FINISHED]) and time.monotonic() < deadline:
             if self.coordinator.proc.poll() is not None and self.coordinator.ended_incarnation == self.coordinator.incarnation:
-                return  # no coordinator left to judge
+                return False  # no coordinator left to judge
             self.supervise_coordinator()
+            if self.restart_every_group():
+                return True
             time.sleep(0.1)
+        return False
 
     # ---- the end -----------------------------------------------------------------------------------------
     def result(self) -> int:
