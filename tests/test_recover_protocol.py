@@ -380,6 +380,16 @@ def test_a_restarted_coordinator_resumes_the_epoch_it_was_publishing(tmp_path):
     assert [(e["start"], e["action"]) for e in starts] == [(1, "finish"), (2, "resume")]
 
 
+def test_a_coordinator_is_held_to_its_start_bound_until_it_beats_then_to_its_timeout():
+    from titan_recover.recover.launcher import BeatWatch
+
+    watch = BeatWatch(b"0:1.0", timeout_s=10.0, start_s=300.0)  # a previous start's last beat
+    assert watch.quiet_s(b"0:1.0", now=100.0) == (0.0, 300.0)
+    assert watch.quiet_s(b"0:1.0", now=150.0) == (50.0, 300.0)  # still importing: not judged by the beat timeout
+    assert watch.quiet_s(b"1:2.0", now=151.0) == (0.0, 10.0)  # it beat: from now on the beat timeout
+    assert watch.quiet_s(b"1:2.0", now=162.5) == (11.5, 10.0)
+
+
 def test_the_coordinator_imports_no_client_module():
     """The coordinator is a process of its own: it shares keys and pure decisions with the ranks, not their code."""
     import subprocess

@@ -151,7 +151,7 @@ class ReplicaJob:
         """The job's store, hosted here (:meth:`host_store`)."""
         self.address = ""
         self.coordinator = ReplicaSlot(-1, self.recover.coordinator_restarts)
-        self.coordinator_beat = BeatWatch()
+        self.coordinator_beat = BeatWatch(b"", self.recover.coordinator_timeout_s, self.recover.startup_timeout_s)
         self.slots: list[ReplicaSlot] = []
         self.syncer: ReplicaSlot | None = None
         self.cold_restarted = -1
@@ -193,7 +193,11 @@ class ReplicaJob:
              "--checkpoint-folder", self.checkpoint_folder],
             self.base_env, "[coordinator] ",
         )
-        self.coordinator_beat = BeatWatch()
+        self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
+                                          self.recover.startup_timeout_s)
+
+    def _coordinator_beat(self) -> bytes:
+        return self.store.get(GroupKeys.COORDINATOR_BEAT) if self.store.check([GroupKeys.COORDINATOR_BEAT]) else b""
 
     def start_replicas(self) -> None:
         """The syncer (diloco mode, docs/diloco.md), then one torchrun per replica group."""
@@ -278,13 +282,12 @@ class ReplicaJob:
             return
         code = slot.proc.poll()
         if code is None:
-            beat = self.store.get(GroupKeys.COORDINATOR_BEAT) if self.store.check([GroupKeys.COORDINATOR_BEAT]) else b""
-            quiet = self.coordinator_beat.quiet_s(beat, time.monotonic())
-            if quiet <= self.recover.coordinator_timeout_s:
+            quiet, bound = self.coordinator_beat.quiet_s(self._coordinator_beat(), time.monotonic())
+            if quiet <= bound:
                 return
-            print(f"[titan_recover] the coordinator made no progress for {quiet:.1f} s "
-                  f"(recover.coordinator_timeout_s = {self.recover.coordinator_timeout_s}): ending it",
-                  file=sys.stderr, flush=True)
+            print(f"[titan_recover] the coordinator made no progress for {quiet:.1f} s (recover."
+                  f"{'coordinator_timeout_s' if bound == self.recover.coordinator_timeout_s else 'startup_timeout_s'}"
+                  f" = {bound}): ending it", file=sys.stderr, flush=True)
             _signal_group(slot.proc, signal.SIGKILL)
             code = slot.proc.wait()
         if slot.ended_incarnation == slot.incarnation:
@@ -433,16 +436,21 @@ class ReplicaJob:
 
 class BeatWatch:
     """How long a process's beat in the store (a value it rewrites while it makes progress) has stayed unchanged,
-    on this process's clock."""
+    on this process's clock, and the bound it is held to: ``timeout_s`` once the process beat, ``start_s`` before
+    its first beat (a process start, with its imports, can take much longer than a beat on a loaded node)."""
 
-    def __init__(self):
+    def __init__(self, before_start: bytes, timeout_s: float, start_s: float):
+        self._first = before_start
+        """The beat's value when the process was started (a previous start's): no evidence of this one."""
         self._value: bytes | None = None
         self._since = 0.0
+        self.timeout_s, self.start_s = timeout_s, start_s
 
-    def quiet_s(self, value: bytes, now: float) -> float:
+    def quiet_s(self, value: bytes, now: float) -> tuple[float, float]:
+        """(seconds ``value`` has stayed unchanged, the bound that applies now)."""
         if value != self._value:
             self._value, self._since = value, now
-        return now - self._since
+        return now - self._since, self.start_s if value == self._first else self.timeout_s
 
 
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
