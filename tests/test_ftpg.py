@@ -44,7 +44,8 @@ class InMemoryGroup(FaultTolerantGroup):
     rooms: dict[tuple, _Room] = {}
     lock = threading.Lock()
 
-    def __init__(self, store, *, config, epoch, members, replica, rank, timeout_s, device, on_poll=None, tag=""):
+    def __init__(self, store, *, config, epoch, members, replica, rank, timeout_s, device, on_poll=None,
+                 fault_seen=None, tag=""):
         self.store, self.epoch, self.members, self.replica = store, epoch, members, replica
         self.timeout_s = timeout_s
         with self.lock:

@@ -390,6 +390,7 @@ def test_a_coordinator_is_held_to_its_start_bound_until_it_beats_then_to_its_tim
     assert watch.quiet_s(b"1:2.0", now=162.5) == (11.5, 10.0)
 
 
+@pytest.mark.multiprocess  # a fresh interpreter importing torch: seconds, not the fast tier's
 def test_the_coordinator_imports_no_client_module():
     """The coordinator is a process of its own: it shares keys and pure decisions with the ranks, not their code."""
     import subprocess

@@ -6,7 +6,7 @@ A backend is one class and one registration::
     @register_backend("mine")
     class MyGroup(FaultTolerantGroup):
         def __init__(self, store, *, config, epoch, members, replica, rank, timeout_s, device, on_poll=None,
-                     tag=""):
+                     fault_seen=None, tag=""):
             ...
 
 after which ``[recover.ftpg] backend = "mine"`` picks it (``auto`` is not a class: :func:`build_group` resolves it
@@ -141,14 +141,17 @@ class FTPGConfig:
 
 def build_group(config: FTPGConfig, store: Store, *, epoch: int, members: tuple[int, ...], replica: int,
                 rank: int, timeout_s: float, device: torch.device | str = "cpu",
-                on_poll: Callable[[], None] | None = None, tag: str = "") -> FaultTolerantGroup:
+                on_poll: Callable[[], None] | None = None, fault_seen: Callable[[int], bool] | None = None,
+                tag: str = "") -> FaultTolerantGroup:
     """The configured backend's group of the ranks ``rank`` of ``epoch``'s ``members`` (``replica``: this
     rank's replica; ``device``: where the tensors it reduces live; ``tag``: a second group of the same epoch and
     rank over some of them, such as a state transfer's donor and joiners). ``on_poll`` is called while a
-    collective waits (the rank is alive, not hung). ``timeout_s``: the time a collective may go without progress."""
+    collective waits (the rank is alive, not hung). ``fault_seen(epoch)``: whether the epoch's fault flag is up,
+    answered without a store request (the membership client's heartbeat thread blocks on the flag); None: the
+    group looks in the store at every poll. ``timeout_s``: the time a collective may go without progress."""
     if replica not in members:
         raise ValueError(f"replica {replica} is not a member of epoch {epoch} ({members})")
     device = torch.device(device)
     backend = BACKENDS.get(config.resolved_backend(device))
     return backend(store, config=config, epoch=epoch, members=tuple(members), replica=replica, rank=rank,
-                   timeout_s=timeout_s, device=device, on_poll=on_poll, tag=tag)
+                   timeout_s=timeout_s, device=device, on_poll=on_poll, fault_seen=fault_seen, tag=tag)

@@ -84,13 +84,15 @@ class PolledGroup(FaultTolerantGroup):
 
     def __init__(self, store: Store, *, epoch: int, members: tuple[int, ...], replica: int, rank: int,
                  timeout_s: float, config: FTPGConfig | None = None, device: torch.device | str = "cpu",
-                 on_poll: Callable[[], None] | None = None, tag: str = ""):
+                 on_poll: Callable[[], None] | None = None, fault_seen: Callable[[int], bool] | None = None,
+                 tag: str = ""):
         self.store, self.epoch, self.members = store, epoch, members
         self.replica, self.rank, self.tag = replica, rank, tag
         self.timeout_s = timeout_s
         self.config = config or FTPGConfig()
         self.device = torch.device(device)
         self.on_poll = on_poll  # called at every poll: a rank waiting on its peers is alive and not hung
+        self.fault_seen = fault_seen  # the flag without a store request (build_group), or None: ask the store
         self.group_rank = members.index(replica)
         self.failed = False
         """A collective of this group failed: it is never used again (the next epoch builds a new group)."""
@@ -110,7 +112,7 @@ class PolledGroup(FaultTolerantGroup):
         while not self._wait_for(work, self.config.poll_s):
             if self.on_poll is not None:
                 self.on_poll()
-            if self.store.check([fault_key]):
+            if self.fault_seen(self.epoch) if self.fault_seen is not None else self.store.check([fault_key]):
                 _, reason = fault_time_and_reason(self.store.get(fault_key))
                 raise FaultDetected(f"{name} in epoch {self.epoch} abandoned: {reason}", raised_here=False)
             if progress.expired():

@@ -348,11 +348,11 @@ class Coordinator:
             self.store.set(GroupKeys.dropped(replica), f"{state.dropped[replica]}|{time.time():.6f}")
         if state.admitted is not None:
             self.store.set(GroupKeys.admitted(state.epoch), encode_admission(*state.admitted))
-        self.store.set(GroupKeys.members(state.epoch), encode_members(state.members, state.reason))
-        if state.stop:
+        if state.stop:  # before the members: a rank woken by the members key sees the stop that came with them
             self.store.set(GroupKeys.STOP, state.stop)
         if state.cold:
             self.store.set(GroupKeys.COLD_RESTART, str(state.epoch))
+        self.store.set(GroupKeys.members(state.epoch), encode_members(state.members, state.reason))
         self.store.set(GroupKeys.EPOCH, str(state.epoch))
         self.epoch, self.members, self.cold = state.epoch, state.members, state.cold
         return not state.stop

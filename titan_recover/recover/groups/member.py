@@ -12,9 +12,10 @@ import os
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from torch.distributed import TCPStore
+from torch.distributed import DistStoreError, Store, TCPStore
 
 from titan_recover.recover.groups.keys import connect, GroupKeys  # noqa: F401 (connect: the clients' entry)
 from titan_recover.recover.groups.liveness import Heartbeat
@@ -34,6 +35,8 @@ LATE_BEAT_S = 0.5
 """A beat this much later than ``heartbeat_interval_s`` after the previous one is logged (with where the delay was)."""
 EXIT_EXCLUDED = 75
 """Exit code of a rank whose replica was left out of an epoch."""
+WAIT_SLICE_S = 1.0
+"""A rank blocked on an epoch or an admission looks at ``stop`` / ``finished`` this often."""
 
 
 class TooFewReplicas(RuntimeError):
@@ -78,6 +81,10 @@ class ReplicaMember:
         self._step = 0
         self._phase = "startup"
         self._stop = threading.Event()
+        self._faulted = -1  # the newest epoch whose fault flag the heartbeat thread saw
+        self.waiting_on: tuple[int, str] | None = None
+        """(epoch, decision key) of the commit barrier the main thread is blocked on: the heartbeat thread that
+        sees the epoch's fault flag stores ``abort`` there, which wakes it."""
         self._thread: threading.Thread | None = None
         self.beacon = None
         """A :class:`~titan_recover.recover.scout.beacon.Beacon` for the hang observer, or None."""
@@ -122,17 +129,19 @@ class ReplicaMember:
         return decode_members(self.store.get(GroupKeys.members(epoch)))[0]
 
     def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
-        """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason)."""
+        """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason). Blocks in the
+        store on the next epoch's members key (woken when the coordinator writes it), looking at ``stop`` every
+        :data:`WAIT_SLICE_S`; the coordinator writes ``stop`` before the members, so a rank that sees the epoch
+        also sees a stop that came with it."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.progress()
-            epoch = self.current_epoch()
-            # The coordinator writes `stop` before it publishes the epoch: read the epoch first, then `stop`, so
-            # that a rank seeing the new epoch also sees a stop that came with it.
+            published = wait_for_key(self.store, GroupKeys.members(after + 1), WAIT_SLICE_S)
             if self.store.check([GroupKeys.STOP]):
                 raise TooFewReplicas(self.store.get(GroupKeys.STOP).decode(),
                                      untrusted=self.store.check([GroupKeys.STOP_UNTRUSTED]))
-            if epoch > after:
+            if published:
+                epoch = max(after + 1, self.current_epoch())  # the newest, if the coordinator moved on since
                 members, reason = decode_members(self.store.get(GroupKeys.members(epoch)))
                 if self.replica not in members:
                     raise Excluded(f"replica {self.replica} left out of epoch {epoch}: {reason}")
@@ -147,10 +156,11 @@ class ReplicaMember:
                     f"{timeout_s} s (recover.agree_timeout_s): the coordinator is gone and was not restarted; "
                     "stopping with the last committed step"
                 )
-            time.sleep(0.005)
 
     def wait_for_admission(self, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
-        """A joiner asks to be admitted (``join_request``) and blocks until an epoch includes this replica."""
+        """A joiner asks to be admitted (``join_request``) and blocks until an epoch includes this replica (in the
+        store, on the next epoch's members key; ``finished`` and ``stop`` are looked at every
+        :data:`WAIT_SLICE_S`)."""
         self.store.set(GroupKeys.join_request(self.replica, self.rank), str(self.incarnation))
         deadline = time.monotonic() + timeout_s
         while True:
@@ -169,7 +179,16 @@ class ReplicaMember:
                     f"replica {self.replica} rank {self.rank}: not admitted within {timeout_s} s "
                     "(recover.startup_timeout_s); are the running replicas committing steps?"
                 )
-            time.sleep(0.02)
+            wait_for_key(self.store, GroupKeys.members(epoch + 1), WAIT_SLICE_S)
+
+    def fault_seen(self, epoch: int) -> bool:
+        """The heartbeat thread saw the fault flag of ``epoch`` (or of a later one): no store request. Until this
+        start is admitted the thread watches no flag; callers then look in the store themselves."""
+        return self._faulted >= epoch
+
+    @property
+    def watches_faults(self) -> bool:
+        return self.admitted and self._thread is not None
 
     # ---- heartbeat thread --------------------------------------------------------------------------------
     def _beat(self, store: TCPStore) -> None:
@@ -177,9 +196,14 @@ class ReplicaMember:
         store.set(GroupKeys.heartbeat(self.replica, self.rank), beat.encode())
 
     def _heartbeat_loop(self) -> None:
+        """Every ``heartbeat_interval_s``: beat, and look at the current epoch's fault flag. On a flag it joins the
+        next epoch (the process is alive), records the fault for the main thread (:meth:`fault_seen`: collectives
+        read it without a store request), wakes a commit barrier blocked in that epoch by storing ``abort`` as
+        its decision, and, once the coordinator published the next epoch, ends the process if its replica was
+        left out."""
         store = self._hb_store
-        joined = -1
         interval = self.config.heartbeat_interval_s
+        joined = watching = -1
         last_beat = idle_from = time.monotonic()
         store_s = 0.0  # the previous round's store calls after its beat
         while not self._stop.wait(interval):
@@ -195,20 +219,38 @@ class ReplicaMember:
                                    store_s + beaten - woke, self._step, self._phase)
                 last_beat = beaten
                 try:
-                    if not self.admitted or not store.check([GroupKeys.EPOCH]):
+                    if not self.admitted:
                         continue
-                    epoch = int(store.get(GroupKeys.EPOCH))
-                    members, _ = decode_members(store.get(GroupKeys.members(epoch)))
-                    if self.replica not in members and not store.check([GroupKeys.STOP]):
-                        logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica, self.rank,
-                                     epoch)
-                        os._exit(EXIT_EXCLUDED)
-                    if joined <= epoch and store.check([GroupKeys.fault(epoch)]):
-                        store.set(GroupKeys.join(epoch + 1, self.replica, self.rank), f"{time.time():.6f}")
-                        joined = epoch + 1
+                    watching = max(watching, self.epoch)
+                    if joined > watching:  # joined the next epoch: is this replica in it?
+                        if store.check([GroupKeys.members(joined)]):
+                            members, _ = decode_members(store.get(GroupKeys.members(joined)))
+                            if self.replica not in members and not store.check([GroupKeys.STOP]):
+                                logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica,
+                                             self.rank, joined)
+                                os._exit(EXIT_EXCLUDED)
+                            watching = joined
+                    elif store.check([GroupKeys.fault(watching)]):
+                        self._faulted = max(self._faulted, watching)
+                        store.set(GroupKeys.join(watching + 1, self.replica, self.rank), f"{time.time():.6f}")
+                        joined = watching + 1
+                        barrier = self.waiting_on
+                        if barrier is not None and barrier[0] <= watching:
+                            store.compare_set(barrier[1], "", "abort")
                 finally:
                     idle_from = time.monotonic()
                     store_s = idle_from - beaten
-            except Exception as error:  # the coordinator is gone: the main thread's store calls will fail too
+            except Exception as error:  # the job's store is unreachable: the main thread's calls will fail too
                 logger.warning("replica %d rank %d: heartbeat failed: %s", self.replica, self.rank, error)
                 time.sleep(self.config.heartbeat_interval_s)
+
+
+def wait_for_key(store: Store, key: str, timeout_s: float) -> bool:
+    """Block until ``key`` exists in ``store`` (True) or ``timeout_s`` passed (False): one request, woken by the
+    write, instead of polling. Waits are sized to end by the write, not by the timeout (c10d logs every timed-out
+    wait)."""
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+        return True
+    except DistStoreError:
+        return False

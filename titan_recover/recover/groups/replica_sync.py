@@ -28,7 +28,7 @@ from titan_recover.recover.groups.keys import (
     read_dropped,
     read_join_requests,
 )
-from titan_recover.recover.groups.member import ReplicaMember
+from titan_recover.recover.groups.member import ReplicaMember, wait_for_key
 from titan_recover.recover.groups.protocol import CommitDecision, decide_commit, ready_to_join
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ class ReplicaSync:
         group = build_group(config, self.member.store, epoch=self.epoch,
                             members=self.members if members is None else members, replica=self.member.replica,
                             rank=self.member.rank, timeout_s=self.config.collective_timeout_s,
-                            device="cpu" if host else self.device, on_poll=self.member.progress, tag=tag)
+                            device="cpu" if host else self.device, on_poll=self.member.progress,
+                            fault_seen=self.member.fault_seen if self.member.watches_faults else None, tag=tag)
         self._retired.append(group)
         if members is None:
             self.group = group
@@ -235,23 +236,31 @@ class ReplicaSync:
         return ready_to_join(self.members, requests, ranks, dropped)
 
     def commit_barrier(self, step: int | str, admit: bool = False) -> str:
+        """Count this rank in; the last rank in proposes ``commit``, a rank that saw a fault proposes ``abort``;
+        the others block on the step's decision key until it is stored (by the last rank, or ``abort`` by the
+        heartbeat thread of a rank that sees the fault flag meanwhile). ``collective_timeout_s`` without a
+        decision raises the flag and aborts. The first proposal stored is every member's decision."""
         store = self.member.store
-        key = GroupKeys.reduced(self.epoch, step)
+        key, decided = GroupKeys.reduced(self.epoch, step), GroupKeys.decision(self.epoch, step)
         expected = len(self.members) * self.member.ranks_per_replica
         count = store.add(key, 1)
-        deadline = time.monotonic() + self.config.collective_timeout_s
-        while True:
-            proposal = decide_commit(count, expected, store.check([GroupKeys.fault(self.epoch)]))
-            if proposal is None and store.check([GroupKeys.decision(self.epoch, step)]):
-                return store.get(GroupKeys.decision(self.epoch, step)).decode()
-            if proposal is None and time.monotonic() > deadline:
+        self.member.waiting_on = (self.epoch, decided)  # before looking at the flag: a flag after is answered there
+        try:
+            proposal = decide_commit(count, expected, self._fault_seen())
+            if proposal is None:
+                self.member.progress()
+                if wait_for_key(store, decided, self.config.collective_timeout_s):
+                    return store.get(decided).decode()
                 raise_fault_flag(store, self.epoch, f"replica {self.member.replica}: commit barrier of step {step} timed out")
                 proposal = "abort"
-            if proposal == "commit" and admit:
-                # the first proposal stored is every member's decision: one writer decides the admission too
-                proposal = CommitDecision("commit", self._ready_joiners()).encode()
-            if proposal is not None:
-                return self.propose(step, proposal)
-            self.member.progress()  # waiting for the other members is progress (liveness, hang observer)
-            time.sleep(0.002)
-            count = store.add(key, 0)
+        finally:
+            self.member.waiting_on = None
+        if proposal == "commit" and admit:
+            # the first proposal stored is every member's decision: one writer decides the admission too
+            proposal = CommitDecision("commit", self._ready_joiners()).encode()
+        return self.propose(step, proposal)
+
+    def _fault_seen(self) -> bool:
+        if self.member.watches_faults:
+            return self.member.fault_seen(self.epoch)
+        return self.member.store.check([GroupKeys.fault(self.epoch)])
