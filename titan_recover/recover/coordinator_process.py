@@ -20,7 +20,7 @@ from titan_recover.recover.chaos.config import FaultSpec
 from titan_recover.recover.chaos.process import ProcessFaults
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import Coordinator
-from titan_recover.recover.groups.keys import connect
+from titan_recover.recover.stores import connect
 
 
 def main(argv: list[str] | None = None) -> int:

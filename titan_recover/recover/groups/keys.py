@@ -9,9 +9,8 @@ values are in :mod:`~titan_recover.recover.groups.protocol`; the contract is doc
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
-from torch.distributed import Store, TCPStore
+from torch.distributed import Store
 
 
 class GroupKeys:
@@ -94,14 +93,6 @@ class GroupKeys:
         """Members of ``epoch`` voted ``replica`` out (its state or computation is corrupt): the reason. The
         coordinator leaves it out of the next epoch (docs/scout.md)."""
         return f"evicted/e{epoch}/{replica}"
-
-
-def connect(address: str, timeout_s: float) -> TCPStore:
-    """A client of the job's store at ``HOST:PORT`` (hosted by the launcher; every process of the job connects)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"the job's store address must be HOST:PORT, got {address!r}")
-    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 # ---- the fault flag: raised by a rank whose collective failed, or by the coordinator -------------------------

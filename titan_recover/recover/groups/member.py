@@ -14,11 +14,12 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from torch.distributed import TCPStore
+from torch.distributed import Store
 
-from titan_recover.recover.groups.keys import connect, GroupKeys  # noqa: F401 (connect: the clients' entry)
+from titan_recover.recover.groups.keys import GroupKeys
 from titan_recover.recover.groups.liveness import Heartbeat
 from titan_recover.recover.groups.protocol import decode_members
+from titan_recover.recover.stores import connect
 
 if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
     from titan_recover.recover.config import RecoverConfig
@@ -172,7 +173,7 @@ class ReplicaMember:
             time.sleep(0.02)
 
     # ---- heartbeat thread --------------------------------------------------------------------------------
-    def _beat(self, store: TCPStore) -> None:
+    def _beat(self, store: Store) -> None:
         beat = Heartbeat(time.time(), self._progress, self._step, self._phase, self.incarnation)
         store.set(GroupKeys.heartbeat(self.replica, self.rank), beat.encode())
 
