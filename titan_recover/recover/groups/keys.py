@@ -30,6 +30,9 @@ class GroupKeys:
     for ``coordinator_timeout_s`` (hung)."""
     COORDINATOR_STARTS = "coordinator/starts"
     """How many times a coordinator of this job started (a counter; a restart resumes the stored state)."""
+    COORDINATOR_LEADER = "coordinator/leader"
+    """With standby coordinators (an etcd store): the identity of the leading one, bound to its etcd lease
+    (``stores/leader.py``); the others campaign for it."""
 
     @staticmethod
     def register(replica: int, rank: int) -> str:
