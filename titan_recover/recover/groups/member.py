@@ -56,7 +56,7 @@ class JobOver(RuntimeError):
 
 def incarnation_from_env(environ=os.environ) -> int:
     """Which start of this replica group this is (0: the first): the launcher's restarts of its torchrun, or
-    torchrun's own (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT``, as in scripts/slurm_replicas.sh). One of
+    torchrun's own (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT``, for a group started by hand). One of
     the two restarts a group, never both (the launcher runs torchrun with ``--max-restarts 0``)."""
     return int(environ.get(INCARNATION_ENV, 0)) + int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
