@@ -62,3 +62,21 @@ def test_the_coordinator_killed_during_an_epoch_change_is_restarted_and_finishes
     assert sorted(logged[0]) == sorted(logged[2]) == list(range(1, STEPS + 1))
     assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
     assert processes_of_run(str(tmp_path)) == []
+
+
+def test_without_a_coordinator_every_replica_stops_with_a_checkpoint_of_the_last_committed_step(tmp_path,
+                                                                                                default_data):
+    """No restarts for the coordinator: killed in step 4, the launcher stops the job: every replica aborts the
+    step it is in and stops with step 3 (a durable checkpoint of it written once), no traceback, exit 1."""
+    proc, events = run_replicas(tmp_path, replicas=2, ranks=1, steps=STEPS, faults=[coordinator_fault("step", 4)],
+                                extra=("--recover.coordinator_restarts", "0", "--checkpoint.enable",
+                                       "--checkpoint.interval", "100"))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "the coordinator exited with -9 and has no restarts left" in output
+    assert "Traceback" not in output
+    stopped = of(events, "stopped")
+    assert sorted(e["replica"] for e in stopped) == [0, 1] and {e["step"] for e in stopped} == {3}
+    assert [e["checkpoint_saved"] for e in stopped if e["replica"] == 0] == [True]
+    assert (tmp_path / "checkpoint" / "step-3" / ".metadata").is_file()
+    assert processes_of_run(str(tmp_path)) == []

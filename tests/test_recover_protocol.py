@@ -331,6 +331,17 @@ def test_coordinator_state_round_trips_and_says_how_to_resume():
         resume_action(None, 0)
 
 
+def test_only_the_starts_a_launcher_named_found_the_epoch_after_a_cold_restart():
+    from titan_recover.recover.groups.protocol import founders
+
+    # replica 0: its named start (2) registered both ranks; replica 1: an older start (1) is still registered as
+    # rank 1; replica 2: not restarted (-1); replica 3: its launcher has not said yet
+    registered = {0: {0: 2, 1: 2}, 1: {0: 2, 1: 1}}
+    assert founders(registered, {0: 2, 1: 2, 2: -1}, ranks_per_replica=2) == ((0,), False)
+    assert founders({**registered, 1: {0: 2, 1: 2}}, {0: 2, 1: 2, 2: -1}, ranks_per_replica=2) == ((0, 1), True)
+    assert founders({}, {0: -1, 1: -1}, ranks_per_replica=2) == ((), True)
+
+
 def test_a_restarted_coordinator_resumes_the_epoch_it_was_publishing(tmp_path):
     """A coordinator dies after writing epoch 1's state ahead and before members can read the epoch (as the
     ``publish`` chaos phase does): the next start publishes exactly that epoch, keeps the incarnations and the
@@ -367,6 +378,16 @@ def test_a_restarted_coordinator_resumes_the_epoch_it_was_publishing(tmp_path):
     assert decode_members(store.get(GroupKeys.members(2)))[0] == (0,)
     starts = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "coordinator_started"]
     assert [(e["start"], e["action"]) for e in starts] == [(1, "finish"), (2, "resume")]
+
+
+def test_a_coordinator_is_held_to_its_start_bound_until_it_beats_then_to_its_timeout():
+    from titan_recover.recover.launcher import BeatWatch
+
+    watch = BeatWatch(b"0:1.0", timeout_s=10.0, start_s=300.0)  # a previous start's last beat
+    assert watch.quiet_s(b"0:1.0", now=100.0) == (0.0, 300.0)
+    assert watch.quiet_s(b"0:1.0", now=150.0) == (50.0, 300.0)  # still importing: not judged by the beat timeout
+    assert watch.quiet_s(b"1:2.0", now=151.0) == (0.0, 10.0)  # it beat: from now on the beat timeout
+    assert watch.quiet_s(b"1:2.0", now=162.5) == (11.5, 10.0)
 
 
 def test_the_coordinator_imports_no_client_module():

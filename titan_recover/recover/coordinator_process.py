@@ -1,7 +1,7 @@
 """The coordinator's process (started, and restarted, by the launcher; docs/replica_groups.md).
 
     python -m titan_recover.recover.coordinator_process --replicas R --ranks-per-replica W --run-dir DIR \
-        --store URL [--recover-json JSON] [--chaos-json JSON] [--standby --identity NAME]
+        --store URL [--recover-json JSON] [--chaos-json JSON] [--checkpoint-folder DIR] [--standby --identity NAME]
 
 The coordinator itself (:mod:`titan_recover.recover.groups.coordinator`) shares only keys and pure decisions with
 the ranks; this entry adds what a process of the job needs: the ``[recover]`` section, its own ``[chaos]`` faults,
@@ -27,6 +27,7 @@ from titan_recover.recover.chaos.process import ProcessFaults
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import Coordinator
 from titan_recover.recover.groups.keys import GroupKeys
+from titan_recover.recover.scout.verified import complete_checkpoints, step_to_load
 from titan_recover.recover.stores import connect
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,16 @@ def exit_when_lost(election, events) -> None:
     threading.Thread(target=watch, name="leadership", daemon=True).start()
 
 
+def newest_checkpoint(folder: str) -> str | None:
+    """What a restart of every group would load from ``folder`` (as the checkpoint manager chooses), or None when
+    it holds no complete checkpoint."""
+    available = complete_checkpoints(folder) if folder else []
+    if not available:
+        return None
+    _, why = step_to_load(folder)
+    return f"{why} (complete checkpoints: steps {available})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, required=True)
@@ -78,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                         "or the etcd URL of the job's keys")
     parser.add_argument("--recover-json", default="{}", help="the [recover] section as JSON")
     parser.add_argument("--chaos-json", default="{}", help="the [chaos] section as JSON (faults of the coordinator)")
+    parser.add_argument("--checkpoint-folder", default="",
+                        help="the job's durable checkpoints ([checkpoint] enable): what a job that lost every replica "
+                             "restarts from")
     parser.add_argument("--standby", action="store_true", help="coordinate only once elected leader (etcd store)")
     parser.add_argument("--identity", default=f"{socket.gethostname()}:{os.getpid()}",
                         help="this candidate's name in the leader election")
@@ -90,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.standby and election is None:
         return 0  # the job finished while this one stood by
     coordinator = Coordinator(config, store, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
-                              run_dir=args.run_dir)
+                              run_dir=args.run_dir, durable_state=lambda: newest_checkpoint(args.checkpoint_folder))
     coordinator.chaos = ProcessFaults(faults, "coordinator", coordinator.start, coordinator.events)
     if election is not None:
         coordinator.events.emit("coordinator_elected", identity=args.identity, term=election.term)

@@ -152,6 +152,8 @@ class ReplicaJob:
 
         self.recover = config.recover
         self.chaos = config.chaos
+        self.checkpoint_folder = (os.path.join(os.path.abspath(config.dump_folder), config.checkpoint.folder)
+                                  if config.checkpoint.enable else "")
         self.plan = plan or single_node(config.recover.groups)
         self.devices = None if devices is None else dict(zip(self.plan.groups, devices))
         self.config_text = render_toml(config)
@@ -174,9 +176,11 @@ class ReplicaJob:
         """On etcd, node 0: the lease-bound announcement of the job's name under the run folder's prefix."""
         self._leader = ""
         self.coordinator = ReplicaSlot(-1, self.recover.coordinator_restarts)
-        self.coordinator_beat = BeatWatch()
+        self.coordinator_beat = BeatWatch(b"", self.recover.coordinator_timeout_s, self.recover.startup_timeout_s)
         self.slots: list[ReplicaSlot] = []
         self.syncer: ReplicaSlot | None = None
+        self.cold_restarted = -1
+        """The latest cold restart (its empty epoch) this launcher restarted its groups for."""
 
     def _base_env(self) -> dict:
         env = dict(os.environ, **{RUN_DIR_ENV: self.run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1",
@@ -257,10 +261,14 @@ class ReplicaJob:
             [sys.executable, "-m", "titan_recover.recover.coordinator_process", "--replicas", str(recover.groups),
              "--ranks-per-replica", str(self.ranks), "--run-dir", self.run_dir, "--store", self.address,
              "--recover-json", json.dumps(asdict(recover)), "--chaos-json", json.dumps(asdict(self.chaos)),
-             *standby],
+             "--checkpoint-folder", self.checkpoint_folder, *standby],
             self.base_env, "[coordinator] " if not self.plan.many else f"[coordinator node {self.plan.rank}] ",
         )
-        self.coordinator_beat = BeatWatch()
+        self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
+                                          self.recover.startup_timeout_s)
+
+    def _coordinator_beat(self) -> bytes:
+        return self.store.get(GroupKeys.COORDINATOR_BEAT) if self.store.check([GroupKeys.COORDINATOR_BEAT]) else b""
 
     def coordinator_leads(self) -> bool:
         """Whether this node's coordinator is the one coordinating (always, without standbys). When the leader
@@ -269,8 +277,10 @@ class ReplicaJob:
             return True
         key = GroupKeys.COORDINATOR_LEADER
         leader = self.store.get(key).decode() if self.store.check([key]) else ""
-        if leader != self._leader:
-            self._leader, self.coordinator_beat = leader, BeatWatch()
+        if leader != self._leader:  # held to startup_timeout_s until it beats, as a fresh start
+            self._leader = leader
+            self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
+                                              self.recover.startup_timeout_s)
         return leader == self.coordinator_identity
 
     def start_replicas(self) -> None:
@@ -358,13 +368,12 @@ class ReplicaJob:
         if code is None:
             if not self.coordinator_leads():
                 return  # a standby: the leading coordinator's launcher watches its beat
-            beat = self.store.get(GroupKeys.COORDINATOR_BEAT) if self.store.check([GroupKeys.COORDINATOR_BEAT]) else b""
-            quiet = self.coordinator_beat.quiet_s(beat, time.monotonic())
-            if quiet <= self.recover.coordinator_timeout_s:
+            quiet, bound = self.coordinator_beat.quiet_s(self._coordinator_beat(), time.monotonic())
+            if quiet <= bound:
                 return
-            print(f"[titan_recover] the coordinator made no progress for {quiet:.1f} s "
-                  f"(recover.coordinator_timeout_s = {self.recover.coordinator_timeout_s}): ending it",
-                  file=sys.stderr, flush=True)
+            print(f"[titan_recover] the coordinator made no progress for {quiet:.1f} s (recover."
+                  f"{'coordinator_timeout_s' if bound == self.recover.coordinator_timeout_s else 'startup_timeout_s'}"
+                  f" = {bound}): ending it", file=sys.stderr, flush=True)
             _signal_group(slot.proc, signal.SIGKILL)
             code = slot.proc.wait()
         if slot.ended_incarnation == slot.incarnation:
@@ -389,6 +398,41 @@ class ReplicaJob:
         if self.store.check([GroupKeys.EPOCH]):  # members in a collective or a barrier abort it and read the stop
             raise_fault_flag(self.store, int(self.store.get(GroupKeys.EPOCH)), reason)
 
+    def cold_restart_due(self) -> int | None:
+        """The empty epoch of a cold restart this launcher has not yet restarted its groups for, or None."""
+        if self.store.check([GroupKeys.COLD_RESTART]):
+            cold = int(self.store.get(GroupKeys.COLD_RESTART))
+            if cold > self.cold_restarted:
+                return cold
+        return None
+
+    def restart_every_group(self) -> bool:
+        """The coordinator lost every replica and restarts the job from the newest durable state: every group of
+        this node is started afresh (a start made before, e.g. a joiner that loaded an older checkpoint, is ended
+        first), each start counting against its ``max_restarts``, and named in the store as the one that founds
+        the next epoch (``-1``: no restarts left). True if any group was started."""
+        cold = self.cold_restart_due()
+        if cold is None or self.stopped_by is not None:
+            return False
+        self.cold_restarted = cold
+        started = False
+        for slot in self.slots:
+            if slot.proc is not None:
+                _signal_group(slot.proc, signal.SIGKILL)
+                _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
+            if slot.restarts_left == 0:
+                self.store.set(GroupKeys.founding(cold, slot.index), "-1")
+                continue
+            slot.restarts_left -= 1
+            slot.incarnation += 1
+            self.store.set(GroupKeys.founding(cold, slot.index), str(slot.incarnation))  # before it can look
+            print(f"[titan_recover] every replica was lost: restarting replica {slot.index} from the newest durable "
+                  f"state (start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
+                  flush=True)
+            self.start_replica(slot)
+            started = True
+        return started
+
     def job_state(self) -> tuple[bool, dict[int, int | None]]:
         """What the job's store says: (the job is over or stopping, so nothing is restarted; replica -> its
         incarnation last dropped)."""
@@ -398,51 +442,60 @@ class ReplicaJob:
     def watch(self) -> None:
         """Until every replica group has ended: keep a coordinator running, end dropped replicas, restart crashed
         ones (and the syncer). Ends early once the syncer finished (learners still restarting are not needed)."""
-        while any(slot.running for slot in self.slots):
+        while any(slot.running for slot in self.slots) or self.restart_every_group():
             time.sleep(0.1)
             if self.syncer is not None:
                 if self.syncer.proc.poll() == 0:  # the budget is trained
                     break
                 self.restart_syncer_if_crashed()
             self.supervise_coordinator()
+            self.restart_every_group()
             over, dropped = self.job_state()
             for slot in self.slots:
                 self.end_if_dropped(slot, dropped)
                 self.restart_if_crashed(slot, over)
-        self.await_verdict()
+        if self.await_verdict():
+            self.watch()  # every group was restarted meanwhile (a cold restart)
 
-    def await_verdict(self) -> None:
+    def await_verdict(self) -> bool:
         """The replica groups ended: wait (``agree_timeout_s`` at most) for the coordinator to record the job's
-        verdict, keeping one running (a restarted coordinator may still be starting when the last step ends)."""
+        verdict, keeping one running (a restarted coordinator may still be starting when the last step ends).
+        True if a cold restart started groups again meanwhile (the job goes on)."""
         if self.syncer is not None or self.stopped_by is not None:
-            return
+            return False
         if self.plan.many:
-            self.await_job_verdict()
-            return
+            return self.await_job_verdict()
         deadline = time.monotonic() + self.recover.agree_timeout_s
         while not self.store.check([GroupKeys.FINISHED]) and time.monotonic() < deadline:
             if self.coordinator.proc.poll() is not None and self.coordinator.ended_incarnation == self.coordinator.incarnation:
-                return  # no coordinator left to judge
+                return False  # no coordinator left to judge
             self.supervise_coordinator()
+            if self.restart_every_group():
+                return True
             time.sleep(0.1)
+        return False
 
-    def await_job_verdict(self) -> None:
+    def await_job_verdict(self) -> bool:
         """Many nodes: this node's replica groups ended, but the job may go on on other nodes. Wait for the
         coordinator's verdict as long as some coordinator makes progress (its beat changed within
-        ``agree_timeout_s``), keeping this node's coordinator (or standby) running meanwhile."""
-        slot, quiet = self.coordinator, BeatWatch()
+        ``agree_timeout_s``), keeping this node's coordinator (or standby) running meanwhile. True if a cold
+        restart started this node's groups again meanwhile (the job goes on)."""
+        slot, timeout = self.coordinator, self.recover.agree_timeout_s
+        watch = BeatWatch(None, timeout, timeout)
         while not self.store.check([GroupKeys.FINISHED]) and self.stopped_by is None:
             self.supervise_coordinator()
+            if self.restart_every_group():
+                return True
             if slot.proc is not None and slot.proc.poll() is not None and slot.ended_incarnation == slot.incarnation \
                     and not self.recover.store:
-                return  # no coordinator left to judge
-            beat = self.store.get(GroupKeys.COORDINATOR_BEAT) if self.store.check([GroupKeys.COORDINATOR_BEAT]) else b""
-            if quiet.quiet_s(beat, time.monotonic()) > self.recover.agree_timeout_s:
-                print(f"[titan_recover] no coordinator made progress for {self.recover.agree_timeout_s} s "
-                      "(recover.agree_timeout_s) while this node waited for the job's verdict", file=sys.stderr,
-                      flush=True)
-                return
+                return False  # no coordinator left to judge
+            quiet, _ = watch.quiet_s(self._coordinator_beat(), time.monotonic())
+            if quiet > timeout:
+                print(f"[titan_recover] no coordinator made progress for {timeout} s (recover.agree_timeout_s) "
+                      "while this node waited for the job's verdict", file=sys.stderr, flush=True)
+                return False
             time.sleep(0.1)
+        return False
 
     # ---- the end -----------------------------------------------------------------------------------------
     def result(self) -> int:
@@ -516,16 +569,21 @@ class ReplicaJob:
 
 class BeatWatch:
     """How long a process's beat in the store (a value it rewrites while it makes progress) has stayed unchanged,
-    on this process's clock."""
+    on this process's clock, and the bound it is held to: ``timeout_s`` once the process beat, ``start_s`` before
+    its first beat (a process start, with its imports, can take much longer than a beat on a loaded node)."""
 
-    def __init__(self):
+    def __init__(self, before_start: bytes, timeout_s: float, start_s: float):
+        self._first = before_start
+        """The beat's value when the process was started (a previous start's): no evidence of this one."""
         self._value: bytes | None = None
         self._since = 0.0
+        self.timeout_s, self.start_s = timeout_s, start_s
 
-    def quiet_s(self, value: bytes, now: float) -> float:
+    def quiet_s(self, value: bytes, now: float) -> tuple[float, float]:
+        """(seconds ``value`` has stayed unchanged, the bound that applies now)."""
         if value != self._value:
             self._value, self._since = value, now
-        return now - self._since
+        return now - self._since, self.start_s if value == self._first else self.timeout_s
 
 
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, TYPE_CHECKING
 
 from torch.distributed import Store
 
@@ -33,6 +33,7 @@ from titan_recover.recover.groups.protocol import (
     decode_admission,
     encode_admission,
     encode_members,
+    founders,
     ready_to_join,
     resume_action,
 )
@@ -71,7 +72,7 @@ class Coordinator:
     replaced by a new start that resumes where it stopped; what it only watched (heartbeats) it watches afresh."""
 
     def __init__(self, config: RecoverConfig, store: Store, *, replicas: int, ranks_per_replica: int, run_dir: str,
-                 chaos=None):
+                 chaos=None, durable_state: Callable[[], str | None] | None = None):
         self.config = config
         self.replicas, self.ranks = replicas, ranks_per_replica
         self.run_dir = run_dir
@@ -82,8 +83,13 @@ class Coordinator:
         self.chaos = chaos
         """Faults of the coordinator (``[chaos]``, ``process = "coordinator"``): an object with
         ``maybe_inject(step, phase)``, or None."""
+        self.durable_state = durable_state
+        """Describes the newest durable state the job could restart from (a checkpoint), or None: asked when every
+        replica is lost at once."""
         self.epoch = -1
         self.members: tuple[int, ...] = ()
+        self.cold = False
+        """The current epoch is empty after losing every replica: the groups restart and found the next one."""
         self.excluded: set[int] = set()
         self.incarnation: dict[int, int] = {}  # the incarnation of each member (a restart is a new one)
         self.dropped: dict[int, int] = {}  # the incarnation of each replica last removed
@@ -102,6 +108,8 @@ class Coordinator:
         if not self._resume():
             return 1
         while not self._terminate:
+            if self.cold and not self._form_founding_epoch():
+                continue  # stopped: the survivors (none) are done at once
             if self._finished():
                 stopped = self.store.check([GroupKeys.STOP])
                 self.events.emit("job_finished", epoch=self.epoch, members=list(self.members), stopped=stopped)
@@ -134,6 +142,7 @@ class Coordinator:
                              removed=list(state.removed), reason=state.reason, finished_publication=True)
             return written
         self.epoch, self.members, self.excluded = state.epoch, state.members, set(state.excluded)
+        self.cold = state.cold
         return True
 
     def _serve_learners(self) -> int:
@@ -175,6 +184,11 @@ class Coordinator:
 
     def _registered_incarnation(self, replica: int) -> int:
         return int(self.store.get(GroupKeys.register(replica, 0)).decode().split(",")[3])
+
+    def _registered_incarnations(self, replica: int) -> dict[int, int]:
+        """rank -> the incarnation that last registered as that rank of ``replica``."""
+        keys = [GroupKeys.register(replica, r) for r in range(self.ranks)]
+        return {r: int(self.store.get(k).decode().split(",")[3]) for r, k in enumerate(keys) if self.store.check([k])}
 
     def _form_first_epoch(self) -> bool:
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -238,8 +252,44 @@ class Coordinator:
             time.sleep(0.005)
         decision = decide_members(self.members, joined, self.ranks, excluded=self.excluded)
         self.excluded -= set(decision.removed)
-        self._publish(target, decision.members, decision.removed, f"{reason} -> {decision.reason}",
-                      timing={"fault_raised_at": fault_time, "coordinator_noticed_at": noticed})
+        reason, timing = f"{reason} -> {decision.reason}", {"fault_raised_at": fault_time,
+                                                             "coordinator_noticed_at": noticed}
+        if decision.members:
+            self._publish(target, decision.members, decision.removed, reason, timing)
+            return
+        # no live member holds the state: the worst case is a restart from the newest durable state, never worse
+        durable = self.durable_state() if self.durable_state is not None else None
+        if durable is None:
+            self._publish(target, (), decision.removed, reason, timing, stop=(
+                f"every replica group was lost at once ({reason}) and no durable state exists to restart from: "
+                "enable [checkpoint] (enable = true, interval = N) so that the job restarts every group from its "
+                "newest checkpoint"))
+            return
+        self.events.emit("cold_restart", epoch=target, durable=durable, removed=list(decision.removed))
+        self._publish(target, (), decision.removed, f"{reason}; restarting every group from the {durable}", timing,
+                      cold=True)
+
+    def _form_founding_epoch(self) -> bool:
+        """After a cold restart (epoch ``R`` empty): wait until every group's launcher named the start it made for
+        it and those starts registered (``startup_timeout_s`` at most), then publish epoch ``R + 1`` with them:
+        they start from the newest durable state and the lowest one's parameters. False if it stops the job."""
+        cold_epoch, deadline = self.epoch, time.monotonic() + self.config.startup_timeout_s
+        while not self._terminate:
+            founding = {r: int(self.store.get(GroupKeys.founding(cold_epoch, r)))
+                        for r in range(self.replicas) if self.store.check([GroupKeys.founding(cold_epoch, r)])}
+            registered = {r: self._registered_incarnations(r) for r, incarnation in founding.items() if incarnation >= 0}
+            ready, settled = founders(registered, founding, self.ranks)
+            if (settled and len(founding) == self.replicas) or time.monotonic() > deadline:
+                break
+            self._beat()
+            time.sleep(TICK_S)
+        else:
+            return False
+        self.incarnation.update({r: founding[r] for r in ready})
+        missing = sorted(set(range(self.replicas)) - set(ready))
+        reason = (f"founded by {list(ready)} from the newest durable state after losing every replica"
+                  + (f"; {missing} not restarted or not registered in time" if missing else ""))
+        return self._publish(cold_epoch + 1, ready, (), reason, timing={})
 
     def _admit(self) -> None:
         """Members committed a step and asked to admit ready joiners: publish the grown epoch (docs/phoenix.md)."""
@@ -268,16 +318,19 @@ class Coordinator:
         self.store.set(GroupKeys.COORDINATOR_STATE, state.encode())
 
     def _publish(self, epoch: int, members: tuple[int, ...], removed: tuple[int, ...], reason: str,
-                 timing: dict, admitted: tuple[int, tuple[int, ...]] | None = None) -> bool:
+                 timing: dict, admitted: tuple[int, tuple[int, ...]] | None = None, *, cold: bool = False,
+                 stop: str = "") -> bool:
+        """Write epoch ``epoch``'s state ahead, then publish it (:meth:`_write`). ``cold``: the empty epoch of a
+        cold restart. ``stop``: stop the job with this message; an epoch with fewer than ``min_replicas`` members
+        (and not cold) stops it too. False if it stops the job."""
         for replica in removed:
             self.dropped[replica] = self.incarnation.get(replica, 0)
             self.watch.forget(replica)
-        stop = ""
-        if len(members) < self.config.min_replicas:
+        if not stop and not cold and len(members) < self.config.min_replicas:
             stop = (f"only {len(members)} replica(s) left {list(members)} after losing {list(removed)}, "
                     f"fewer than recover.min_replicas = {self.config.min_replicas}: stopping")
         state = CoordinatorState(epoch, members, reason, removed, admitted, dict(self.incarnation),
-                                 dict(self.dropped), tuple(sorted(self.excluded)), stop)
+                                 dict(self.dropped), tuple(sorted(self.excluded)), stop, cold)
         self._save(state)  # ahead of what members read: a restarted coordinator finishes this publication
         self._inject("publish", epoch)
         written = self._write(state)
@@ -298,6 +351,8 @@ class Coordinator:
         self.store.set(GroupKeys.members(state.epoch), encode_members(state.members, state.reason))
         if state.stop:
             self.store.set(GroupKeys.STOP, state.stop)
+        if state.cold:
+            self.store.set(GroupKeys.COLD_RESTART, str(state.epoch))
         self.store.set(GroupKeys.EPOCH, str(state.epoch))
-        self.epoch, self.members = state.epoch, state.members
+        self.epoch, self.members, self.cold = state.epoch, state.members, state.cold
         return not state.stop

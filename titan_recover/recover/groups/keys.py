@@ -25,6 +25,10 @@ class GroupKeys:
     ``stopped`` (the job stopped early; ``STOP`` says why). The launcher's exit code follows it."""
     COORDINATOR_STATE = "coordinator/state"
     """The coordinator's write-ahead state (:class:`~titan_recover.recover.groups.protocol.CoordinatorState`)."""
+    COLD_RESTART = "cold_restart"
+    """The latest epoch ``R`` the coordinator formed empty because no live member held the state: every group is
+    restarted from the newest durable state and founds epoch ``R + 1`` (docs/replica_groups.md "Losing every
+    replica")."""
     COORDINATOR_BEAT = "coordinator/beat"
     """Rewritten by the coordinator while it makes progress; the launcher restarts one whose beat stays unchanged
     for ``coordinator_timeout_s`` (hung)."""
@@ -45,6 +49,12 @@ class GroupKeys:
     @staticmethod
     def heartbeat(replica: int, rank: int) -> str:
         return f"hb/{replica}/{rank}"
+
+    @staticmethod
+    def founding(epoch: int, replica: int) -> str:
+        """Written by the launcher of ``replica``'s node after the cold restart ``epoch``: the incarnation it started
+        to found epoch ``epoch + 1`` from the newest durable state, or ``-1`` (no restarts left)."""
+        return f"founding/e{epoch}/{replica}"
 
     @staticmethod
     def members(epoch: int) -> str:

@@ -153,6 +153,9 @@ class CoordinatorState:
     excluded: tuple[int, ...] = ()
     stop: str = ""
     """Set when the epoch leaves fewer than ``min_replicas``: the message members stop with."""
+    cold: bool = False
+    """The epoch is empty because no live member held the state: every group restarts from the newest durable
+    state and founds the next epoch."""
 
     def encode(self) -> str:
         return json.dumps({"epoch": self.epoch, "members": list(self.members), "reason": self.reason,
@@ -160,7 +163,7 @@ class CoordinatorState:
                            "admitted": None if self.admitted is None else [self.admitted[0], list(self.admitted[1])],
                            "incarnation": {str(k): v for k, v in (self.incarnation or {}).items()},
                            "dropped": {str(k): v for k, v in (self.dropped or {}).items()},
-                           "excluded": list(self.excluded), "stop": self.stop})
+                           "excluded": list(self.excluded), "stop": self.stop, "cold": self.cold})
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "CoordinatorState":
@@ -169,7 +172,22 @@ class CoordinatorState:
         return cls(d["epoch"], tuple(d["members"]), d["reason"], tuple(d["removed"]),
                    None if admitted is None else (admitted[0], tuple(admitted[1])),
                    {int(k): v for k, v in d["incarnation"].items()}, {int(k): v for k, v in d["dropped"].items()},
-                   tuple(d["excluded"]), d["stop"])
+                   tuple(d["excluded"]), d["stop"], d["cold"])
+
+
+def founders(epoch_registered: dict[int, dict[int, int]], founding: dict[int, int], ranks_per_replica: int
+             ) -> tuple[tuple[int, ...], bool]:
+    """After a cold restart: the replicas ready to found the next epoch, and whether every replica is accounted
+    for (ready, or not restarted). ``founding``: replica -> the incarnation its launcher started for the cold
+    restart (-1: none; absent: not yet told); ``epoch_registered``: replica -> rank -> registered incarnation. Only
+    the start the launcher named founds: an older start still registering (a joiner started before the cold
+    restart, with an older checkpoint loaded) never does."""
+    ready = tuple(sorted(
+        replica for replica, incarnation in founding.items() if incarnation >= 0
+        and sorted(epoch_registered.get(replica, {})) == list(range(ranks_per_replica))
+        and set(epoch_registered[replica].values()) == {incarnation}))
+    settled = all(incarnation < 0 or replica in ready for replica, incarnation in founding.items())
+    return ready, settled
 
 
 def resume_action(state: CoordinatorState | None, published_epoch: int) -> str:

@@ -67,14 +67,33 @@ class ReplicaSync:
 
     def start(self) -> None:
         """Register, wait for epoch 0, build its group. A restarted replica only registers: it is admitted at a
-        step boundary of the running replicas (:class:`~titan_recover.recover.phoenix.admission.Admission`)."""
+        step boundary of the running replicas (:class:`~titan_recover.recover.phoenix.admission.Admission`),
+        unless its launcher started it to found the epoch after a cold restart (then it starts as in epoch 0)."""
         self.member.register()
+        after = -1
         if self.joining:
-            self.events.emit("join_requested", incarnation=self.member.incarnation)
-            return
-        self.member.wait_for_epoch(-1, self.config.startup_timeout_s + self.config.agree_timeout_s)
+            founding = self._founding_epoch()
+            if founding is None:
+                self.events.emit("join_requested", incarnation=self.member.incarnation)
+                return
+            # every replica was lost: this start was made to found the next epoch from the newest durable state
+            self.joining, after = False, founding
+            self.events.emit("founding", cold_epoch=founding, incarnation=self.member.incarnation)
+        self.member.wait_for_epoch(after, self.config.startup_timeout_s + self.config.agree_timeout_s)
         self.build_group()
         self.events.emit("joined", epoch=self.epoch, members=list(self.members))
+
+    def _founding_epoch(self) -> int | None:
+        """The empty epoch ``R`` of a cold restart if this start is the one its launcher made to found epoch
+        ``R + 1`` (docs/replica_groups.md "Losing every replica"), else None (a joiner)."""
+        store = self.member.store
+        if not store.check([GroupKeys.COLD_RESTART]):
+            return None
+        cold = int(store.get(GroupKeys.COLD_RESTART))
+        key = GroupKeys.founding(cold, self.member.replica)
+        if store.check([key]) and int(store.get(key)) == self.member.incarnation:
+            return cold
+        return None
 
     def build_group(self, members: tuple[int, ...] | None = None, tag: str = "",
                     host: bool = False) -> FaultTolerantGroup:

@@ -52,7 +52,10 @@ from titan_recover.recover.scout.verified import mark_verified  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-EXIT_TOO_FEW = 3
+EXIT_STOPPED = 0
+"""Exit code of a rank that stopped because the protocol said so (too few replicas, no coordinator, replicas that
+disagree): it did what it was asked, and torchrun reports no failure of its own. The job's verdict is the
+launcher's exit code, from the store (docs/replica_groups.md "Processes")."""
 
 
 def replica_environment(config) -> tuple[int, str, str]:
@@ -167,6 +170,11 @@ class SyncMode(Mode):
         except Excluded as excluded:
             logger.error("%s", excluded)
             os._exit(EXIT_EXCLUDED)
+        except TooFewReplicas as stop:  # the job stopped before this start trained a step: nothing to save
+            logger.error("stopping before training: %s", stop)
+            self.events.emit("stopped", step=step, reason=str(stop), checkpoint_saved=False)
+            self.member.finish()
+            raise SystemExit(EXIT_STOPPED) from None
         return step
 
     # ---- collectives inside the replica --------------------------------------------------------------------
@@ -324,7 +332,7 @@ class SyncMode(Mode):
                 self.stop_writer = self._stop_writer()
             save = self.stop_writer == self.replica
             return Stop(step=self.step - 1, ntokens_seen=self.committed_tokens, reason=str(stop), save=save,
-                        exit_code=EXIT_TOO_FEW)
+                        exit_code=EXIT_STOPPED)
         return None
 
     def _finished(self) -> None:
