@@ -86,8 +86,8 @@ def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmi
 def test_two_nodes_on_etcd_the_standby_coordinator_takes_over(tmp_path, etcd_server):
     """The same two-node job on an etcd store, 2 replica groups of 1 rank, 4 steps: nobody hosts the store, each
     node runs a coordinator candidate; the leader (whichever node's) is killed in step 2, a standby takes over (the
-    other node's, waiting on the leader's key, or the restarted one's) and resumes the stored state. Both launchers exit 0, the replicas end identical, and the job's keys
-    live under the run folder's prefix."""
+    other node's, waiting on the leader's key, or the restarted one's) and resumes the stored state. Both launchers
+    exit 0, the replicas end identical, and the job's keys live under the run folder's prefix."""
     faults = [{"kind": "kill", "process": "coordinator", "phase": "step", "step": 2, "incarnation": 0}]
     args = replica_job_args(tmp_path, replicas=2, ranks=1, steps=4, faults=faults,
                             extra=("--recover.store", f"etcd://{etcd_server}"))

@@ -6,11 +6,12 @@ job's store is a TCPStore that node 0's launcher hosts in its own process, or an
 (``[recover] store``; ``recover/job_store.py``). Every decision of the protocol lives there, so the coordinator is
 a replaceable client that the launcher restarts when it dies or stops beating (``[recover] coordinator_restarts``),
 and it resumes from the stored state (docs/replica_groups.md "Coordinator restarts"); node 0 runs it, and with etcd
-every node runs one as a standby that takes over when the leading one's lease lapses. Each child runs in its own session and dies with the launcher (``PR_SET_PDEATHSIG``: a killed launcher
-leaves no orphan); the launcher forwards Ctrl-C / SIGTERM to all of them, kills what is left after a grace period,
-and finally kills any process that still carries this run's marker in its environment, so nothing outlives the
-job. Output of every replica is prefixed with ``[replica i]``. The exit code is the job's verdict, on every node:
-0 only when the coordinator saw the training budget committed.
+every node runs one as a standby that takes over when the leading one's lease lapses. Each child runs in its own
+session and dies with the launcher (``PR_SET_PDEATHSIG``: a killed launcher leaves no orphan); the launcher
+forwards Ctrl-C / SIGTERM to all of them, kills what is left after a grace period, and finally kills any process of
+its node that still carries this run's marker in its environment, so nothing outlives the job. Output of every
+replica is prefixed with ``[replica i]``. The exit code is the job's verdict, on every node: 0 only when the
+coordinator saw the training budget committed.
 """
 
 from __future__ import annotations
@@ -481,7 +482,7 @@ class ReplicaJob:
         ``agree_timeout_s``), keeping this node's coordinator (or standby) running meanwhile. True if a cold
         restart started this node's groups again meanwhile (the job goes on)."""
         slot, timeout = self.coordinator, self.recover.agree_timeout_s
-        watch = BeatWatch(None, timeout, timeout)
+        watch = BeatWatch(b"", timeout, timeout)
         while not self.store.check([GroupKeys.FINISHED]) and self.stopped_by is None:
             self.supervise_coordinator()
             if self.restart_every_group():
