@@ -18,27 +18,31 @@ FAST_DETECTION = ("--recover.heartbeat_timeout_s", "2.0", "--recover.join_window
 LOSS = "loss_metrics/global_avg_loss"
 
 
-def run_replicas(folder: pathlib.Path, *, replicas: int, ranks: int, steps: int, faults: list[dict],
-                 extra: tuple[str, ...] = (), parallelism: tuple[str, ...] | None = None):
-    """One job of the tiny model: ``replicas`` groups of ``ranks`` processes (FSDP2 over them unless
-    ``parallelism`` says otherwise), the given chaos faults, every rank's final parameters saved."""
+def replica_job_args(folder: pathlib.Path, *, replicas: int, ranks: int, steps: int, faults: list[dict],
+                     extra: tuple[str, ...] = (), parallelism: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The launcher's arguments for one job of the tiny model: ``replicas`` groups of ``ranks`` processes (FSDP2
+    over them unless ``parallelism`` says otherwise), the given chaos faults, every rank's final parameters saved."""
     fault_toml = "[" + ", ".join(
         "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.items()) + "}" for f in faults
     ) + "]"
     if parallelism is None:
         parallelism = ("--parallelism.data_parallel_shard_degree", str(ranks))
-    proc = launch(
-        "train_configs/replicas.toml",
-        "--model.flavor", "tiny", "--metrics.no_enable_wandb",
-        "--training.steps", str(steps),
-        "--recover.replicas", str(replicas),
-        *parallelism,
-        "--dump_folder", str(folder),
-        "--recover.save_final_parameters",
-        "--chaos.faults", fault_toml,
-        *FAST_DETECTION, *extra,
-        timeout=280,
-    )
+    return ("train_configs/replicas.toml",
+            "--model.flavor", "tiny", "--metrics.no_enable_wandb",
+            "--training.steps", str(steps),
+            "--recover.replicas", str(replicas),
+            *parallelism,
+            "--dump_folder", str(folder),
+            "--recover.save_final_parameters",
+            "--chaos.faults", fault_toml,
+            *FAST_DETECTION, *extra)
+
+
+def run_replicas(folder: pathlib.Path, *, replicas: int, ranks: int, steps: int, faults: list[dict],
+                 extra: tuple[str, ...] = (), parallelism: tuple[str, ...] | None = None):
+    """One job of the tiny model on one node (:func:`replica_job_args`); returns (the launcher's result, events)."""
+    proc = launch(*replica_job_args(folder, replicas=replicas, ranks=ranks, steps=steps, faults=faults, extra=extra,
+                                    parallelism=parallelism), timeout=280)
     return proc, read_events(folder / "events.jsonl")
 
 

@@ -7,11 +7,18 @@ Launcher options (everything else is a config override):
     --help                print this help and exit
     --print-config        print the fully resolved config as TOML and exit
     --list-models         list registered models and flavors and exit
-    --nproc-per-node N    processes on this node (default: the product of the config's parallel degrees)
-    --nnodes N            nodes in the job (default 1; then also pass --rdzv-endpoint HOST:PORT)
-    --rdzv-endpoint H:P   rendezvous address for multi-node jobs (torchrun's c10d rendezvous)
-    --node-rank R         this node's rank, for static multi-node launches
-    --dry-run             do every check, print the torchrun command, start nothing
+    --nproc-per-node N    processes on this node (default: the product of the config's parallel degrees); with
+                          replica groups: the processes of one group
+    --nnodes N            nodes in the job (default 1; with more, also pass --rdzv-endpoint and --node-rank)
+    --rdzv-endpoint H:P   without replica groups: torchrun's c10d rendezvous address. With replica groups: where
+                          node 0's launcher hosts the job's store (a free port of node 0, reachable from every
+                          node; not needed with recover.store = "etcd://...")
+    --node-rank R         this node's rank (0 ... N-1); with replica groups node 0 hosts the job's store and runs
+                          the coordinator, and node R runs its block of the replica groups
+    --dry-run             do every check, print the torchrun command (or this node's groups), start nothing
+
+With replica groups ([recover] replicas >= 2) run one launcher per node, each with the same config: each replica
+group runs on one node, node R a contiguous block of them (docs/deploy.md "Running on many nodes").
 
 Every check that can fail does so here, before any process starts: unknown keys, wrong types, parallel degrees
 that do not multiply to the process count, batch sizes that do not divide, data that does not fit the model.
@@ -96,15 +103,46 @@ def check_replica_layout(config, layout, nnodes: int) -> None:
             "recover.diloco.checkpoint_interval_s) and a restarted learner pulls the global model: set "
             "checkpoint.enable = false"
         )
-    if nnodes != 1:
+    if nnodes != 1 and config.recover.diloco_mode:
         raise ConfigError(
-            "./run_train.sh starts replica groups on this node only; for multi-node replica groups start the "
-            "coordinator and each replica's torchrun yourself (scripts/slurm_replicas.sh, docs/replica_groups.md)"
+            "[recover] mode = \"diloco\" runs on one node for now (the syncer ends the job when it saw every learner "
+            "end, which only one launcher sees): use --nnodes 1, or mode = \"sync\" across nodes"
         )
 
 
-def group_placement(config, nproc: int, device: str) -> list[list[str]] | None:
-    """The GPUs of each replica group on this node (None on CPU); refuses too few GPUs before any process starts."""
+def node_plan(config, options: dict):
+    """This node's part of a replica-group job (``recover/nodes.py``): ``--nnodes``, ``--node-rank`` and
+    ``--rdzv-endpoint`` checked against the config; ConfigError saying what is wrong."""
+    from titan_recover.recover.nodes import node_groups, NodePlan, parse_endpoint
+
+    recover = config.recover
+    nnodes = _int_option(options, "--nnodes", 1)
+    if nnodes > 1 and "--node-rank" not in options:
+        raise ConfigError(f"--nnodes {nnodes} with replica groups needs --node-rank R (0 ... {nnodes - 1}): node 0 "
+                          "hosts the job's store and runs the coordinator")
+    try:
+        rank = int(options.get("--node-rank", 0))
+    except ValueError:
+        raise ConfigError(f"--node-rank must be an integer, got {options['--node-rank']!r}") from None
+    endpoint = None
+    if "--rdzv-endpoint" in options:
+        try:
+            endpoint = parse_endpoint(options["--rdzv-endpoint"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif nnodes > 1 and not recover.store:
+        raise ConfigError(f"--nnodes {nnodes} with replica groups needs --rdzv-endpoint HOST:PORT: where node 0's "
+                          "launcher hosts the job's store (node 0's address and a free port every node can reach), "
+                          "or an etcd cluster as recover.store")
+    try:
+        return NodePlan(nnodes, rank, node_groups(recover.groups, nnodes, rank), endpoint)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def group_placement(config, nproc: int, device: str, groups: int | None = None) -> list[list[str]] | None:
+    """The GPUs of each replica group on this node (None on CPU); refuses too few GPUs before any process starts.
+    ``groups``: the replica groups this node runs (default: all of the job's)."""
     if device != "cuda":
         if config.recover.ftpg.backend == "nccl":
             raise ConfigError(f"[recover.ftpg] backend = \"nccl\" reduces on CUDA devices, and this job runs on "
@@ -116,6 +154,8 @@ def group_placement(config, nproc: int, device: str) -> list[list[str]] | None:
 
     recover = config.recover
     try:
+        if groups is not None and groups != recover.groups:  # one node's block of the groups
+            return group_devices(groups, nproc, visible_devices(torch.cuda.device_count), share=recover.share_devices)
         return group_devices(recover.groups, nproc, visible_devices(torch.cuda.device_count),
                              share=recover.share_devices, spares=recover.spares)
     except ValueError as e:
@@ -215,6 +255,17 @@ def check_job(config, options: dict):
     device = active_device()
     nnodes = _int_option(options, "--nnodes", 1)
     nproc = _int_option(options, "--nproc-per-node", 0) if "--nproc-per-node" in options else None
+    if config.recover.enabled:  # a replica group's processes all run on its node
+        nproc = nproc or _default_nproc(config, device)
+        layout = resolve_layout(config.parallelism, nproc)
+        check_batch(config.training, config.parallelism, layout)
+        check_replica_layout(config, layout, nnodes)
+        plan = node_plan(config, options)
+        evaluation_placement(config, group_placement(config, nproc, device, len(plan.groups)))
+        return nproc, nnodes, layout
+    if config.recover.store:
+        print(f"[titan_recover] warning: recover.store = {config.recover.store!r} has no effect without replica "
+              "groups (recover.replicas >= 2, mode sync or diloco)", file=sys.stderr)
     if nproc is None:
         total = _default_nproc(config, device)
         if total % nnodes:
@@ -222,9 +273,6 @@ def check_job(config, options: dict):
         nproc = total // nnodes
     layout = resolve_layout(config.parallelism, nproc * nnodes)
     check_batch(config.training, config.parallelism, layout)
-    if config.recover.enabled:
-        check_replica_layout(config, layout, nnodes)
-        evaluation_placement(config, group_placement(config, nproc, device))
     if nnodes > 1 and "--rdzv-endpoint" not in options:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
     return nproc, nnodes, layout
@@ -236,7 +284,8 @@ def replica_job(config, options: dict, toml_path: str | None, overrides: list[st
     from titan_recover.platform import active_device
 
     recover = config.recover
-    devices = group_placement(config, nproc, active_device())
+    plan = node_plan(config, options)
+    devices = group_placement(config, nproc, active_device(), len(plan.groups))
     if options.get("--dry-run"):
         spares = f" + {recover.spares} spare(s)" if recover.spares else ""
         if recover.diloco_mode:
@@ -244,12 +293,15 @@ def replica_job(config, options: dict, toml_path: str | None, overrides: list[st
             print(f"the syncer evaluates on {evaluation_placement(config, devices)}")
         else:
             print(f"coordinator + {recover.replicas} replica groups{spares} x {nproc} processes")
+        if plan.many:
+            print(plan.describe() + ("; hosts the job's store and runs the coordinator" if plan.rank == 0 and
+                                     not recover.store else ""))
         if devices is not None:
-            print("GPUs per group: " + "; ".join(f"{g}: {','.join(d)}" for g, d in enumerate(devices)))
+            print("GPUs per group: " + "; ".join(f"{g}: {','.join(d)}" for g, d in zip(plan.groups, devices)))
         return 0
     from titan_recover.recover.launcher import launch_replicas
 
-    return launch_replicas(config, toml_path, overrides, nproc, metrics_rank, devices=devices)
+    return launch_replicas(config, toml_path, overrides, nproc, metrics_rank, devices=devices, plan=plan)
 
 
 def torchrun_command(config, options: dict, toml_path: str | None, overrides: list[str], nproc: int, nnodes: int,

@@ -31,6 +31,20 @@ TIMEOUT_ORDER = (
 )
 
 
+def check_store_url(url: str) -> None:
+    """``[recover] store``: an etcd URL (ValueError with :func:`parse_store_url`'s message otherwise)."""
+    from titan_recover.recover.stores import parse_store_url
+
+    try:
+        address = parse_store_url(url)
+    except ValueError as e:
+        raise ValueError(f"recover.store: {e}") from None
+    if address.kind != "etcd":
+        raise ValueError(f"recover.store = {url!r}: the TCPStore is embedded in the launcher, not named here; leave "
+                         "recover.store empty for it (on many nodes it is at --rdzv-endpoint) or name an etcd "
+                         "cluster: etcd://HOST:PORT[,HOST:PORT...][/PREFIX]")
+
+
 MODE_NAMES = ("single", "sync", "diloco", "checkpoint_restart")
 """Registered in :mod:`titan_recover.recover.modes` under these names."""
 
@@ -73,8 +87,15 @@ class RecoverConfig:
     share GPUs instead (tests on a machine with fewer GPUs; every group's memory then lands on the same devices)."""
 
     coordinator_port: int = 0
-    """TCP port of the job's store (hosted by the launcher; the coordinator and every rank are its clients); 0
-    picks a free one (single node). Fix it for multi-node jobs."""
+    """TCP port of the job's embedded store on one node (hosted by the launcher; the coordinator and every rank are
+    its clients); 0 picks a free one. On many nodes the store is at ``--rdzv-endpoint`` instead (docs/deploy.md)."""
+
+    store: str = ""
+    """Where the job's store lives. ``""``: a TCPStore embedded in the launcher (of node 0, at ``--rdzv-endpoint``
+    on many nodes, at ``127.0.0.1:coordinator_port`` on one); the job ends with that launcher. ``"etcd://HOST:PORT[,
+    HOST:PORT...][/PREFIX]"``: an etcd cluster that nobody of the job hosts; each job's keys live under their own
+    prefix, and every node runs a standby coordinator that takes over when the leading one is lost
+    (docs/deploy.md)."""
 
     coordinator_restarts: int = 3
     """How often the launcher restarts a coordinator that died or hung; a restarted coordinator resumes the
@@ -136,6 +157,8 @@ class RecoverConfig:
         if self.mode == "checkpoint_restart" and self.spares:
             raise ValueError("recover.mode = \"checkpoint_restart\" restarts the whole job on a failure: there is no "
                              "share for a spare to take over; set recover.spares = 0")
+        if self.store:
+            check_store_url(self.store)
         if self.rejoin_wait_s < 0:
             raise ValueError(f"recover.rejoin_wait_s must be >= 0, got {self.rejoin_wait_s}")
         if self.spares < 0 or self.max_restarts < 0 or self.coordinator_restarts < 0:

@@ -1,11 +1,13 @@
 """The coordinator's process (started, and restarted, by the launcher; docs/replica_groups.md).
 
     python -m titan_recover.recover.coordinator_process --replicas R --ranks-per-replica W --run-dir DIR \
-        --store HOST:PORT [--recover-json JSON] [--chaos-json JSON]
+        --store URL [--recover-json JSON] [--chaos-json JSON] [--checkpoint-folder DIR] [--standby --identity NAME]
 
 The coordinator itself (:mod:`titan_recover.recover.groups.coordinator`) shares only keys and pure decisions with
 the ranks; this entry adds what a process of the job needs: the ``[recover]`` section, its own ``[chaos]`` faults,
-its signals.
+its signals, and, with ``--standby`` (an etcd store; every node's launcher runs one), the leader election: it
+coordinates only once it leads (``stores/leader.py``), resuming from the stored state exactly as a restarted
+coordinator does, and exits at once (:data:`EXIT_LOST`) when its leadership is lost.
 """
 
 from __future__ import annotations
@@ -13,15 +15,59 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
+import socket
 import sys
+import threading
+from datetime import timedelta
 
 from titan_recover.recover.chaos.config import FaultSpec
 from titan_recover.recover.chaos.process import ProcessFaults
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import Coordinator
-from titan_recover.recover.groups.keys import connect
+from titan_recover.recover.groups.keys import GroupKeys
 from titan_recover.recover.scout.verified import complete_checkpoints, step_to_load
+from titan_recover.recover.stores import connect
+
+logger = logging.getLogger(__name__)
+
+EXIT_LOST = 76
+"""Exit code of a coordinator whose leadership was lost (its lease could not be refreshed)."""
+LEADER_TTL_S = 2
+"""The leader's lease (etcd's minimum with its default election timeout): a standby takes over about this long
+after the leader stopped refreshing it."""
+CAMPAIGN_SLICE_S = 2.0
+"""A standby looks whether the job is over this often while it waits to lead."""
+
+
+def lead(store, identity: str):
+    """Stand by until this process leads the job's coordination (a ``LeaderElection`` on ``coordinator/leader``);
+    None when the job finished meanwhile (nothing left to coordinate)."""
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    election = LeaderElection(store, GroupKeys.COORDINATOR_LEADER, identity, ttl_s=LEADER_TTL_S)
+    logger.info("%s: standing by for %s", identity, GroupKeys.COORDINATOR_LEADER)
+    while not store.check([GroupKeys.FINISHED]):
+        try:
+            election.campaign(timedelta(seconds=CAMPAIGN_SLICE_S))
+            return election
+        except TimeoutError:
+            continue
+    election.resign()
+    return None
+
+
+def exit_when_lost(election, events) -> None:
+    """A thread that ends this process the moment its leadership is lost: another standby may lead ``ttl`` later,
+    and two coordinators must never decide at once (the remaining window is in docs/deploy.md)."""
+    def watch() -> None:
+        election.lost.wait()
+        events.emit("coordinator_lost_leadership", identity=election.identity, term=election.term)
+        logger.error("%s lost the leadership (term %s): exiting", election.identity, election.term)
+        os._exit(EXIT_LOST)
+
+    threading.Thread(target=watch, name="leadership", daemon=True).start()
 
 
 def newest_checkpoint(folder: str) -> str | None:
@@ -39,23 +85,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, required=True)
     parser.add_argument("--ranks-per-replica", type=int, required=True)
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--store", required=True, help="HOST:PORT of the job's store")
+    parser.add_argument("--store", required=True, help="URL of the job's store: HOST:PORT (the launcher's TCPStore) "
+                        "or the etcd URL of the job's keys")
     parser.add_argument("--recover-json", default="{}", help="the [recover] section as JSON")
     parser.add_argument("--chaos-json", default="{}", help="the [chaos] section as JSON (faults of the coordinator)")
     parser.add_argument("--checkpoint-folder", default="",
                         help="the job's durable checkpoints ([checkpoint] enable): what a job that lost every replica "
                              "restarts from")
+    parser.add_argument("--standby", action="store_true", help="coordinate only once elected leader (etcd store)")
+    parser.add_argument("--identity", default=f"{socket.gethostname()}:{os.getpid()}",
+                        help="this candidate's name in the leader election")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     config = RecoverConfig.from_dict(json.loads(args.recover_json))
     faults = [FaultSpec(**fault) for fault in json.loads(args.chaos_json).get("faults", [])]
-    coordinator = Coordinator(config, connect(args.store, config.agree_timeout_s), replicas=args.replicas,
-                              ranks_per_replica=args.ranks_per_replica, run_dir=args.run_dir,
-                              durable_state=lambda: newest_checkpoint(args.checkpoint_folder))
+    store = connect(args.store, config.agree_timeout_s)
+    election = lead(store, args.identity) if args.standby else None
+    if args.standby and election is None:
+        return 0  # the job finished while this one stood by
+    coordinator = Coordinator(config, store, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
+                              run_dir=args.run_dir, durable_state=lambda: newest_checkpoint(args.checkpoint_folder))
     coordinator.chaos = ProcessFaults(faults, "coordinator", coordinator.start, coordinator.events)
+    if election is not None:
+        coordinator.events.emit("coordinator_elected", identity=args.identity, term=election.term)
+        exit_when_lost(election, coordinator.events)
     signal.signal(signal.SIGTERM, coordinator.request_stop)
     signal.signal(signal.SIGINT, coordinator.request_stop)
-    return coordinator.run()
+    try:
+        return coordinator.run()
+    finally:
+        if election is not None:
+            election.resign()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
-"""Start a replica-group job on one node: the job's store, the coordinator, then one torchrun per replica group
-(and, in diloco mode, the syncer).
+"""Start a replica-group job's processes on one node: the job's store, the coordinator, then one torchrun per
+replica group of this node (and, in diloco mode, the syncer).
 
-The launcher hosts the job's store (a TCPStore in this process): every decision of the protocol lives there, so the
-coordinator is a replaceable client that the launcher restarts when it dies or stops beating
-(``[recover] coordinator_restarts``), and it resumes from the stored state (docs/replica_groups.md "Coordinator
-restarts"). Each child runs in its own session and dies with the launcher (``PR_SET_PDEATHSIG``: a killed launcher
-leaves no orphan); the launcher forwards Ctrl-C / SIGTERM to all of them, kills what is left after a grace period,
-and finally kills any process that still carries this run's marker in its environment, so nothing outlives the
-job. Output of every replica is prefixed with ``[replica i]``. The exit code is the job's verdict: 0 only when the
+One launcher per node (docs/deploy.md "Running on many nodes"; ``recover/nodes.py``: which groups a node runs). The
+job's store is a TCPStore that node 0's launcher hosts in its own process, or an etcd cluster
+(``[recover] store``; ``recover/job_store.py``). Every decision of the protocol lives there, so the coordinator is
+a replaceable client that the launcher restarts when it dies or stops beating (``[recover] coordinator_restarts``),
+and it resumes from the stored state (docs/replica_groups.md "Coordinator restarts"); node 0 runs it, and with etcd
+every node runs one as a standby that takes over when the leading one's lease lapses. Each child runs in its own
+session and dies with the launcher (``PR_SET_PDEATHSIG``: a killed launcher leaves no orphan); the launcher
+forwards Ctrl-C / SIGTERM to all of them, kills what is left after a grace period, and finally kills any process of
+its node that still carries this run's marker in its environment, so nothing outlives the job. Output of every
+replica is prefixed with ``[replica i]``. The exit code is the job's verdict, on every node: 0 only when the
 coordinator saw the training budget committed.
 """
 
@@ -17,23 +20,31 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
-from torch.distributed import TCPStore
+from torch.distributed import DistError, Store
 
 from titan_recover.recover.groups.member import COORDINATOR_ENV, INCARNATION_ENV, REPLICA_ENV, RUN_DIR_ENV
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
 from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag, read_dropped
+from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
+                                             host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
+                                             run_segment)
+from titan_recover.recover.nodes import NodeKeys, NodePlan, single_node
 from titan_recover.recover.placement import VISIBLE_ENV
+from titan_recover.recover.stores import connect, job_url
 
 GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1
+NODE_ENV = "TITAN_RECOVER_NODE"
+"""Set by the launcher in every child's environment: the node rank, so that a launcher's cleanup ends its own node's
+processes only (several "nodes" may share a machine in tests)."""
 
 
 def _die_with_launcher(sig: int):
@@ -63,10 +74,13 @@ def _spawn(cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SI
     return proc
 
 
-def processes_of_run(run_dir: str, replica: int | None = None, incarnation: int | None = None) -> list[int]:
-    """PIDs whose environment carries this run's marker (and the replica's and incarnation's, if given); Linux
-    /proc."""
+def processes_of_run(run_dir: str, replica: int | None = None, incarnation: int | None = None,
+                     node: int | None = None) -> list[int]:
+    """PIDs whose environment carries this run's marker (and the replica's, incarnation's and node's, if given);
+    Linux /proc."""
     markers = {f"{RUN_DIR_ENV}={run_dir}".encode()}
+    if node is not None:
+        markers.add(f"{NODE_ENV}={node}".encode())
     if replica is not None:
         markers.add(f"{REPLICA_ENV}={replica}".encode())
     if incarnation is not None:
@@ -127,17 +141,24 @@ def cpu_threads_per_process(processes: int) -> int:
 
 
 class ReplicaJob:
-    """The running job of one node: the coordinator, a slot per replica group (and the diloco syncer), their starts
-    and restarts, and the cleanup that leaves no process of the run behind."""
+    """The running job of one node: the coordinator (node 0, or a standby on every node with etcd), a slot per
+    replica group of this node (and the diloco syncer), their starts and restarts, and the cleanup that leaves no
+    process of the run behind."""
 
     def __init__(self, config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
-                 metrics_rank: int, devices: list[list[str]] | None = None):
-        """``devices``: the GPUs of each replica group (``recover/placement.py``); None: no split (CPU)."""
+                 metrics_rank: int, devices: list[list[str]] | None = None, plan: NodePlan | None = None):
+        """``devices``: the GPUs of each of this node's replica groups, in order (``recover/placement.py``); None:
+        no split (CPU). ``plan``: this node's part of the job (default: one node running every group)."""
+        from titan_recover.config.render import render_toml
+
         self.recover = config.recover
         self.chaos = config.chaos
         self.checkpoint_folder = (os.path.join(os.path.abspath(config.dump_folder), config.checkpoint.folder)
                                   if config.checkpoint.enable else "")
-        self.devices = devices
+        self.plan = plan or single_node(config.recover.groups)
+        self.devices = None if devices is None else dict(zip(self.plan.groups, devices))
+        self.config_text = render_toml(config)
+        """The resolved config: node 0 publishes it, the other nodes compare theirs."""
         self.toml_path, self.overrides = toml_path, overrides
         self.ranks, self.metrics_rank = ranks_per_replica, metrics_rank
         self.run_dir = os.path.abspath(config.dump_folder)
@@ -147,9 +168,14 @@ class ReplicaJob:
         """Every process started, for the signal forwarding and the cleanup."""
         self.stopped_by: int | None = None
         """The signal (Ctrl-C / SIGTERM) that stops the job, once one came."""
-        self.store: TCPStore | None = None
-        """The job's store, hosted here (:meth:`host_store`)."""
+        self.store: Store | None = None
+        """The job's store (:meth:`open_job_store`)."""
         self.address = ""
+        """Its URL, as every process of the job opens it: ``HOST:PORT`` of the embedded TCPStore, or the etcd URL of
+        this job's keys."""
+        self.announcement = None
+        """On etcd, node 0: the lease-bound announcement of the job's name under the run folder's prefix."""
+        self._leader = ""
         self.coordinator = ReplicaSlot(-1, self.recover.coordinator_restarts)
         self.coordinator_beat = BeatWatch(b"", self.recover.coordinator_timeout_s, self.recover.startup_timeout_s)
         self.slots: list[ReplicaSlot] = []
@@ -158,11 +184,12 @@ class ReplicaJob:
         """The latest cold restart (its empty epoch) this launcher restarted its groups for."""
 
     def _base_env(self) -> dict:
-        env = dict(os.environ, **{RUN_DIR_ENV: self.run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1"})
-        env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here
+        env = dict(os.environ, **{RUN_DIR_ENV: self.run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1",
+                                  NODE_ENV: str(self.plan.rank)})
+        env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here (node 0's start)
         # torchrun caps a worker's CPU threads only when it starts several; R single-process replicas on one node
         # would each take every core and thrash. Share the cores unless the user chose.
-        env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(self.recover.groups * self.ranks)))
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(len(self.plan.groups) * self.ranks)))
         return env
 
     def _start(self, cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIGKILL) -> subprocess.Popen:
@@ -176,22 +203,67 @@ class ReplicaJob:
         for child in self.children:
             _signal_group(child, signal.SIGTERM)
 
-    # ---- starts ------------------------------------------------------------------------------------------
+    # ---- the job's store --------------------------------------------------------------------------------
+    def open_job_store(self) -> None:
+        """The job's store: hosted here (node 0, embedded), node 0's (other nodes, waiting ``startup_timeout_s``
+        at most: NoJobStore), or etcd. Then node 0 publishes its resolved config and start time, and every other
+        node checks its own config against it (ConfigMismatch) before anything starts."""
+        recover, plan = self.recover, self.plan
+        if recover.store:
+            self.join_etcd_job()
+        elif plan.rank == 0:
+            self.host_store()
+        else:
+            host, port = plan.endpoint
+            self.store, self.address = join_embedded(host, port, recover.startup_timeout_s, recover.agree_timeout_s)
+        if plan.rank == 0:
+            publish_config(self.store, self.config_text, self.base_env[JOB_START_ENV])
+        else:
+            self.base_env[JOB_START_ENV] = agree_config(self.store, self.config_text, recover.startup_timeout_s)
+        if plan.many:
+            print(f"[titan_recover] {plan.describe()}; the job's store: {self.address}", file=sys.stderr, flush=True)
+
     def host_store(self) -> None:
-        """The job's store, in this process: it lives as long as the job (the coordinator is only its client)."""
-        self.store = TCPStore("127.0.0.1", self.recover.coordinator_port, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=self.recover.agree_timeout_s))
-        self.address = f"127.0.0.1:{self.store.port}"
+        """The job's store, in this process (node 0): it lives as long as the job (the coordinator is only its
+        client), at ``--rdzv-endpoint`` on many nodes (listening on every interface), else on
+        ``coordinator_port``."""
+        host, port = self.plan.endpoint or ("127.0.0.1", self.recover.coordinator_port)
+        self.store, self.address = host_embedded(host, port, self.recover.agree_timeout_s)
+
+    def join_etcd_job(self) -> None:
+        """An etcd store: node 0 names the job (the run folder's name, then its start) and announces it while it
+        lives; the other nodes read the announcement. Every process opens the job's own prefix."""
+        recover, run = self.recover, run_segment(self.run_dir)
+        if self.plan.rank == 0:
+            job = new_job_name()
+            self.announcement = announce_job(recover.store, run, job, recover.agree_timeout_s)
+        else:
+            job = announced_job(recover.store, run, recover.startup_timeout_s)
+        self.address = job_url(recover.store, run, job)
+        self.store = connect(self.address, recover.agree_timeout_s)
+
+    # ---- starts ------------------------------------------------------------------------------------------
+    @property
+    def runs_coordinator(self) -> bool:
+        """Node 0 runs the coordinator; with an etcd store every node runs one, as a standby (leader election)."""
+        return self.plan.rank == 0 or bool(self.recover.store)
+
+    @property
+    def coordinator_identity(self) -> str:
+        """How this node's current coordinator start names itself in the leader election (etcd)."""
+        return f"{socket.gethostname()}/node{self.plan.rank}/start{self.coordinator.incarnation}"
 
     def start_coordinator(self) -> None:
-        """The coordinator's current start; a restart resumes the state it finds in the store."""
+        """The coordinator's current start; a restart resumes the state it finds in the store. With an etcd store
+        it is a standby until it leads (``--standby``)."""
         recover = self.recover
+        standby = ["--standby", "--identity", self.coordinator_identity] if recover.store else []
         self.coordinator.proc = self._start(
             [sys.executable, "-m", "titan_recover.recover.coordinator_process", "--replicas", str(recover.groups),
              "--ranks-per-replica", str(self.ranks), "--run-dir", self.run_dir, "--store", self.address,
              "--recover-json", json.dumps(asdict(recover)), "--chaos-json", json.dumps(asdict(self.chaos)),
-             "--checkpoint-folder", self.checkpoint_folder],
-            self.base_env, "[coordinator] ",
+             "--checkpoint-folder", self.checkpoint_folder, *standby],
+            self.base_env, "[coordinator] " if not self.plan.many else f"[coordinator node {self.plan.rank}] ",
         )
         self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
                                           self.recover.startup_timeout_s)
@@ -199,12 +271,25 @@ class ReplicaJob:
     def _coordinator_beat(self) -> bytes:
         return self.store.get(GroupKeys.COORDINATOR_BEAT) if self.store.check([GroupKeys.COORDINATOR_BEAT]) else b""
 
+    def coordinator_leads(self) -> bool:
+        """Whether this node's coordinator is the one coordinating (always, without standbys). When the leader
+        changes, the beat is watched afresh: a new leader is never judged by its predecessor's silence."""
+        if not self.recover.store:
+            return True
+        key = GroupKeys.COORDINATOR_LEADER
+        leader = self.store.get(key).decode() if self.store.check([key]) else ""
+        if leader != self._leader:  # held to startup_timeout_s until it beats, as a fresh start
+            self._leader = leader
+            self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
+                                              self.recover.startup_timeout_s)
+        return leader == self.coordinator_identity
+
     def start_replicas(self) -> None:
         """The syncer (diloco mode, docs/diloco.md), then one torchrun per replica group."""
         if self.recover.diloco_mode:
             self.syncer = ReplicaSlot(-1, self.recover.diloco.syncer_max_restarts)
             self.start_syncer()
-        self.slots = [ReplicaSlot(i, self.recover.max_restarts) for i in range(self.recover.groups)]
+        self.slots = [ReplicaSlot(i, self.recover.max_restarts) for i in self.plan.groups]
         for slot in self.slots:
             self.start_replica(slot)
 
@@ -278,10 +363,12 @@ class ReplicaJob:
         stops at its next collective with the last committed step (and a durable checkpoint, with
         ``[checkpoint]``), never trains on without anyone to judge failures."""
         slot = self.coordinator
-        if self.stopped_by is not None or self.store.check([GroupKeys.FINISHED]):
-            return
+        if slot.proc is None or self.stopped_by is not None or self.store.check([GroupKeys.FINISHED]):
+            return  # no coordinator on this node (another node runs it), or no need for one any more
         code = slot.proc.poll()
         if code is None:
+            if not self.coordinator_leads():
+                return  # a standby: the leading coordinator's launcher watches its beat
             quiet, bound = self.coordinator_beat.quiet_s(self._coordinator_beat(), time.monotonic())
             if quiet <= bound:
                 return
@@ -301,6 +388,10 @@ class ReplicaJob:
             self.start_coordinator()
             return
         slot.ended_incarnation = slot.incarnation
+        if self.recover.store and self.plan.many:
+            print(f"[titan_recover] this node's coordinator exited with {code} and has no restarts left; the other "
+                  "nodes' standby coordinators remain", file=sys.stderr, flush=True)
+            return
         reason = (f"the coordinator exited with {code} and has no restarts left (recover.coordinator_restarts = "
                   f"{self.recover.coordinator_restarts}): stopping the job with the last committed step")
         print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
@@ -373,6 +464,8 @@ class ReplicaJob:
         True if a cold restart started groups again meanwhile (the job goes on)."""
         if self.syncer is not None or self.stopped_by is not None:
             return False
+        if self.plan.many:
+            return self.await_job_verdict()
         deadline = time.monotonic() + self.recover.agree_timeout_s
         while not self.store.check([GroupKeys.FINISHED]) and time.monotonic() < deadline:
             if self.coordinator.proc.poll() is not None and self.coordinator.ended_incarnation == self.coordinator.incarnation:
@@ -383,6 +476,28 @@ class ReplicaJob:
             time.sleep(0.1)
         return False
 
+    def await_job_verdict(self) -> bool:
+        """Many nodes: this node's replica groups ended, but the job may go on on other nodes. Wait for the
+        coordinator's verdict as long as some coordinator makes progress (its beat changed within
+        ``agree_timeout_s``), keeping this node's coordinator (or standby) running meanwhile. True if a cold
+        restart started this node's groups again meanwhile (the job goes on)."""
+        slot, timeout = self.coordinator, self.recover.agree_timeout_s
+        watch = BeatWatch(b"", timeout, timeout)
+        while not self.store.check([GroupKeys.FINISHED]) and self.stopped_by is None:
+            self.supervise_coordinator()
+            if self.restart_every_group():
+                return True
+            if slot.proc is not None and slot.proc.poll() is not None and slot.ended_incarnation == slot.incarnation \
+                    and not self.recover.store:
+                return False  # no coordinator left to judge
+            quiet, _ = watch.quiet_s(self._coordinator_beat(), time.monotonic())
+            if quiet > timeout:
+                print(f"[titan_recover] no coordinator made progress for {timeout} s (recover.agree_timeout_s) "
+                      "while this node waited for the job's verdict", file=sys.stderr, flush=True)
+                return False
+            time.sleep(0.1)
+        return False
+
     # ---- the end -----------------------------------------------------------------------------------------
     def result(self) -> int:
         """The job's exit code (once the replica groups ended): 128 + the signal that stopped it; in diloco mode
@@ -390,7 +505,7 @@ class ReplicaJob:
         budget committed (every member finished without a stop), else 1 with the reason."""
         codes = [slot.proc.returncode for slot in self.slots]
         finished = sum(1 for c in codes if c == 0)
-        print(f"[titan_recover] replica exit codes {codes}; {finished} of {self.recover.groups} ended normally",
+        print(f"[titan_recover] replica exit codes {codes}; {finished} of {len(self.slots)} ended normally",
               file=sys.stderr, flush=True)
         if self.stopped_by is not None:
             return 128 + self.stopped_by
@@ -404,6 +519,23 @@ class ReplicaJob:
               (stop or "every replica group ended before the coordinator saw the last step committed"),
               file=sys.stderr, flush=True)
         return 1
+
+    def settle_nodes(self, code: int) -> None:
+        """Many nodes: every other node acknowledges the verdict it read (its exit code); node 0, whose launcher
+        hosts the embedded store, keeps it up until all did, ``agree_timeout_s`` at most."""
+        plan = self.plan
+        if not plan.many:
+            return
+        if plan.rank != 0:
+            self.store.set(NodeKeys.ack(plan.rank), str(code))
+            return
+        if self.recover.store or self.stopped_by is not None:
+            return  # etcd outlives this launcher; after Ctrl-C / SIGTERM nobody waits
+        missing = await_acks(self.store, plan.nnodes, self.recover.agree_timeout_s)
+        if missing:
+            print(f"[titan_recover] node(s) {', '.join(map(str, missing))} did not acknowledge the job's verdict "
+                  f"within {self.recover.agree_timeout_s} s (recover.agree_timeout_s); the job's store closes now",
+                  file=sys.stderr, flush=True)
 
     def finish_syncer(self) -> bool:
         """The learners are over: the syncer merges what is left and saves the global model (restarted if it
@@ -431,7 +563,9 @@ class ReplicaJob:
             time.sleep(0.05)
         for child in self.children:
             _signal_group(child, signal.SIGKILL)
-        _kill_all(processes_of_run(self.run_dir))
+        _kill_all(processes_of_run(self.run_dir, node=self.plan.rank))
+        if self.announcement is not None:
+            self.announcement.resign()
 
 
 class BeatWatch:
@@ -454,16 +588,31 @@ class BeatWatch:
 
 
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
-                    metrics_rank: int, devices: list[list[str]] | None = None) -> int:
-    """Run the replica-group job to its end; returns the launcher's exit code (:meth:`ReplicaJob.result`)."""
-    job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank, devices=devices)
+                    metrics_rank: int, devices: list[list[str]] | None = None, plan: NodePlan | None = None) -> int:
+    """Run this node's part of the replica-group job to its end; returns the launcher's exit code
+    (:meth:`ReplicaJob.result`: the job's verdict): 2 when this node's config differs from node 0's, 1 when the job's
+    store cannot be found or is lost."""
+    job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank, devices=devices, plan=plan)
     previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job.host_store()
-        job.start_coordinator()
+        job.open_job_store()
+        if job.runs_coordinator:
+            job.start_coordinator()
         job.start_replicas()
         job.watch()
-        return job.result()
+        code = job.result()
+        job.settle_nodes(code)
+        return code
+    except ConfigMismatch as e:
+        print(f"titan_recover: config error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except NoJobStore as e:
+        print(f"titan_recover: {e}", file=sys.stderr, flush=True)
+        return 1
+    except DistError as e:
+        print(f"titan_recover: the job's store at {job.address} was lost ({str(e).splitlines()[0]}): node 0's "
+              "launcher ended or the network failed; ending this node's processes", file=sys.stderr, flush=True)
+        return 1
     finally:
         job.cleanup()
         for s, handler in previous.items():

@@ -18,7 +18,7 @@ import torch
 
 from titan_recover.recover.diloco.messages import announce_sender, read_fragment, write_delta
 from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, Version
-from titan_recover.recover.groups.member import connect
+from titan_recover.recover.stores import connect
 
 logger = logging.getLogger(__name__)
 

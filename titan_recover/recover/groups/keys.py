@@ -9,9 +9,8 @@ values are in :mod:`~titan_recover.recover.groups.protocol`; the contract is doc
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
-from torch.distributed import Store, TCPStore
+from torch.distributed import Store
 
 
 class GroupKeys:
@@ -35,6 +34,9 @@ class GroupKeys:
     for ``coordinator_timeout_s`` (hung)."""
     COORDINATOR_STARTS = "coordinator/starts"
     """How many times a coordinator of this job started (a counter; a restart resumes the stored state)."""
+    COORDINATOR_LEADER = "coordinator/leader"
+    """With standby coordinators (an etcd store): the identity of the leading one, bound to its etcd lease
+    (``stores/leader.py``); the others campaign for it."""
 
     @staticmethod
     def register(replica: int, rank: int) -> str:
@@ -104,14 +106,6 @@ class GroupKeys:
         """Members of ``epoch`` voted ``replica`` out (its state or computation is corrupt): the reason. The
         coordinator leaves it out of the next epoch (docs/scout.md)."""
         return f"evicted/e{epoch}/{replica}"
-
-
-def connect(address: str, timeout_s: float) -> TCPStore:
-    """A client of the job's store at ``HOST:PORT`` (hosted by the launcher; every process of the job connects)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"the job's store address must be HOST:PORT, got {address!r}")
-    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 # ---- the fault flag: raised by a rank whose collective failed, or by the coordinator -------------------------

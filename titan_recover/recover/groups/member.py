@@ -15,11 +15,12 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from torch.distributed import DistStoreError, Store, TCPStore
+from torch.distributed import DistStoreError, Store
 
-from titan_recover.recover.groups.keys import connect, GroupKeys  # noqa: F401 (connect: the clients' entry)
+from titan_recover.recover.groups.keys import GroupKeys
 from titan_recover.recover.groups.liveness import Heartbeat
 from titan_recover.recover.groups.protocol import decode_members
+from titan_recover.recover.stores import connect
 
 if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
     from titan_recover.recover.config import RecoverConfig
@@ -58,7 +59,7 @@ class JobOver(RuntimeError):
 
 def incarnation_from_env(environ=os.environ) -> int:
     """Which start of this replica group this is (0: the first): the launcher's restarts of its torchrun, or
-    torchrun's own (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT``, as in scripts/slurm_replicas.sh). One of
+    torchrun's own (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT``, for a group started by hand). One of
     the two restarts a group, never both (the launcher runs torchrun with ``--max-restarts 0``)."""
     return int(environ.get(INCARNATION_ENV, 0)) + int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
@@ -191,7 +192,7 @@ class ReplicaMember:
         return self.admitted and self._thread is not None
 
     # ---- heartbeat thread --------------------------------------------------------------------------------
-    def _beat(self, store: TCPStore) -> None:
+    def _beat(self, store: Store) -> None:
         beat = Heartbeat(time.time(), self._progress, self._step, self._phase, self.incarnation)
         store.set(GroupKeys.heartbeat(self.replica, self.rank), beat.encode())
 

@@ -1,8 +1,9 @@
 """The job's store: where the protocols' state lives (docs/deploy.md, "The job's store").
 
 Owns the store URL (:func:`parse_store_url`, pure), :func:`open_store` (a ``TCPStore`` hosted by one process of
-the job, or etcd: :mod:`.etcd`), and leader election on etcd for a standby coordinator (:mod:`.leader`). May
-import: nothing of the project; etcd3gw is imported only when an etcd store is opened.
+the job, or etcd: :mod:`.etcd`), :func:`connect` (what every process of a job calls with the URL the launcher gave
+it), :func:`job_url` (the URL of one job's keys on etcd), and leader election on etcd for a standby coordinator
+(:mod:`.leader`). May import: nothing of the project; etcd3gw is imported only when an etcd store is opened.
 """
 
 from __future__ import annotations
@@ -98,3 +99,25 @@ def open_store(url: str, *, timeout: timedelta = timedelta(seconds=300), prefix:
         raise ValueError(f"store URL {url!r}: port 0 (a free one) only for the process that hosts the store")
     store = TCPStore(host, port, is_master=is_server, wait_for_workers=False, timeout=timeout)
     return PrefixStore(prefix, store) if prefix else store
+
+
+def connect(url: str, timeout_s: float) -> Store:
+    """A client of the job's store at ``url`` (``HOST:PORT`` of the TCPStore a launcher hosts, or the etcd URL of
+    the job's keys, :func:`job_url`), with ``timeout_s`` as its timeout: what every process of a job opens with
+    the address its launcher gave it (``TITAN_RECOVER_COORDINATOR``, ``--store``)."""
+    return open_store(url, timeout=timedelta(seconds=timeout_s))
+
+
+_JOB_SEGMENT = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def job_url(url: str, *segments: str) -> str:
+    """The etcd URL whose prefix holds one job's keys: ``url``'s prefix (default :data:`DEFAULT_ETCD_ROOT`), then
+    ``segments`` (characters other than letters, digits, ``.``, ``_`` and ``-`` become ``_``). Opening it with no
+    ``prefix`` gives the store :func:`open_store` gives for ``url`` with ``prefix="/".join(segments)``."""
+    address = parse_store_url(url)
+    if address.kind != "etcd":
+        raise ValueError(f"store URL {url!r}: job_url is for etcd URLs")
+    parts = [_JOB_SEGMENT.sub("_", s.strip("/")) or "_" for s in segments]
+    hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in address.endpoints)
+    return f"etcd://{hosts}{address.path or DEFAULT_ETCD_ROOT}/" + "/".join(parts)

@@ -26,7 +26,7 @@ from titan_recover.recover.diloco.syncer.liveness import LearnerLiveness, LIVENE
 from titan_recover.recover.diloco.syncer.metrics import Progress, SyncerMetrics
 from titan_recover.recover.diloco.syncer.rounds import merge_record, Rounds
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.groups.member import connect
+from titan_recover.recover.stores import connect
 from titan_recover.recover.groups.keys import GroupKeys
 
 logger = logging.getLogger("titan_recover.syncer")

@@ -1,0 +1,104 @@
+"""One launcher per node (docs/deploy.md "Running on many nodes"): two launchers on this machine play two nodes of
+one job, with the same config and the same ``--rdzv-endpoint``; node 0 hosts the job's store and runs the
+coordinator, each node runs and restarts its own replica groups, and both exit with the job's verdict."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXACT_REFERENCE, free_port, ROOT
+from replica_runs import assert_all_equal_reference, metrics_by_replica, of, replica_job_args
+from titan_recover.recover.events import read_events
+from titan_recover.recover.launcher import processes_of_run
+
+pytestmark = pytest.mark.multiprocess
+
+REPLICAS, STEPS = EXACT_REFERENCE["replicas"], EXACT_REFERENCE["steps"]
+
+
+def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280) -> list[subprocess.CompletedProcess]:
+    """Start one launcher per node (``node_args[i]``: node ``i``'s arguments) at once and wait for all of them; on
+    timeout every launcher gets SIGTERM, then SIGKILL, and every process of the run is killed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # as the one-node reference: bitwise results need equal threads
+    procs = [subprocess.Popen([sys.executable, "-m", "titan_recover.launch", *args], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in node_args]
+    results = []
+    try:
+        for args, proc in zip(node_args, procs):
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        outputs = []
+        for proc in procs:
+            try:
+                outputs.append(proc.communicate(timeout=20))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                outputs.append(proc.communicate())
+        for pid in processes_of_run(str(folder)):
+            os.kill(pid, signal.SIGKILL)
+        raise AssertionError("launchers timed out:\n" + "\n".join(o[0][-2000:] + o[1][-2000:] for o in outputs))
+    return results
+
+
+def node_options(nnodes: int, endpoint: str | None = None) -> list[tuple[str, ...]]:
+    return [("--nnodes", str(nnodes), "--node-rank", str(rank), *(("--rdzv-endpoint", endpoint) if endpoint else ()))
+            for rank in range(nnodes)]
+
+
+def output(proc) -> str:
+    return proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmitted(tmp_path, exact_reference):
+    """3 replica groups of 1 rank on 2 nodes (node 0: groups 0 and 1, and the store and the coordinator; node 1:
+    group 2). Replica 2 is killed in step 3's forward: replicas 0 and 1 compute its microbatch in the same step, node
+    1's launcher restarts it and it is admitted again. Both launchers exit 0 and every replica ends bitwise equal to
+    the failure-free one-node run."""
+    faults = [{"kind": "kill", "replica": 2, "rank": 0, "step": 3, "phase": "forward"}]
+    args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults,
+                            extra=("--recover.quota.exact", "--recover.max_restarts", "1",
+                                   "--recover.rejoin_wait_s", "150"))
+    node0, node1 = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2, f"127.0.0.1:{free_port()}")])
+    assert node0.returncode == 0, output(node0)
+    assert node1.returncode == 0, output(node1)
+    assert "node 1 of 2: replica group 2" in node1.stderr and "[coordinator" not in node1.stdout
+    assert "node 0 of 2: replica groups 0-1" in node0.stderr
+    events = read_events(tmp_path / "events.jsonl")
+    [killed] = of(events, "fault_injected")
+    assert (killed["replica"], killed["step"]) == (2, 3)
+    formed = {e["epoch"]: e for e in of(events, "epoch_formed")}
+    assert formed[1]["members"] == [0, 1] and formed[1]["removed"] == [2]
+    assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]
+    logged = metrics_by_replica(tmp_path)
+    assert sorted(logged[0]) == sorted(logged[1]) == list(range(1, STEPS + 1))
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert processes_of_run(str(tmp_path)) == []
+
+
+def test_two_nodes_on_etcd_the_standby_coordinator_takes_over(tmp_path, etcd_server):
+    """The same two-node job on an etcd store, 2 replica groups of 1 rank, 4 steps: nobody hosts the store, each
+    node runs a coordinator candidate; the leader (whichever node's) is killed in step 2, a standby takes over (the
+    other node's, waiting on the leader's key, or the restarted one's) and resumes the stored state. Both launchers
+    exit 0, the replicas end identical, and the job's keys live under the run folder's prefix."""
+    faults = [{"kind": "kill", "process": "coordinator", "phase": "step", "step": 2, "incarnation": 0}]
+    args = replica_job_args(tmp_path, replicas=2, ranks=1, steps=4, faults=faults,
+                            extra=("--recover.store", f"etcd://{etcd_server}"))
+    node0, node1 = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2)])
+    assert node0.returncode == 0, output(node0)
+    assert node1.returncode == 0, output(node1)
+    assert f"the job's store: etcd://{etcd_server}/titan_recover/{tmp_path.name}/" in node1.stderr
+    events = read_events(tmp_path / "events.jsonl")
+    elected = of(events, "coordinator_elected")
+    assert [e["start"] for e in elected] == [0, 1], elected  # the first leader, then the one that took over
+    assert [e["action"] for e in of(events, "coordinator_started")] == ["form_first", "resume"]
+    finals = of(events, "final_parameters")
+    assert sorted(e["replica"] for e in finals) == [0, 1] and len({e["sha256"] for e in finals}) == 1
+    assert processes_of_run(str(tmp_path)) == []

@@ -1,0 +1,133 @@
+"""The job's store as each node's launcher finds it (docs/deploy.md "Running on many nodes").
+
+* Embedded (``[recover] store = ""``): node 0's launcher hosts a ``TCPStore`` (it listens on every interface of
+  node 0) at ``--rdzv-endpoint``, or at ``127.0.0.1:coordinator_port`` on one node; the other nodes' launchers
+  wait for it (:func:`join_embedded`), bounded by ``startup_timeout_s``.
+* etcd (``[recover] store = "etcd://..."``): nobody hosts anything. Node 0's launcher picks the job's name (the run
+  folder's name, then its start time) and announces it under the run folder's prefix, bound to a lease it keeps
+  alive (:func:`announce_job`): the announcement lives as long as node 0's launcher, so another node never joins a
+  job that is over, and a second job on the same run folder is refused while the first one's node 0 lives. The
+  other nodes read it (:func:`announced_job`); every process of the job then opens :func:`~.stores.job_url`.
+
+Then node 0 publishes its resolved config (:func:`publish_config`) and every other node refuses to start with a
+different one (:func:`agree_config`, ``ConfigMismatch`` naming the first differing key).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+from torch.distributed import DistError, Store, TCPStore
+
+from titan_recover.recover.nodes import first_difference, NodeKeys
+from titan_recover.recover.stores import job_url, open_store
+
+ANNOUNCEMENT = "launcher"
+"""Under the run folder's etcd prefix: the name of the job whose node 0 launcher lives (a lease-bound key)."""
+ANNOUNCE_TTL_S = 2
+
+
+class NoJobStore(RuntimeError):
+    """The job's store (or, on etcd, node 0's announcement of the job) did not appear in time."""
+
+
+class ConfigMismatch(ValueError):
+    """This node's resolved config differs from node 0's."""
+
+
+def host_embedded(host: str, port: int, timeout_s: float) -> tuple[TCPStore, str]:
+    """The job's store in this process (node 0's launcher), and the ``HOST:PORT`` its clients use. The server
+    listens on every interface; ``host`` is the address the other processes reach it at."""
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return store, f"{host}:{store.port}"
+
+
+def join_embedded(host: str, port: int, wait_s: float, timeout_s: float) -> tuple[TCPStore, str]:
+    """A client of node 0's embedded store, waiting up to ``wait_s`` for node 0's launcher to host it; NoJobStore
+    after that."""
+    try:
+        store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=wait_s))
+    except DistError as e:
+        raise NoJobStore(f"no job store at {host}:{port} after {wait_s:g} s: is node 0's launcher running (with "
+                         f"the same --rdzv-endpoint)? ({str(e).splitlines()[0]})") from None
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store, f"{host}:{port}"
+
+
+def run_segment(run_dir: str) -> str:
+    """The run folder's name: the etcd prefix under which its jobs are announced."""
+    return os.path.basename(os.path.normpath(run_dir)) or "run"
+
+
+def new_job_name(now: float | None = None) -> str:
+    """A job's name, unique per start of node 0's launcher: its start time (UTC) and process id."""
+    now = time.time() if now is None else now
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"-{int(now * 1000) % 1000:03d}-{os.getpid()}"
+
+
+def announce_job(url: str, run: str, job: str, timeout_s: float):
+    """Node 0 on etcd: hold the run folder's announcement key with the job's name for as long as this process
+    lives (a :class:`~.stores.leader.LeaderElection`, refreshed by a thread). A job of the same run folder whose
+    node 0 still lives holds it: NoJobStore naming it after twice the lease's time to live (a launcher killed just
+    before releases it within that). ``timeout_s``: the store's. Returns the election (``resign()`` at the end)."""
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    store = open_store(job_url(url, run), timeout=timedelta(seconds=timeout_s))
+    election = LeaderElection(store, ANNOUNCEMENT, job, ttl_s=ANNOUNCE_TTL_S)
+    try:
+        election.campaign(timedelta(seconds=2 * election.ttl_s + 1))
+    except TimeoutError:
+        election.resign()
+        held = store.get(ANNOUNCEMENT).decode() if store.check([ANNOUNCEMENT]) else "?"
+        raise NoJobStore(f"job {held} of run folder {run!r} is still running on {url} (its node 0 launcher holds "
+                         f"{job_url(url, run)}/{ANNOUNCEMENT}): wait for it, or use another dump_folder") from None
+    return election
+
+
+def announced_job(url: str, run: str, wait_s: float) -> str:
+    """Another node on etcd: the name of the job node 0's launcher announced for the run folder, waiting up to
+    ``wait_s`` for it; NoJobStore after that."""
+    where = job_url(url, run)
+    try:
+        store = open_store(where, timeout=timedelta(seconds=wait_s))
+        return store.get(ANNOUNCEMENT).decode()
+    except DistError as e:
+        raise NoJobStore(f"no job announced at {where}/{ANNOUNCEMENT} after {wait_s:g} s: is node 0's launcher "
+                         f"running, with the same dump_folder and recover.store? ({str(e).splitlines()[0]})") from None
+
+
+def publish_config(store: Store, config_text: str, start: str) -> None:
+    """Node 0: its resolved config and start time, for the other nodes to check and adopt."""
+    store.set(NodeKeys.START, start)
+    store.set(NodeKeys.CONFIG, config_text)
+
+
+def agree_config(store: Store, config_text: str, wait_s: float) -> str:
+    """Another node: compare this node's resolved config with node 0's (waiting up to ``wait_s`` for it to be
+    published); ConfigMismatch naming the first difference. Returns node 0's start time."""
+    try:
+        store.wait([NodeKeys.CONFIG], timedelta(seconds=wait_s))
+    except DistError:
+        raise NoJobStore(f"node 0 published no config in the job's store within {wait_s:g} s") from None
+    reference = store.get(NodeKeys.CONFIG).decode()
+    difference = first_difference(reference, config_text)
+    if difference is not None:
+        raise ConfigMismatch(f"this node's resolved config differs from node 0's ({socket.gethostname()} vs the job "
+                             f"store's): {difference}; start every node's launcher with the same config and "
+                             "overrides (--print-config shows what each resolves to)")
+    return store.get(NodeKeys.START).decode()
+
+
+def await_acks(store: Store, nnodes: int, timeout_s: float) -> list[int]:
+    """Node 0 with the embedded store: keep it up until every other node's launcher acknowledged the verdict, at
+    most ``timeout_s``. Returns the nodes that did not."""
+    deadline = time.monotonic() + timeout_s
+    missing = list(range(1, nnodes))
+    while missing and time.monotonic() < deadline:
+        missing = [node for node in missing if not store.check([NodeKeys.ack(node)])]
+        if missing:
+            time.sleep(0.1)
+    return missing

@@ -1,0 +1,95 @@
+"""A replica-group job on many nodes: which groups each node runs, and what the nodes' launchers agree on (pure).
+
+One launcher per node (docs/deploy.md "Running on many nodes"). Each replica group lives on one node; node ``i``
+of ``N`` runs a contiguous block of the job's groups (active ones and spares), the first ``groups % N`` nodes one
+more (:func:`node_groups`). Node 0 publishes its resolved config in the job's store and every other node compares
+its own before starting anything (:func:`first_difference` names the first line that differs). Each node other
+than 0 acknowledges the job's verdict, so that node 0, whose launcher hosts the embedded store, keeps it up until
+everyone has read it (:class:`NodeKeys`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class NodeKeys:
+    """Store keys the nodes' launchers share (the protocols' own are ``GroupKeys``, ``DilocoKeys``)."""
+
+    CONFIG = "nodes/config"
+    """Node 0's resolved config, as ``--print-config`` renders it."""
+    START = "nodes/start"
+    """Node 0's start time (``time.time()``): time-triggered chaos faults count from it on every node."""
+
+    @staticmethod
+    def ack(node: int) -> str:
+        """Written by node ``node``'s launcher once it read the job's verdict: its exit code."""
+        return f"nodes/ack/{node}"
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """This node's part of the job: ``rank`` of ``nnodes``, its replica groups, and where the embedded store is
+    (``endpoint``, ``(host, port)``: node 0 hosts it there, the others connect; None: one node, at
+    ``127.0.0.1:coordinator_port``)."""
+
+    nnodes: int
+    rank: int
+    groups: range
+    endpoint: tuple[str, int] | None = None
+
+    @property
+    def many(self) -> bool:
+        return self.nnodes > 1
+
+    def describe(self) -> str:
+        groups = (f"replica group {self.groups.start}" if len(self.groups) == 1 else
+                  f"replica groups {self.groups.start}-{self.groups.stop - 1}")
+        return f"node {self.rank} of {self.nnodes}: {groups}"
+
+
+def single_node(groups: int) -> NodePlan:
+    return NodePlan(1, 0, range(groups))
+
+
+def node_groups(groups: int, nnodes: int, rank: int) -> range:
+    """The replica groups node ``rank`` of ``nnodes`` runs: a contiguous block, ``groups // nnodes`` of them, one
+    more on the first ``groups % nnodes`` nodes. ValueError, with the arithmetic, for more nodes than groups (a
+    group lives on one node: a node would have none)."""
+    if not 0 <= rank < nnodes:
+        raise ValueError(f"--node-rank {rank} is not a rank of --nnodes {nnodes} (0 ... {nnodes - 1})")
+    if nnodes > groups:
+        raise ValueError(f"--nnodes {nnodes} is more than the job's {groups} replica groups (recover.replicas + "
+                         f"recover.spares): each replica group runs on one node, so {nnodes - groups} node(s) would "
+                         f"have nothing to run; use at most {groups} nodes, or more replica groups")
+    base, extra = divmod(groups, nnodes)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` of ``--rdzv-endpoint`` (IPv6 in brackets); ValueError saying what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--rdzv-endpoint must be HOST:PORT with a port in 1 ... 65535 (node 0's address, where "
+                         f"its launcher hosts the job's store), got {text!r}")
+    return host, int(port)
+
+
+def first_difference(reference: str, ours: str) -> str | None:
+    """Where config text ``ours`` first differs from ``reference`` (both as ``--print-config`` renders them), as
+    ``[section] key: node 0 has ..., this node has ...``; None if they are the same."""
+    section = ""
+    theirs_lines, our_lines = reference.splitlines(), ours.splitlines()
+    for index in range(max(len(theirs_lines), len(our_lines))):
+        theirs = theirs_lines[index] if index < len(theirs_lines) else "(nothing)"
+        mine = our_lines[index] if index < len(our_lines) else "(nothing)"
+        if theirs == mine:
+            if theirs.startswith("["):
+                section = theirs.split("#")[0].strip()
+            continue
+        where = section or "(top level)"
+        key = mine.partition("=")[0].strip() if "=" in mine else theirs.partition("=")[0].strip()
+        return f"{where} {key}: node 0 has {theirs.strip()!r}, this node has {mine.strip()!r}"
+    return None
