@@ -176,7 +176,13 @@ class Coordinator:
         return self.store.check([GroupKeys.join(epoch, replica, rank)]) or self._done(replica, rank)
 
     def _finished(self) -> bool:
-        return all(self._done(m, r) for m in self.members for r in range(self.ranks))
+        """Every rank of every member is done (one request)."""
+        return not self.members or self.store.check(
+            [GroupKeys.done(m, r) for m in self.members for r in range(self.ranks)])
+
+    def _any_done(self) -> bool:
+        """Some rank finished training: only then are ranks' ``done`` keys looked at one by one."""
+        return self.store.add(GroupKeys.DONE_COUNT, 0) > 0
 
     # ---- epochs ------------------------------------------------------------------------------------------
     def _registered(self, replica: int) -> bool:
@@ -206,7 +212,8 @@ class Coordinator:
     def _watch_liveness(self) -> None:
         watched = [m for m in self.members if m not in self.excluded]
         # a rank that finished training stops beating: it is done, not dead
-        keys = [(m, r) for m in watched for r in range(self.ranks) if not self._done(m, r)]
+        any_done = self._any_done()
+        keys = [(m, r) for m in watched for r in range(self.ranks) if not (any_done and self._done(m, r))]
         if not keys:
             return
         raw = self.store.multi_get([GroupKeys.heartbeat(m, r) for m, r in keys])
@@ -243,11 +250,16 @@ class Coordinator:
                                  reason=self.store.get(GroupKeys.evicted(self.epoch, replica)).decode())
         candidates = [m for m in self.members if m not in self.excluded]
         window = WatchedTime(self.watch.max_gap_s, time.monotonic())  # a stalled coordinator does not shorten it
+        needed, joined = len(candidates) * self.ranks, {}
         while True:
-            joined = {m: {r for r in range(self.ranks) if self._joined(target, m, r)} for m in self.members}
             window.tick(time.monotonic())
-            if all_joined(candidates, joined, self.ranks) or window.elapsed_s > self.config.join_window_s:
-                break
+            over = window.elapsed_s > self.config.join_window_s
+            # one read per look; the ranks' keys one by one only once enough joined, at the end, or near the end
+            # of the job (a rank that finished counts as joined)
+            if over or self._any_done() or self.store.add(GroupKeys.joined_count(target), 0) >= needed:
+                joined = {m: {r for r in range(self.ranks) if self._joined(target, m, r)} for m in self.members}
+                if over or all_joined(candidates, joined, self.ranks):
+                    break
             self._beat()
             time.sleep(0.005)
         decision = decide_members(self.members, joined, self.ranks, excluded=self.excluded)

@@ -25,6 +25,9 @@ class GroupKeys:
     ``stopped`` (the job stopped early; ``STOP`` says why). The launcher's exit code follows it."""
     COORDINATOR_STATE = "coordinator/state"
     """The coordinator's write-ahead state (:class:`~titan_recover.recover.groups.protocol.CoordinatorState`)."""
+    DONE_COUNT = "done_count"
+    """Ranks that finished training (each adds 1 after writing its ``done`` key): the coordinator looks at ranks'
+    ``done`` keys one by one only once it is non-zero, so its per-tick requests do not grow with the ranks."""
     COLD_RESTART = "cold_restart"
     """The latest epoch ``R`` the coordinator formed empty because no live member held the state: every group is
     restarted from the newest durable state and founds epoch ``R + 1`` (docs/replica_groups.md "Losing every
@@ -67,6 +70,11 @@ class GroupKeys:
     @staticmethod
     def join(epoch: int, replica: int, rank: int) -> str:
         return f"join/e{epoch}/{replica}/{rank}"
+
+    @staticmethod
+    def joined_count(epoch: int) -> str:
+        """Ranks that joined ``epoch`` (each adds 1 after writing its ``join`` key): one read per look."""
+        return f"joined/e{epoch}"
 
     @staticmethod
     def reduced(epoch: int, step: int | str) -> str:

@@ -116,6 +116,7 @@ class ReplicaMember:
         once every rank is done the coordinator closes the store, and a beat after that would fail loudly."""
         self.close()
         self.store.set(GroupKeys.done(self.replica, self.rank), "1")
+        self.store.add(GroupKeys.DONE_COUNT, 1)
 
     def close(self) -> None:
         self._stop.set()
@@ -234,6 +235,7 @@ class ReplicaMember:
                     elif store.check([GroupKeys.fault(watching)]):
                         self._faulted = max(self._faulted, watching)
                         store.set(GroupKeys.join(watching + 1, self.replica, self.rank), f"{time.time():.6f}")
+                        store.add(GroupKeys.joined_count(watching + 1), 1)
                         joined = watching + 1
                         barrier = self.waiting_on
                         if barrier is not None and barrier[0] <= watching:
