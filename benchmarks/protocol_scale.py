@@ -29,9 +29,12 @@ left out of a new epoch (its ranks did not join within ``join_window_s``; a left
 step aborted because the coordinator declared a live member dead. A size whose epoch 0 does not form within
 ``--form-timeout`` seconds is reported as such and the larger sizes are not run. Every wait has a timeout.
 
-Members connect at ``--connect-rate`` new store clients per second: on this project's sandboxed host the store's
-server thread looks up the name of each client that connects (a reverse DNS query), and in a burst of connections
-some of those lookups time out, stalling the whole store for 5 s each time. Connecting is not measured.
+Connecting is not measured, but it must not stall the store: when a client connects, c10d looks up the peer's
+name (a reverse DNS query) on both sides, the store's in its server thread. On this project's sandboxed host the
+resolver drops some of those queries, and with glibc's default retry (5 s, twice) every drop stalled the whole
+store for 5 s, about once per 25 connections. The benchmark's processes therefore run with ``RES_OPTIONS =
+"timeout:1 attempts:1"`` unless it is set: one lookup then fails after 1 s and no more were made (observed: 52
+queries for 100 connections instead of about 4 per connection). ``--connect-rate`` paces the connections instead.
 
     python benchmarks/protocol_scale.py [--sizes 8,64,512,1024] [--ranks-per-replica 8] [--workers 4]
         [--repeats 7] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
@@ -249,10 +252,14 @@ class _Warnings:
                 text = str(record.msg)
                 kind = ("late_beats" if "after the previous one" in text else "failed_beats"
                         if "heartbeat failed" in text else "left_out" if "left out of epoch" in text else "other")
-                replica = record.args[0] if isinstance(record.args, tuple) and record.args else None
-                self.seen.append((kind, replica))
+                args = record.args if isinstance(record.args, tuple) else ()
+                self.seen.append((kind, args[0] if args else None))
+                if kind == "late_beats" and len(args) >= 5:  # (replica, rank, gap, woke late by, store calls took)
+                    self.late.append((args[2], args[3], args[4]))
 
         self.seen: list[tuple[str, int | None]] = []
+        self.late: list[tuple[float, float, float]] = []
+        """Late beats: (seconds since the previous beat, how late the thread woke, how long its store calls took)."""
         root = logging.getLogger("titan_recover")
         root.addHandler(Handler(logging.WARNING))
         root.propagate = False
@@ -313,7 +320,7 @@ class _Host:
     ``ReplicaMember``) and the phases the parent asks for."""
 
     def __init__(self):
-        from titan_recover.recover.groups import member
+        from titan_recover.recover.groups import member, replica_sync  # noqa: F401 (imported before any size)
 
         member.os = _EndsOneMember(self)
         self.warnings = _Warnings()
@@ -339,6 +346,7 @@ class _Host:
         config = RecoverConfig.from_dict(fields)
         self.syncs, self.killed, self.dropped, self.counter = [], set(), set(), RequestCounter()
         self.warnings.seen.clear()
+        self.warnings.late.clear()
         began = time.time()
         for k, (replica, rank) in enumerate(assigned):
             _sleep_until(began + k * member_interval_s)  # paced: see --connect-rate
@@ -358,10 +366,17 @@ class _Host:
         return _in_threads(self.syncs, work, timeout_s + 5)
 
     def barrier(self, step: int, at: float, timeout_s: float) -> list:
+        """Every member enters ``commit_barrier(step)`` at ``at``: (entered, decided, decision) each, or
+        ``("left out", replica)`` for a member whose replica the coordinator left out meanwhile."""
         def work(sync):
             _sleep_until(at)
             entered = time.time()
-            decision = sync.commit_barrier(step)
+            try:
+                decision = sync.commit_barrier(step)
+            except Exception:
+                if sync.member.replica in self.dropped:
+                    return "left out", sync.member.replica
+                raise
             return entered, time.time(), decision
         return _in_threads(self.syncs, work, timeout_s)
 
@@ -401,11 +416,14 @@ class _Host:
         live = [s for s in self.syncs if s.member.replica not in self.killed | self.dropped]
         return _in_threads(live, work, timeout_s + 5)
 
+    def ready(self) -> int:
+        return os.getpid()
+
     def count(self) -> int:
         return self.counter.value()
 
-    def member_warnings(self) -> dict[str, int]:
-        return self.warnings.counts(leaving_out=self.killed)
+    def member_warnings(self) -> dict:
+        return {"counts": self.warnings.counts(leaving_out=self.killed), "late": self.warnings.late}
 
     def close(self) -> None:
         for sync in self.syncs:
@@ -443,6 +461,7 @@ class Workers:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
+        self.ask("ready", wait_s=180)  # imported what members need
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -538,6 +557,9 @@ def measure_barrier(workers: Workers, step: int, members: int, timeout_s: float)
     at = time.time() + LEAD_S
     results = [r for answer in workers.ask("barrier", timeout_s + 10, step=step, at=at, timeout_s=timeout_s)
                for r in answer]
+    left_out = sorted({r[1] for r in results if isinstance(r, tuple) and r[0] == "left out"})
+    if left_out:
+        raise Outcome(f"step {step}: live replica group(s) {left_out} left out of a new epoch during the barrier")
     _failures(results, f"the commit barrier of step {step}")
     decisions = {r[2] for r in results}
     if len(results) != members:
@@ -630,10 +652,15 @@ def run_size(size: int, args, workers: Workers) -> dict:
                 result["note"] = str(outcome)
             finally:
                 summarise(result, steps, kills, groups)
-                result["member_warnings"] = {}
-                for counts in workers.ask("member_warnings", wait_s=30):
-                    for kind, n in counts.items():
+                result["member_warnings"], late = {}, []
+                for answer in workers.ask("member_warnings", wait_s=30):
+                    for kind, n in answer["counts"].items():
                         result["member_warnings"][kind] = result["member_warnings"].get(kind, 0) + n
+                    late += answer["late"]
+                if late:  # where a late beat's time went: its thread woke late (CPU, GIL), or the store was slow
+                    result["late_beats"] = {"max_gap_s": max(g for g, _, _ in late),
+                                            "median_woke_late_s": statistics.median(w for _, w, _ in late),
+                                            "median_store_s": statistics.median(t for _, _, t in late)}
         except (TimeoutError, RuntimeError) as error:
             result.update(note=f"failed: {str(error).splitlines()[0][:120]}", error=str(error)[-2000:])
         finally:
@@ -680,7 +707,7 @@ def describe(result: dict) -> str:
         return f"size {result['size']}: {result.get('error', '')[-600:]}"
     interval = result["heartbeat_interval_s"]
     per_round = result["requests_per_s"] * interval / result["members"]
-    line = (f"size {result['size']}: started in {result['setup_s']:.1f} s (processes, paced connections, epoch 0); "
+    line = (f"size {result['size']}: started in {result['setup_s']:.1f} s (coordinator, connections, epoch 0); "
             f"steady state over {result['window_s']:.1f} s: "
             f"{per_round:.2f} requests per member per heartbeat interval ({interval} s), coordinator CPU "
             f"{result['coordinator_cpu']:.1f} % (main thread {result['coordinator_loop_cpu']:.1f} %, the rest is the "
@@ -698,6 +725,10 @@ def describe(result: dict) -> str:
             line += " (too few replicas: the job stopped)"
     if result.get("member_warnings"):
         line += f"; member warnings {result['member_warnings']}"
+    if result.get("late_beats"):
+        late = result["late_beats"]
+        line += (f" (late beats: longest gap {late['max_gap_s']:.2f} s; median thread woke "
+                 f"{late['median_woke_late_s']:.2f} s late, its store calls took {late['median_store_s']:.2f} s)")
     return line
 
 
@@ -736,15 +767,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=1.0, help="wait (s) after epoch 0 before the window")
     parser.add_argument("--form-timeout", type=float, default=60.0, help="bound (s) on a size's start and epoch 0")
     parser.add_argument("--wait-timeout", type=float, default=30.0, help="bound (s) on each barrier and epoch wait")
-    parser.add_argument("--connect-rate", type=float, default=15.0,
-                        help="new store connections per second while members start (0: unpaced); each member opens "
-                             "two. On this host's sandbox a burst of new clients stalls the store's server thread "
-                             "for 5 s (a rate-limited reverse DNS lookup per accepted connection)")
+    parser.add_argument("--connect-rate", type=float, default=0.0,
+                        help="new store connections per second while members start (each opens two; 0: unpaced), "
+                             "where a reverse DNS lookup per connection stalls the store (see the module's doc)")
     parser.add_argument("--recover-json", default="{}", help="[recover] fields over the defaults, as JSON")
     parser.add_argument("--out", help="write every size's measurements here (JSON)")
     parser.add_argument("--plot", help="epoch formation and barrier latency against members (PNG)")
     args = parser.parse_args(argv)
     sizes = parse_sizes(args.sizes, args.ranks_per_replica)
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # for every process started from here on
     from titan_recover.recover.config import RecoverConfig
 
     interval = RecoverConfig.from_dict(json.loads(args.recover_json)).heartbeat_interval_s
