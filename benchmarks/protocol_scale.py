@@ -333,8 +333,8 @@ class _Host:
     def left_out(self, thread: threading.Thread) -> None:
         for sync in self.syncs:
             if sync.member._thread is thread:
+                self.dropped.add(sync.member.replica)  # first: its main thread's next request fails
                 sync.member.store.dead = sync.member._hb_store.dead = True
-                self.dropped.add(sync.member.replica)
 
     def start(self, address: str, assigned: list, ranks_per_replica: int, fields: dict,
               member_interval_s: float) -> int:
@@ -630,12 +630,14 @@ def run_size(size: int, args, workers: Workers) -> dict:
                 joined = [r for a in workers.ask("join", args.form_timeout + 10, timeout_s=args.form_timeout)
                           for r in a]
                 _failures(joined, "epoch 0")
+                if {(r[1], tuple(r[2])) for r in joined} != {(0, tuple(range(groups)))}:
+                    raise RuntimeError(f"members saw {sorted({(r[1], tuple(r[2])) for r in joined})}")
             except (TimeoutError, RuntimeError) as error:
-                result.update(note=f"epoch 0 not formed within {args.form_timeout:.0f} s", error=str(error)[-2000:])
-                return result
-            if {(r[1], tuple(r[2])) for r in joined} != {(0, tuple(range(groups)))}:
-                result.update(note="epoch 0 formed without every replica group",
-                              error=str(sorted({(r[1], tuple(r[2])) for r in joined}))[:2000])
+                epochs = [e["epoch"] for e in read_events(events) if e["event"] == "epoch_formed"]
+                result.update(error=str(error)[-2000:], note=(
+                    f"epoch 0 not formed within {args.form_timeout:.0f} s" if not epochs else
+                    f"epoch 0 formed, then epoch(s) {epochs[1:]} left live groups out before every member saw it"
+                    if len(epochs) > 1 else "epoch 0 formed without every member"))
                 return result
             result["setup_s"] = time.monotonic() - started
             time.sleep(args.settle)
@@ -704,7 +706,7 @@ def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int) -
 def describe(result: dict) -> str:
     """A line of details under the table for one size."""
     if "requests_per_s" not in result:
-        return f"size {result['size']}: {result.get('error', '')[-600:]}"
+        return f"size {result['size']}: {result.get('error', '').strip().splitlines()[-1][:300]}"
     interval = result["heartbeat_interval_s"]
     per_round = result["requests_per_s"] * interval / result["members"]
     line = (f"size {result['size']}: started in {result['setup_s']:.1f} s (coordinator, connections, epoch 0); "
@@ -732,26 +734,43 @@ def describe(result: dict) -> str:
     return line
 
 
-def plot(results: list[dict], path: str) -> None:
+def plot(results: list[dict], path: str, join_window_s: float, title: str) -> None:
+    """Epoch formation and barrier latency against members (log x); sizes without the figure are marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, ScalarFormatter
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     epoch = [r for r in results if r.get("epoch_s") is not None]
     left.plot([r["members"] for r in epoch], [r["epoch_s"] for r in epoch], "o-", label="flag -> last survivor in")
     left.axhline(TARGET_EPOCH_S, color="grey", linestyle="--", label=f"target {TARGET_EPOCH_S:g} s")
-    left.set(xscale="log", xlabel="members", ylabel="seconds", title="epoch formation after a kill (median)")
+    left.axhline(join_window_s, color="grey", linestyle=":", label=f"join_window_s {join_window_s:g} (the floor)")
+    left.set(yscale="log", ylabel="seconds", title="epoch formation after a kill (median)")
     barrier = [r for r in results if r.get("barrier_median_ms") is not None]
     xs = [r["members"] for r in barrier]
     right.plot(xs, [r["barrier_median_ms"] for r in barrier], "o-", label="median")
     right.plot(xs, [r["barrier_p90_ms"] for r in barrier], "s--", label="p90")
     right.axhline(TARGET_BARRIER_MS, color="grey", linestyle="--", label=f"target {TARGET_BARRIER_MS:g} ms")
-    right.set(xscale="log", yscale="log", xlabel="members", ylabel="ms", title="commit barrier latency")
-    for ax in (left, right):
-        ax.legend()
-        ax.grid(True, which="both", alpha=0.3)
+    right.set(yscale="log", ylabel="ms", title="commit barrier latency")
+    sizes = [r["members"] for r in results]
+    for ax, shown, what in ((left, epoch, "no epoch measured"), (right, barrier, "no barrier measured")):
+        for r in results:
+            if r not in shown and not (ax is left and r["groups"] < 2):
+                ax.axvline(r["members"], color="red", linestyle=":", alpha=0.6)
+                ax.text(r["members"], 0.5, f" {r['members']}: {what}", color="red", rotation=90, fontsize=8,
+                        va="center", transform=ax.get_xaxis_transform())
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, labels=[str(x) for x in sizes])
+        ax.minorticks_off()
+        ax.set_xlim(min(sizes) / 1.5, max(sizes) * 1.5)
+        ax.set_xlabel("members (replica groups x ranks)")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.legend(fontsize=8)
+        ax.grid(True, which="major", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -766,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=5.0, help="steady-state window (s) for requests and CPU")
     parser.add_argument("--settle", type=float, default=1.0, help="wait (s) after epoch 0 before the window")
     parser.add_argument("--form-timeout", type=float, default=60.0, help="bound (s) on a size's start and epoch 0")
-    parser.add_argument("--wait-timeout", type=float, default=30.0, help="bound (s) on each barrier and epoch wait")
+    parser.add_argument("--wait-timeout", type=float, default=60.0,
+                        help="bound (s) on each barrier and epoch wait (a rank waits agree_timeout_s, 60 s, for an epoch)")
     parser.add_argument("--connect-rate", type=float, default=0.0,
                         help="new store connections per second while members start (each opens two; 0: unpaced), "
                              "where a reverse DNS lookup per connection stalls the store (see the module's doc)")
@@ -778,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # for every process started from here on
     from titan_recover.recover.config import RecoverConfig
 
-    interval = RecoverConfig.from_dict(json.loads(args.recover_json)).heartbeat_interval_s
+    config = RecoverConfig.from_dict(json.loads(args.recover_json))
+    interval = config.heartbeat_interval_s
     results = []
     workers = Workers(min(args.workers, max(sizes)))
     try:
@@ -810,7 +831,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as fh:
             json.dump({"args": vars(args), "sizes": results}, fh, indent=1)
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, config.join_window_s,
+             f"replica-group protocol, real coordinator (it hosts the store); members: threads in {len(workers.procs)} "
+             f"processes, {args.ranks_per_replica} ranks per group; [recover] {args.recover_json}")
     measured = [r for r in results if "requests_per_s" in r]
     if not measured:
         print(headline(results[0]))
