@@ -745,6 +745,10 @@ def plot(results: list[dict], path: str, join_window_s: float, title: str) -> No
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     epoch = [r for r in results if r.get("epoch_s") is not None]
     left.plot([r["members"] for r in epoch], [r["epoch_s"] for r in epoch], "o-", label="flag -> last survivor in")
+    dropped = [r for r in epoch if any(k["dropped_live"] for k in r["kills"])]
+    if dropped:
+        left.plot([r["members"] for r in dropped], [r["epoch_s"] for r in dropped], "x", color="red", markersize=12,
+                  label="kills also left live groups out")
     left.axhline(TARGET_EPOCH_S, color="grey", linestyle="--", label=f"target {TARGET_EPOCH_S:g} s")
     left.axhline(join_window_s, color="grey", linestyle=":", label=f"join_window_s {join_window_s:g} (the floor)")
     left.set(yscale="log", ylabel="seconds", title="epoch formation after a kill (median)")
