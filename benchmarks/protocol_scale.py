@@ -1,0 +1,850 @@
+#!/usr/bin/env python3
+"""How the replica-group protocol's coordination scales with the number of members (docs/benchmarks.md, "Protocol
+scale"), with members that speak the real protocol code and do not train.
+
+Per size: the real coordinator (``python -m titan_recover.recover.groups.coordinator``, which hosts the job's
+TCPStore today: :func:`start_control` is the one place that starts the store and the coordinator) and ``members =
+replica groups x ranks per replica`` simulated ranks, each the project's own ``ReplicaMember`` (registration, its
+heartbeat thread, ``wait_for_epoch``) with a ``ReplicaSync`` for the commit barrier. Members are threads (one per
+member and phase, as the rank's main thread, besides the member's own heartbeat thread) spread round-robin over
+``--workers`` spawned processes, so that one process's GIL is not the bottleneck. Measured:
+
+- ``requests/s``: store requests the members' clients made over ``--window`` seconds at steady state (no step
+  running: heartbeat threads only), counted by a proxy around each member's two store clients. It counts client
+  requests (a ``get`` is one, although c10d's client waits for the key before it reads it); the coordinator's own
+  requests (every 20 ms a ``check`` of each member's ``done`` key and a ``multi_get`` of the beats) are not in it.
+  ``coord CPU``: the coordinator process's CPU % of one core over the same window (``/proc/<pid>/stat`` utime +
+  stime), the store's server thread included (the JSON splits off its main thread: ``coordinator_loop_cpu``);
+- ``barrier``: every member enters ``commit_barrier(step)`` at an agreed wall time; a step's latency runs from the
+  last member's entry to the last member holding the decision. Median and p90 over ``--repeats`` steps;
+- ``epoch``: one replica group is killed (its heartbeat threads stopped and every store request of its members
+  refused: what a SIGKILL leaves), then a survivor raises the fault flag as a failed collective does
+  (``raise_fault_flag``) and every survivor calls ``wait_for_epoch``: the time from the flag to the last survivor
+  having entered the new epoch. Median over ``--kills`` kills, each of another group. The coordinator's own
+  detection of a silent member (``heartbeat_timeout_s``) is not measured here.
+
+What the protocol does instead is reported as the size's outcome, with what was measured before it: a live group
+left out of a new epoch (its ranks did not join within ``join_window_s``; a left-out rank ends its process with
+``os._exit``, which here ends only that member: see ``_EndsOneMember``), a job stopped for too few replicas, a
+step aborted because the coordinator declared a live member dead. A size whose epoch 0 does not form within
+``--form-timeout`` seconds is reported as such and the larger sizes are not run. Every wait has a timeout.
+
+Connecting is not measured, but it must not stall the store: when a client connects, c10d looks up the peer's
+name (a reverse DNS query) on both sides, the store's in its server thread. On this project's sandboxed host the
+resolver drops some of those queries, and with glibc's default retry (5 s, twice) every drop stalled the whole
+store for 5 s, about once per 25 connections. The benchmark's processes therefore run with ``RES_OPTIONS =
+"timeout:1 attempts:1"`` unless it is set: one lookup then fails after 1 s and no more were made (observed: 52
+queries for 100 connections instead of about 4 per connection). ``--connect-rate`` paces the connections instead.
+
+    python benchmarks/protocol_scale.py [--sizes 8,64,512,1024] [--ranks-per-replica 8] [--workers 4]
+        [--repeats 7] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
+
+Last line, for the largest size measured: ``members=... epoch_s=... barrier_ms=... requests_per_s=...
+coordinator_cpu=...`` (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
+a kill < 1 s, commit barrier < 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TARGET_EPOCH_S = 1.0
+TARGET_BARRIER_MS = 50.0
+LEAD_S = 0.5
+"""How far ahead of now a phase's agreed start time lies (the command reaches every worker and its threads)."""
+
+
+# ---- pure parts (tests/test_protocol_scale.py) ----------------------------------------------------------------
+
+
+def parse_sizes(text: str, ranks_per_replica: int) -> list[int]:
+    """``"8,64,512"`` -> [8, 64, 512]: member counts, each a positive multiple of the ranks per replica."""
+    sizes = []
+    for part in text.split(","):
+        if not part.strip().isdigit() or int(part) <= 0:
+            raise ValueError(f"--sizes takes positive member counts separated by commas, got {text!r}")
+        if int(part) % ranks_per_replica:
+            raise ValueError(f"size {int(part)} is not a multiple of --ranks-per-replica {ranks_per_replica}")
+        sizes.append(int(part))
+    return sizes
+
+
+def cpu_ticks(stat: str) -> int:
+    """utime + stime (clock ticks) from the text of ``/proc/<pid>/stat`` (or ``/proc/<pid>/task/<tid>/stat``).
+    The command name in parentheses may hold spaces and parentheses: fields are counted after the last ``)``."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), counted from field 3 (state)
+
+
+def cpu_percent(before: tuple[float, int], after: tuple[float, int], ticks_per_s: float) -> float:
+    """CPU % of one core between two samples ``(wall seconds, utime + stime ticks)``; 200 = two cores busy."""
+    wall = after[0] - before[0]
+    if wall <= 0:
+        raise ValueError(f"samples must be taken in order, got {before[0]} then {after[0]}")
+    return 100.0 * (after[1] - before[1]) / ticks_per_s / wall
+
+
+def host_busy_percent(before: list[int], after: list[int]) -> float:
+    """Busy % of all cores between two samples of ``/proc/stat``'s ``cpu`` line (user nice system idle iowait
+    ...): 100 = every core busy."""
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta)
+    idle = delta[3] + (delta[4] if len(delta) > 4 else 0)
+    return 100.0 * (total - idle) / total if total else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, linear between the closest ranks."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def hosting(members: int, workers: int) -> str:
+    """How members were hosted, e.g. ``4 proc x 256 thr``."""
+    used = min(workers, members)
+    return f"{used} proc x {math.ceil(members / used)} thr"
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+TABLE_HEADER = (f"{'size':>5} {'members':>7} {'groups':>6}  {'hosting':<17} {'requests/s':>10} {'coord CPU %':>11} "
+                f"{'barrier med ms':>14} {'p90 ms':>8} {'epoch_s':>8}  note")
+
+
+def table_row(result: dict) -> str:
+    return (f"{result['size']:>5} {result['members']:>7} {result['groups']:>6}  {result['hosting']:<17} "
+            f"{_fmt(result.get('requests_per_s'), '.0f'):>10} {_fmt(result.get('coordinator_cpu'), '.1f'):>11} "
+            f"{_fmt(result.get('barrier_median_ms'), '.1f'):>14} {_fmt(result.get('barrier_p90_ms'), '.1f'):>8} "
+            f"{_fmt(result.get('epoch_s'), '.3f'):>8}  {result.get('note', '')}").rstrip()
+
+
+def headline(result: dict) -> str:
+    """The last line: the largest size measured."""
+    values = {"epoch_s": ("epoch_s", ".3f"), "barrier_ms": ("barrier_median_ms", ".1f"),
+              "requests_per_s": ("requests_per_s", ".0f"), "coordinator_cpu": ("coordinator_cpu", ".1f")}
+    return " ".join([f"members={result['members']}"] + [f"{name}={_fmt(result.get(key), spec, 'nan')}"
+                                                         for name, (key, spec) in values.items()])
+
+
+# ---- the store and the coordinator ---------------------------------------------------------------------------
+
+
+@dataclass
+class Control:
+    address: str
+    """HOST:PORT of the job's store, which the members connect to."""
+    coordinator: subprocess.Popen
+    """The process whose CPU is measured (today the store's server thread runs in it)."""
+    processes: list[subprocess.Popen]
+    """Everything to stop at the end, in order."""
+
+
+def start_control(run_dir: str, groups: int, ranks_per_replica: int, fields: dict, timeout_s: float) -> Control:
+    """Start the job's store and coordinator as the launcher does (``ReplicaJob.start_coordinator``): today the
+    coordinator hosts the store. The one place to change when the store moves out of the coordinator."""
+    address_file = os.path.join(run_dir, "coordinator.port")
+    with open(os.path.join(run_dir, "coordinator.log"), "w") as log:
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "titan_recover.recover.groups.coordinator", "--replicas", str(groups),
+             "--ranks-per-replica", str(ranks_per_replica), "--run-dir", run_dir, "--host", "127.0.0.1",
+             "--recover-json", json.dumps(fields), "--address-file", address_file],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(address_file):
+        if coordinator.poll() is not None or time.monotonic() > deadline:
+            stop_control(Control("", coordinator, [coordinator]))
+            raise RuntimeError(f"the coordinator did not start within {timeout_s} s:\n{coordinator_log(run_dir)}")
+        time.sleep(0.05)
+    with open(address_file) as fh:
+        return Control(f"127.0.0.1:{int(fh.read())}", coordinator, [coordinator])
+
+
+def stop_control(control: Control) -> None:
+    for proc in control.processes:
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def coordinator_log(run_dir: str, chars: int = 3000) -> str:
+    path = os.path.join(run_dir, "coordinator.log")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as fh:
+        return fh.read()[-chars:]
+
+
+# ---- members, in worker processes ----------------------------------------------------------------------------
+
+
+class RequestCounter:
+    """Store requests of one worker's members (``next`` on an ``itertools.count`` is atomic under the GIL)."""
+
+    def __init__(self):
+        self._count = itertools.count()
+        self._reads = 0
+
+    def add(self) -> None:
+        next(self._count)
+
+    def value(self) -> int:
+        self._reads += 1  # read from one thread only (the worker's command loop)
+        return next(self._count) - (self._reads - 1)
+
+
+class CountingStore:
+    """A member's store client, counting every request; ``dead`` refuses them all (a killed process makes none)."""
+
+    def __init__(self, store, counter: RequestCounter):
+        self._store, self._counter = store, counter
+        self.dead = False
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+        if not callable(method):
+            return method
+
+        def call(*args, **kwargs):
+            if self.dead:
+                raise ConnectionError("simulated kill: this member makes no more store requests")
+            self._counter.add()
+            return method(*args, **kwargs)
+
+        self.__dict__[name] = call  # found directly from now on
+        return call
+
+
+class _Warnings:
+    """A logging handler counting the members' warnings (late heartbeats, failed ones) instead of printing them."""
+
+    def __init__(self):
+        import logging
+
+        class Handler(logging.Handler):
+            def emit(handler, record):
+                text = str(record.msg)
+                kind = ("late_beats" if "after the previous one" in text else "failed_beats"
+                        if "heartbeat failed" in text else "left_out" if "left out of epoch" in text else "other")
+                args = record.args if isinstance(record.args, tuple) else ()
+                self.seen.append((kind, args[0] if args else None))
+                if kind == "late_beats" and len(args) >= 5:  # (replica, rank, gap, woke late by, store calls took)
+                    self.late.append((args[2], args[3], args[4]))
+
+        self.seen: list[tuple[str, int | None]] = []
+        self.late: list[tuple[float, float, float]] = []
+        """Late beats: (seconds since the previous beat, how late the thread woke, how long its store calls took)."""
+        root = logging.getLogger("titan_recover")
+        root.addHandler(Handler(logging.WARNING))
+        root.propagate = False
+
+    def counts(self, leaving_out: set[int]) -> dict[str, int]:
+        """Warnings of members other than the killed replicas (their heartbeat's last calls fail by design)."""
+        counts: dict[str, int] = {}
+        for kind, replica in self.seen:
+            if replica not in leaving_out:
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+
+def _in_threads(members: list, work, timeout_s: float) -> list:
+    """Run ``work(member)`` in a thread per member (as each rank's main thread); results in order, or the
+    exception's text, or ``"timeout"``."""
+    results: list = [None] * len(members)
+
+    def run(i, member):
+        try:
+            results[i] = work(member)
+        except Exception as error:  # reported to the parent, which fails the size
+            results[i] = f"{type(error).__name__}: {error}"
+
+    threads = [threading.Thread(target=run, args=(i, m), daemon=True) for i, m in enumerate(members)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for i, t in enumerate(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            results[i] = "timeout"
+    return results
+
+
+def _sleep_until(wall: float) -> None:
+    time.sleep(max(0.0, wall - time.time()))
+
+
+class _EndsOneMember:
+    """Stands in for ``os`` in :mod:`titan_recover.recover.groups.member`, whose heartbeat thread ends its process
+    (``os._exit``) when its replica was left out of an epoch. A worker hosts many members, so here only that member
+    ends: its heartbeat thread stops and its store clients refuse every request, as after a kill."""
+
+    def __init__(self, host: "_Host"):
+        self._host = host
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    def _exit(self, code: int) -> None:
+        self._host.left_out(threading.current_thread())
+        raise SystemExit(code)  # ends the heartbeat thread (its loop catches Exception only)
+
+
+class _Host:
+    """What one worker process does for one size: its members (each a ``ReplicaSync`` whose ``.member`` is the
+    ``ReplicaMember``) and the phases the parent asks for."""
+
+    def __init__(self):
+        from titan_recover.recover.groups import member, replica_sync  # noqa: F401 (imported before any size)
+
+        member.os = _EndsOneMember(self)
+        self.warnings = _Warnings()
+        self.syncs: list = []
+        self.killed: set[int] = set()
+        self.dropped: set[int] = set()
+        """Replicas the coordinator left out of an epoch although they were alive (their members ended)."""
+        self.counter = RequestCounter()
+
+    def left_out(self, thread: threading.Thread) -> None:
+        for sync in self.syncs:
+            if sync.member._thread is thread:
+                self.dropped.add(sync.member.replica)  # first: its main thread's next request fails
+                sync.member.store.dead = sync.member._hb_store.dead = True
+
+    def start(self, address: str, assigned: list, ranks_per_replica: int, fields: dict,
+              member_interval_s: float) -> int:
+        from titan_recover.recover.config import RecoverConfig
+        from titan_recover.recover.events import EventLog
+        from titan_recover.recover.groups.member import ReplicaMember
+        from titan_recover.recover.groups.replica_sync import ReplicaSync
+
+        config = RecoverConfig.from_dict(fields)
+        self.syncs, self.killed, self.dropped, self.counter = [], set(), set(), RequestCounter()
+        self.warnings.seen.clear()
+        self.warnings.late.clear()
+        began = time.time()
+        for k, (replica, rank) in enumerate(assigned):
+            _sleep_until(began + k * member_interval_s)  # paced: see --connect-rate
+            member = ReplicaMember(config, replica=replica, rank=rank, ranks_per_replica=ranks_per_replica,
+                                   address=address)
+            member.store = CountingStore(member.store, self.counter)
+            member._hb_store = CountingStore(member._hb_store, self.counter)  # before register() starts the thread
+            self.syncs.append(ReplicaSync(config, member, EventLog(None, f"{replica}/{rank}")))
+        for sync in self.syncs:
+            sync.member.register()
+        return len(self.syncs)
+
+    def join(self, timeout_s: float) -> list:
+        def work(sync):
+            epoch, members, _ = sync.member.wait_for_epoch(-1, timeout_s)
+            return time.time(), epoch, list(members)
+        return _in_threads(self.syncs, work, timeout_s + 5)
+
+    def barrier(self, step: int, at: float, timeout_s: float) -> list:
+        """Every member enters ``commit_barrier(step)`` at ``at``: (entered, decided, decision) each, or
+        ``("left out", replica)`` for a member whose replica the coordinator left out meanwhile."""
+        def work(sync):
+            _sleep_until(at)
+            entered = time.time()
+            try:
+                decision = sync.commit_barrier(step)
+            except Exception:
+                if sync.member.replica in self.dropped:
+                    return "left out", sync.member.replica
+                raise
+            return entered, time.time(), decision
+        return _in_threads(self.syncs, work, timeout_s)
+
+    def kill(self, replica: int) -> int:
+        """What a SIGKILL of the replica's processes leaves: no more heartbeats, no store request of theirs."""
+        victims = [s for s in self.syncs if s.member.replica == replica]
+        for sync in victims:
+            sync.member._stop.set()
+            sync.member.store.dead = sync.member._hb_store.dead = True
+        self.killed.add(replica)
+        for sync in victims:
+            sync.member.close()
+            if sync.member._thread.is_alive():
+                raise RuntimeError(f"replica {replica} rank {sync.member.rank}: heartbeat thread did not stop")
+        return len(victims)
+
+    def epoch(self, after: int, at: float, raiser: tuple[int, int], reason: str, timeout_s: float) -> list:
+        """Every live member waits for the epoch after ``after``; ``raiser`` raises the fault flag first. Each
+        returns (time it entered, epoch, members), or ``("left out", replica)``,
+        or ``("stopped", replica)`` (the new epoch had too few replicas: the job stops)."""
+        from titan_recover.recover.groups.keys import raise_fault_flag
+        from titan_recover.recover.groups.member import Excluded, TooFewReplicas
+
+        def work(sync):
+            _sleep_until(at)
+            if (sync.member.replica, sync.member.rank) == tuple(raiser):  # as a failed collective does
+                raise_fault_flag(sync.member.store, after, reason)
+            try:
+                entered_epoch, members, _ = sync.member.wait_for_epoch(after, timeout_s)
+            except TooFewReplicas:
+                return "stopped", sync.member.replica
+            except Exception as error:
+                if isinstance(error, Excluded) or sync.member.replica in self.dropped:
+                    return "left out", sync.member.replica
+                raise
+            return time.time(), entered_epoch, list(members)
+        live = [s for s in self.syncs if s.member.replica not in self.killed | self.dropped]
+        return _in_threads(live, work, timeout_s + 5)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def count(self) -> int:
+        return self.counter.value()
+
+    def member_warnings(self) -> dict:
+        return {"counts": self.warnings.counts(leaving_out=self.killed), "late": self.warnings.late}
+
+    def close(self) -> None:
+        for sync in self.syncs:
+            sync.member._stop.set()
+        for sync in self.syncs:
+            sync.member.close()
+        self.syncs = []  # their store clients are closed with them
+
+
+def _worker(conn) -> None:
+    """One worker process: runs the parent's commands (a method of :class:`_Host`) until ``exit``."""
+    import traceback
+
+    host = _Host()
+    while True:
+        name, kwargs = conn.recv()
+        if name == "exit":
+            return
+        try:
+            conn.send(("ok", getattr(host, name)(**kwargs)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class Workers:
+    """The worker processes (started once, used by every size) and their command channel: every answer is
+    awaited with a timeout, and a worker that died is reported."""
+
+    def __init__(self, count: int):
+        context = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for w in range(count):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_worker, args=(child,), daemon=True, name=f"protocol-scale-worker-{w}")
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.ask("ready", wait_s=180)  # imported what members need
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def ask(self, name: str, wait_s: float, per_worker: list[dict] | None = None, **kwargs) -> list:
+        """Send one command to every worker (``per_worker``: arguments of each on top of ``kwargs``); their
+        answers in order, each awaited until ``wait_s`` from now."""
+        for w, conn in enumerate(self.conns):
+            conn.send((name, {**kwargs, **(per_worker[w] if per_worker else {})}))
+        deadline = time.monotonic() + wait_s
+        answers = []
+        for w, (conn, proc) in enumerate(zip(self.conns, self.procs)):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"worker {w} did not finish {name!r} within {wait_s:.0f} s")
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                proc.join(5)
+                raise RuntimeError(f"worker {w} exited (code {proc.exitcode}) during {name!r}; 75 is a member's "
+                                   "heartbeat thread ending its process after its replica was left out of an epoch")
+            if status == "error":
+                raise RuntimeError(f"worker {w}, {name!r}:\n{value}")
+            answers.append(value)
+        return answers
+
+    def close_members(self) -> None:
+        try:
+            self.ask("close", wait_s=30)
+        except (TimeoutError, RuntimeError, OSError):
+            pass
+
+    def exit(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                conn.send(("exit", {}))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+# ---- the parent: one size ------------------------------------------------------------------------------------
+
+
+def _proc_ticks(pid: int, tid: int | None = None) -> int:
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as fh:
+        return cpu_ticks(fh.read())
+
+
+def _host_sample() -> list[int]:
+    with open("/proc/stat") as fh:
+        return [int(x) for x in fh.readline().split()[1:]]
+
+
+def _failures(values: list, what: str) -> None:
+    bad = [v for v in values if not isinstance(v, (tuple, list))]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(values)} members failed {what}; first: {bad[0]}")
+
+
+def measure_load(workers: Workers, coordinator_pid: int, window_s: float) -> dict:
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    pids = [p.pid for p in workers.procs]
+    wall0, host0 = time.monotonic(), _host_sample()
+    count0 = sum(workers.ask("count", wait_s=30))
+    coord0, loop0 = _proc_ticks(coordinator_pid), _proc_ticks(coordinator_pid, coordinator_pid)
+    members0 = sum(_proc_ticks(p) for p in pids)
+    time.sleep(window_s)
+    count1 = sum(workers.ask("count", wait_s=30))
+    coord1, loop1 = _proc_ticks(coordinator_pid), _proc_ticks(coordinator_pid, coordinator_pid)
+    members1 = sum(_proc_ticks(p) for p in pids)
+    wall1, host1 = time.monotonic(), _host_sample()
+    return {
+        "window_s": wall1 - wall0,
+        "requests_per_s": (count1 - count0) / (wall1 - wall0),
+        "coordinator_cpu": cpu_percent((wall0, coord0), (wall1, coord1), ticks_per_s),
+        "coordinator_loop_cpu": cpu_percent((wall0, loop0), (wall1, loop1), ticks_per_s),
+        "members_cpu": cpu_percent((wall0, members0), (wall1, members1), ticks_per_s),
+        "host_busy": host_busy_percent(host0, host1),
+    }
+
+
+class Outcome(Exception):
+    """The protocol did something other than what is measured (a step aborted, the job stopped): reported as the
+    size's outcome, with what was measured before it."""
+
+
+def measure_barrier(workers: Workers, step: int, members: int, timeout_s: float) -> dict:
+    at = time.time() + LEAD_S
+    results = [r for answer in workers.ask("barrier", timeout_s + 10, step=step, at=at, timeout_s=timeout_s)
+               for r in answer]
+    left_out = sorted({r[1] for r in results if isinstance(r, tuple) and r[0] == "left out"})
+    if left_out:
+        raise Outcome(f"step {step}: live replica group(s) {left_out} left out of a new epoch during the barrier")
+    _failures(results, f"the commit barrier of step {step}")
+    decisions = {r[2] for r in results}
+    if len(results) != members:
+        raise RuntimeError(f"step {step}: decisions from {len(results)} of {members} members")
+    if decisions != {"commit"}:
+        raise Outcome(f"step {step}'s commit barrier decided {sorted(decisions)}: a fault flag was raised")
+    last_entry = max(r[0] for r in results)
+    return {"latency_ms": 1000 * (max(r[1] for r in results) - last_entry),
+            "entry_spread_ms": 1000 * (last_entry - min(r[0] for r in results))}
+
+
+def measure_epoch(workers: Workers, epoch: int, members: tuple[int, ...], events_path: str, timeout_s: float) -> dict:
+    """Kill the highest member replica, raise the flag from the lowest one's rank 0, time the next epoch."""
+    from titan_recover.recover.events import read_events
+
+    victim = max(members)
+    survivors = tuple(m for m in members if m != victim)
+    killed = sum(workers.ask("kill", wait_s=30, replica=victim))
+    at = time.time() + LEAD_S
+    results = [r for answer in workers.ask("epoch", timeout_s + 10, after=epoch, at=at, raiser=(survivors[0], 0),
+                                           reason=f"protocol_scale: replica {victim} killed", timeout_s=timeout_s)
+               for r in answer]
+    ended = [r for r in results if isinstance(r, tuple) and r[0] in ("left out", "stopped")]
+    entered = [r for r in results if r not in ended]
+    _failures(entered, f"waiting for the epoch after {epoch}")
+    event = next((e for e in read_events(events_path) if e["event"] == "epoch_formed" and e["epoch"] == epoch + 1),
+                 None)
+    if event is None:
+        raise RuntimeError(f"after killing replica {victim}: no epoch {epoch + 1} formed; members: {results[:3]}")
+    flagged = event["fault_raised_at"]  # the raiser's own stamp, in the flag
+    new_members = tuple(event["members"])
+    record = {"victim": victim, "killed_members": killed, "members": new_members, "epoch_s": None,
+              "dropped_live": sorted(set(survivors) - set(new_members)),
+              "stopped": any(r[0] == "stopped" for r in ended),
+              "noticed_s": event["coordinator_noticed_at"] - flagged, "published_s": event["time"] - flagged,
+              "reason": event["reason"]}
+    if entered:
+        formed = {(r[1], tuple(r[2])) for r in entered}
+        if formed != {(epoch + 1, new_members)}:
+            raise RuntimeError(f"after killing replica {victim}: survivors entered {sorted(formed)}, the coordinator "
+                               f"formed epoch {epoch + 1} of {new_members}")
+        record["epoch_s"] = max(r[0] for r in entered) - flagged
+    return record
+
+
+def run_size(size: int, args, workers: Workers) -> dict:
+    """Start the coordinator and this size's members on ``workers``, measure, stop the members and the
+    coordinator."""
+    from titan_recover.recover.events import read_events
+
+    ranks, used = args.ranks_per_replica, min(len(workers.procs), size)
+    groups = size // ranks
+    result = {"size": size, "members": size, "groups": groups, "hosting": hosting(size, used),
+              "host_load_before": os.getloadavg()[0]}
+    connect_s = 2 * size / args.connect_rate if args.connect_rate > 0 else 0.0  # two store clients a member
+    fields = {"replicas": groups, "startup_timeout_s": connect_s + args.form_timeout, **json.loads(args.recover_json)}
+    members = [(i, r) for i in range(groups) for r in range(ranks)]
+    assigned = [{"assigned": members[w::used] if w < used else []} for w in range(len(workers.procs))]
+    with tempfile.TemporaryDirectory(prefix="protocol_scale_") as run_dir:
+        started = time.monotonic()
+        control = start_control(run_dir, groups, ranks, fields, timeout_s=60)
+        events = os.path.join(run_dir, "events.jsonl")
+        try:
+            try:  # epoch 0: every member connected (paced), registered and saw it, within --form-timeout
+                workers.ask("start", wait_s=connect_s + args.form_timeout, per_worker=assigned,
+                            address=control.address, ranks_per_replica=ranks, fields=fields,
+                            member_interval_s=connect_s * used / size)
+                joined = [r for a in workers.ask("join", args.form_timeout + 10, timeout_s=args.form_timeout)
+                          for r in a]
+                _failures(joined, "epoch 0")
+                if {(r[1], tuple(r[2])) for r in joined} != {(0, tuple(range(groups)))}:
+                    raise RuntimeError(f"members saw {sorted({(r[1], tuple(r[2])) for r in joined})}")
+            except (TimeoutError, RuntimeError) as error:
+                epochs = [e["epoch"] for e in read_events(events) if e["event"] == "epoch_formed"]
+                result.update(error=str(error)[-2000:], note=(
+                    f"epoch 0 not formed within {args.form_timeout:.0f} s" if not epochs else
+                    f"epoch 0 formed, then epoch(s) {epochs[1:]} left live groups out before every member saw it"
+                    if len(epochs) > 1 else "epoch 0 formed without every member"))
+                return result
+            result["setup_s"] = time.monotonic() - started
+            time.sleep(args.settle)
+            result.update(measure_load(workers, control.coordinator.pid, args.window))
+            steps, kills = [], []
+            try:
+                for step in range(1, args.repeats + 1):
+                    steps.append(measure_barrier(workers, step, size, args.wait_timeout))
+                current = tuple(range(groups))
+                while len(kills) < args.kills and len(current) >= 2 and not (kills and kills[-1]["stopped"]):
+                    kills.append(measure_epoch(workers, len(kills), current, events, args.wait_timeout))
+                    current = kills[-1]["members"]
+            except Outcome as outcome:
+                result["note"] = str(outcome)
+            finally:
+                summarise(result, steps, kills, groups)
+                result["member_warnings"], late = {}, []
+                for answer in workers.ask("member_warnings", wait_s=30):
+                    for kind, n in answer["counts"].items():
+                        result["member_warnings"][kind] = result["member_warnings"].get(kind, 0) + n
+                    late += answer["late"]
+                if late:  # where a late beat's time went: its thread woke late (CPU, GIL), or the store was slow
+                    result["late_beats"] = {"max_gap_s": max(g for g, _, _ in late),
+                                            "median_woke_late_s": statistics.median(w for _, w, _ in late),
+                                            "median_store_s": statistics.median(t for _, _, t in late)}
+        except (TimeoutError, RuntimeError) as error:
+            result.update(note=f"failed: {str(error).splitlines()[0][:120]}", error=str(error)[-2000:])
+        finally:
+            # the coordinator's verdicts while the members were measured (closing them silences their heartbeats)
+            victims = {k["victim"] for k in result.get("kills", [])}
+            spurious = [e for e in read_events(events)
+                        if e["event"] == "failure_detected" and e["replica"] not in victims]
+            workers.close_members()
+            stop_control(control)
+            if spurious:  # the coordinator declared members dead that were alive: their heartbeats starved
+                result["spurious_failures"] = [e["reason"] for e in spurious]
+                result["note"] = (result.get("note", "") + f"; the coordinator declared {len(spurious)} live replica "
+                                  "group(s) dead (heartbeat timeout)").strip("; ")
+            if "error" in result:
+                result["coordinator_log"] = coordinator_log(run_dir)
+        return result
+
+
+def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int) -> None:
+    """The size's figures from the barrier steps and kills measured (all of them, or those before an outcome)."""
+    if steps:
+        latencies = [s["latency_ms"] for s in steps]
+        result.update(barrier_ms=latencies, barrier_median_ms=statistics.median(latencies),
+                      barrier_p90_ms=percentile(latencies, 0.9),
+                      barrier_entry_spread_ms=statistics.median(s["entry_spread_ms"] for s in steps))
+    if groups < 2:
+        result["note"] = "one replica group: no survivor to form an epoch after a kill"
+    if not kills:
+        return
+    result["kills"] = kills
+    timed = [k["epoch_s"] for k in kills if k["epoch_s"] is not None]
+    if timed:
+        result["epoch_s"] = statistics.median(timed)
+    dropped = sum(len(k["dropped_live"]) for k in kills)
+    if dropped:
+        stopped = " and the job stopped" if kills[-1]["stopped"] else ""
+        result["note"] = (f"{len(kills)} kill(s) left out {dropped} live replica group(s) as well (not joined within "
+                          f"join_window_s){stopped}")
+
+
+def describe(result: dict) -> str:
+    """A line of details under the table for one size."""
+    if "requests_per_s" not in result:
+        return f"size {result['size']}: {result.get('error', '').strip().splitlines()[-1][:300]}"
+    interval = result["heartbeat_interval_s"]
+    per_round = result["requests_per_s"] * interval / result["members"]
+    line = (f"size {result['size']}: started in {result['setup_s']:.1f} s (coordinator, connections, epoch 0); "
+            f"steady state over {result['window_s']:.1f} s: "
+            f"{per_round:.2f} requests per member per heartbeat interval ({interval} s), coordinator CPU "
+            f"{result['coordinator_cpu']:.1f} % (main thread {result['coordinator_loop_cpu']:.1f} %, the rest is the "
+            f"store's server thread), members {result['members_cpu']:.1f} %, host {result['host_busy']:.0f} % busy "
+            f"(load {result['host_load_before']:.1f} before)")
+    if "barrier_ms" in result:
+        line += (f"; barrier ms {', '.join(f'{x:.1f}' for x in result['barrier_ms'])} (entries spread "
+                 f"{result['barrier_entry_spread_ms']:.0f} ms)")
+    for k in result.get("kills", []):
+        line += (f"; kill of group {k['victim']}: coordinator noticed the flag +{k['noticed_s']:.3f} s, published "
+                 f"+{k['published_s']:.3f} s, last survivor in +{_fmt(k['epoch_s'], '.3f')} s")
+        if k["dropped_live"]:
+            line += f" ({len(k['dropped_live'])} live groups left out: {k['reason'][-160:]})"
+        if k["stopped"]:
+            line += " (too few replicas: the job stopped)"
+    if result.get("member_warnings"):
+        line += f"; member warnings {result['member_warnings']}"
+    if result.get("late_beats"):
+        late = result["late_beats"]
+        line += (f" (late beats: longest gap {late['max_gap_s']:.2f} s; median thread woke "
+                 f"{late['median_woke_late_s']:.2f} s late, its store calls took {late['median_store_s']:.2f} s)")
+    return line
+
+
+def plot(results: list[dict], path: str, join_window_s: float, title: str) -> None:
+    """Epoch formation and barrier latency against members (log x); sizes without the figure are marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    epoch = [r for r in results if r.get("epoch_s") is not None]
+    left.plot([r["members"] for r in epoch], [r["epoch_s"] for r in epoch], "o-", label="flag -> last survivor in")
+    dropped = [r for r in epoch if any(k["dropped_live"] for k in r["kills"])]
+    if dropped:
+        left.plot([r["members"] for r in dropped], [r["epoch_s"] for r in dropped], "x", color="red", markersize=12,
+                  label="kills also left live groups out")
+    left.axhline(TARGET_EPOCH_S, color="grey", linestyle="--", label=f"target {TARGET_EPOCH_S:g} s")
+    left.axhline(join_window_s, color="grey", linestyle=":", label=f"join_window_s {join_window_s:g} (the floor)")
+    left.set(yscale="log", ylabel="seconds", title="epoch formation after a kill (median)")
+    barrier = [r for r in results if r.get("barrier_median_ms") is not None]
+    xs = [r["members"] for r in barrier]
+    right.plot(xs, [r["barrier_median_ms"] for r in barrier], "o-", label="median")
+    right.plot(xs, [r["barrier_p90_ms"] for r in barrier], "s--", label="p90")
+    right.axhline(TARGET_BARRIER_MS, color="grey", linestyle="--", label=f"target {TARGET_BARRIER_MS:g} ms")
+    right.set(yscale="log", ylabel="ms", title="commit barrier latency")
+    sizes = [r["members"] for r in results]
+    for ax, shown, what in ((left, epoch, "no epoch measured"), (right, barrier, "no barrier measured")):
+        for r in results:
+            if r not in shown and not (ax is left and r["groups"] < 2):
+                ax.axvline(r["members"], color="red", linestyle=":", alpha=0.6)
+                ax.text(r["members"], 0.5, f" {r['members']}: {what}", color="red", rotation=90, fontsize=8,
+                        va="center", transform=ax.get_xaxis_transform())
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, labels=[str(x) for x in sizes])
+        ax.minorticks_off()
+        ax.set_xlim(min(sizes) / 1.5, max(sizes) * 1.5)
+        ax.set_xlabel("members (replica groups x ranks)")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.legend(fontsize=8)
+        ax.grid(True, which="major", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="8,64,512,1024", help="member counts, comma-separated")
+    parser.add_argument("--ranks-per-replica", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=4, help="processes the members are spread over")
+    parser.add_argument("--repeats", type=int, default=7, help="commit barrier steps per size")
+    parser.add_argument("--kills", type=int, default=3, help="replica groups killed one after another per size")
+    parser.add_argument("--window", type=float, default=5.0, help="steady-state window (s) for requests and CPU")
+    parser.add_argument("--settle", type=float, default=1.0, help="wait (s) after epoch 0 before the window")
+    parser.add_argument("--form-timeout", type=float, default=60.0, help="bound (s) on a size's start and epoch 0")
+    parser.add_argument("--wait-timeout", type=float, default=60.0,
+                        help="bound (s) on each barrier and epoch wait (a rank waits agree_timeout_s, 60 s, for an epoch)")
+    parser.add_argument("--connect-rate", type=float, default=0.0,
+                        help="new store connections per second while members start (each opens two; 0: unpaced), "
+                             "where a reverse DNS lookup per connection stalls the store (see the module's doc)")
+    parser.add_argument("--recover-json", default="{}", help="[recover] fields over the defaults, as JSON")
+    parser.add_argument("--out", help="write every size's measurements here (JSON)")
+    parser.add_argument("--plot", help="epoch formation and barrier latency against members (PNG)")
+    args = parser.parse_args(argv)
+    sizes = parse_sizes(args.sizes, args.ranks_per_replica)
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # for every process started from here on
+    from titan_recover.recover.config import RecoverConfig
+
+    config = RecoverConfig.from_dict(json.loads(args.recover_json))
+    interval = config.heartbeat_interval_s
+    results = []
+    workers = Workers(min(args.workers, max(sizes)))
+    try:
+        for size in sizes:
+            if not workers.alive():  # a member's heartbeat thread ended its process (see Workers.ask)
+                workers.exit()
+                workers = Workers(min(args.workers, max(sizes)))
+            result = run_size(size, args, workers)
+            result["heartbeat_interval_s"] = interval
+            results.append(result)
+            print(table_row(result), flush=True)
+            if "requests_per_s" not in result:
+                break  # a larger size would not form its epoch either
+    finally:
+        workers.exit()
+    skipped = sizes[len(results):]
+    print(f"\nmembers: threads in spawned processes (one thread per member per phase, and its heartbeat thread), "
+          f"{args.ranks_per_replica} ranks per replica group, spread round-robin over at most {args.workers} "
+          f"processes; requests/s counts the members' client requests; epoch_s: fault flag raised by a survivor "
+          f"-> last survivor entered the new epoch (not the heartbeat-timeout path)")
+    print(TABLE_HEADER)
+    for result in results:
+        print(table_row(result))
+    for size in skipped:
+        print(f"{size:>5} {size:>7} {size // args.ranks_per_replica:>6}  not run: a smaller size failed")
+    for result in results:
+        print(describe(result))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"args": vars(args), "sizes": results}, fh, indent=1)
+    if args.plot:
+        plot(results, args.plot, config.join_window_s,
+             f"replica-group protocol, real coordinator (it hosts the store); members: threads in {len(workers.procs)} "
+             f"processes, {args.ranks_per_replica} ranks per group; [recover] {args.recover_json}")
+    measured = [r for r in results if "requests_per_s" in r]
+    if not measured:
+        print(headline(results[0]))
+        return 1
+    print(headline(measured[-1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
