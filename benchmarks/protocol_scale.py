@@ -2,8 +2,8 @@
 """How the replica-group protocol's coordination scales with the number of members (docs/benchmarks.md, "Protocol
 scale"), with members that speak the real protocol code and do not train.
 
-Per size: the real coordinator (``python -m titan_recover.recover.groups.coordinator``, which hosts the job's
-TCPStore today: :func:`start_control` is the one place that starts the store and the coordinator) and ``members =
+Per size: the job's TCPStore hosted in this process and the real coordinator as its client (``python -m
+titan_recover.recover.coordinator_process``), as the launcher starts them (:func:`start_control`), and ``members =
 replica groups x ranks per replica`` simulated ranks, each the project's own ``ReplicaMember`` (registration, its
 heartbeat thread, ``wait_for_epoch``) with a ``ReplicaSync`` for the commit barrier. Members are threads (one per
 member and phase, as the rank's main thread, besides the member's own heartbeat thread) spread round-robin over
@@ -24,8 +24,8 @@ member and phase, as the rank's main thread, besides the member's own heartbeat 
   detection of a silent member (``heartbeat_timeout_s``) is not measured here.
 
 What the protocol does instead is reported as the size's outcome, with what was measured before it: a live group
-left out of a new epoch (its ranks did not join within ``join_window_s``; a left-out rank ends its process with
-``os._exit``, which here ends only that member: see ``_EndsOneMember``), a job stopped for too few replicas, a
+left out of a new epoch (its ranks did not join within ``join_window_s``; a left-out rank ends its process,
+which here ends only that member: ``ReplicaMember.on_excluded``), a job stopped for too few replicas, a
 step aborted because the coordinator declared a live member dead. A size whose epoch 0 does not form within
 ``--form-timeout`` seconds is reported as such and the larger sizes are not run. Every wait has a timeout.
 
@@ -60,6 +60,9 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import TCPStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -157,29 +160,26 @@ class Control:
     address: str
     """HOST:PORT of the job's store, which the members connect to."""
     coordinator: subprocess.Popen
-    """The process whose CPU is measured (today the store's server thread runs in it)."""
+    """The process whose CPU is measured (the coordinator; the store's server thread runs in this process, as in
+    the launcher)."""
     processes: list[subprocess.Popen]
     """Everything to stop at the end, in order."""
+    store: TCPStore | None = None
+    """The job's store, hosted here (kept alive as long as the size runs)."""
 
 
 def start_control(run_dir: str, groups: int, ranks_per_replica: int, fields: dict, timeout_s: float) -> Control:
-    """Start the job's store and coordinator as the launcher does (``ReplicaJob.start_coordinator``): today the
-    coordinator hosts the store. The one place to change when the store moves out of the coordinator."""
-    address_file = os.path.join(run_dir, "coordinator.port")
+    """Host the job's store and start the coordinator as the launcher does (``ReplicaJob.host_store``,
+    ``start_coordinator``): the store lives in this process, the coordinator is its client."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    address = f"127.0.0.1:{store.port}"
     with open(os.path.join(run_dir, "coordinator.log"), "w") as log:
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "titan_recover.recover.groups.coordinator", "--replicas", str(groups),
-             "--ranks-per-replica", str(ranks_per_replica), "--run-dir", run_dir, "--host", "127.0.0.1",
-             "--recover-json", json.dumps(fields), "--address-file", address_file],
+            [sys.executable, "-m", "titan_recover.recover.coordinator_process", "--replicas", str(groups),
+             "--ranks-per-replica", str(ranks_per_replica), "--run-dir", run_dir, "--store", address,
+             "--recover-json", json.dumps(fields)],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(address_file):
-        if coordinator.poll() is not None or time.monotonic() > deadline:
-            stop_control(Control("", coordinator, [coordinator]))
-            raise RuntimeError(f"the coordinator did not start within {timeout_s} s:\n{coordinator_log(run_dir)}")
-        time.sleep(0.05)
-    with open(address_file) as fh:
-        return Control(f"127.0.0.1:{int(fh.read())}", coordinator, [coordinator])
+    return Control(address, coordinator, [coordinator], store)
 
 
 def stop_control(control: Control) -> None:
@@ -299,22 +299,6 @@ def _sleep_until(wall: float) -> None:
     time.sleep(max(0.0, wall - time.time()))
 
 
-class _EndsOneMember:
-    """Stands in for ``os`` in :mod:`titan_recover.recover.groups.member`, whose heartbeat thread ends its process
-    (``os._exit``) when its replica was left out of an epoch. A worker hosts many members, so here only that member
-    ends: its heartbeat thread stops and its store clients refuse every request, as after a kill."""
-
-    def __init__(self, host: "_Host"):
-        self._host = host
-
-    def __getattr__(self, name: str):
-        return getattr(os, name)
-
-    def _exit(self, code: int) -> None:
-        self._host.left_out(threading.current_thread())
-        raise SystemExit(code)  # ends the heartbeat thread (its loop catches Exception only)
-
-
 class _Host:
     """What one worker process does for one size: its members (each a ``ReplicaSync`` whose ``.member`` is the
     ``ReplicaMember``) and the phases the parent asks for."""
@@ -322,7 +306,6 @@ class _Host:
     def __init__(self):
         from titan_recover.recover.groups import member, replica_sync  # noqa: F401 (imported before any size)
 
-        member.os = _EndsOneMember(self)
         self.warnings = _Warnings()
         self.syncs: list = []
         self.killed: set[int] = set()
@@ -330,11 +313,15 @@ class _Host:
         """Replicas the coordinator left out of an epoch although they were alive (their members ended)."""
         self.counter = RequestCounter()
 
-    def left_out(self, thread: threading.Thread) -> None:
+    def left_out(self) -> None:
+        """A member's replica was left out of an epoch (``ReplicaMember.on_excluded``, called on its heartbeat
+        thread): only that member ends: its store clients refuse every request, as after a kill."""
+        thread = threading.current_thread()
         for sync in self.syncs:
             if sync.member._thread is thread:
                 self.dropped.add(sync.member.replica)  # first: its main thread's next request fails
                 sync.member.store.dead = sync.member._hb_store.dead = True
+        raise SystemExit(0)  # ends the heartbeat thread (its loop catches Exception only)
 
     def start(self, address: str, assigned: list, ranks_per_replica: int, fields: dict,
               member_interval_s: float) -> int:
@@ -351,7 +338,7 @@ class _Host:
         for k, (replica, rank) in enumerate(assigned):
             _sleep_until(began + k * member_interval_s)  # paced: see --connect-rate
             member = ReplicaMember(config, replica=replica, rank=rank, ranks_per_replica=ranks_per_replica,
-                                   address=address)
+                                   address=address, on_excluded=self.left_out)
             member.store = CountingStore(member.store, self.counter)
             member._hb_store = CountingStore(member._hb_store, self.counter)  # before register() starts the thread
             self.syncs.append(ReplicaSync(config, member, EventLog(None, f"{replica}/{rank}")))

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Callable, TYPE_CHECKING
 
 from torch.distributed import DistStoreError, Store
 
@@ -66,8 +66,11 @@ def incarnation_from_env(environ=os.environ) -> int:
 
 class ReplicaMember:
     def __init__(self, config: RecoverConfig, *, replica: int, rank: int, ranks_per_replica: int, address: str,
-                 incarnation: int = 0):
+                 incarnation: int = 0, on_excluded: Callable[[], None] | None = None):
         self.config = config
+        self.on_excluded = on_excluded or (lambda: os._exit(EXIT_EXCLUDED))
+        """Called by the heartbeat thread when this replica was left out of an epoch: ends the process (torchrun
+        then ends the rest of the replica). A host of many simulated members ends only the one."""
         self.replica, self.rank, self.ranks_per_replica = replica, rank, ranks_per_replica
         self.incarnation = incarnation
         self.admitted = False
@@ -230,7 +233,7 @@ class ReplicaMember:
                             if self.replica not in members and not store.check([GroupKeys.STOP]):
                                 logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica,
                                              self.rank, joined)
-                                os._exit(EXIT_EXCLUDED)
+                                self.on_excluded()
                             watching = joined
                     elif store.check([GroupKeys.fault(watching)]):
                         self._faulted = max(self._faulted, watching)
