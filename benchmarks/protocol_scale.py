@@ -823,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"args": vars(args), "sizes": results}, fh, indent=1)
     if args.plot:
         plot(results, args.plot, config.join_window_s,
-             f"replica-group protocol, real coordinator (it hosts the store); members: threads in {len(workers.procs)} "
+             f"replica-group protocol, the real coordinator, a client of the job's store; members: threads in {len(workers.procs)} "
              f"processes, {args.ranks_per_replica} ranks per group; [recover] {args.recover_json}")
     measured = [r for r in results if "requests_per_s" in r]
     if not measured:

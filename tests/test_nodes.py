@@ -60,9 +60,11 @@ def output(proc) -> str:
 def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmitted(tmp_path, exact_reference):
     """3 replica groups of 1 rank on 2 nodes (node 0: groups 0 and 1, and the store and the coordinator; node 1:
     group 2). Replica 2 is killed in step 3's forward: replicas 0 and 1 compute its microbatch in the same step, node
-    1's launcher restarts it and it is admitted again. Both launchers exit 0 and every replica ends bitwise equal to
-    the failure-free one-node run."""
-    faults = [{"kind": "kill", "replica": 2, "rank": 0, "step": 3, "phase": "forward"}]
+    1's launcher restarts it and it is admitted again. Then the coordinator is SIGKILLed once every replica is in
+    step 6: node 0's launcher restarts it, it resumes from the store and the replicas never notice (no epoch
+    change). Both launchers exit 0 and every replica ends bitwise equal to the failure-free one-node run."""
+    faults = [{"kind": "kill", "replica": 2, "rank": 0, "step": 3, "phase": "forward"},
+              {"kind": "kill", "process": "coordinator", "phase": "step", "step": 6, "incarnation": 0}]
     args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults,
                             extra=("--recover.quota.exact", "--recover.max_restarts", "1",
                                    "--recover.rejoin_wait_s", "150"))
@@ -72,9 +74,13 @@ def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmi
     assert "node 1 of 2: replica group 2" in node1.stderr and "[coordinator" not in node1.stdout
     assert "node 0 of 2: replica groups 0-1" in node0.stderr
     events = read_events(tmp_path / "events.jsonl")
-    [killed] = of(events, "fault_injected")
+    killed, coordinator = of(events, "fault_injected")
     assert (killed["replica"], killed["step"]) == (2, 3)
+    assert coordinator["process"] == "coordinator" and coordinator["step"] >= 6
+    starts = [(e["start"], e["action"]) for e in of(events, "coordinator_started")]
+    assert starts == [(0, "form_first"), (1, "resume")]
     formed = {e["epoch"]: e for e in of(events, "epoch_formed")}
+    assert sorted(formed) == [0, 1, 2]  # the kill and the admission; the coordinator's restart changed nothing
     assert formed[1]["members"] == [0, 1] and formed[1]["removed"] == [2]
     assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]
     logged = metrics_by_replica(tmp_path)
