@@ -823,8 +823,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"args": vars(args), "sizes": results}, fh, indent=1)
     if args.plot:
         plot(results, args.plot, config.join_window_s,
-             f"replica-group protocol, the real coordinator, a client of the job's store; members: threads in {len(workers.procs)} "
-             f"processes, {args.ranks_per_replica} ranks per group; [recover] {args.recover_json}")
+             f"replica-group protocol, the real coordinator, a client of the job's store; members: threads in "
+             f"{len(workers.procs)} processes, {args.ranks_per_replica} ranks per group; [recover] {args.recover_json}")
     measured = [r for r in results if "requests_per_s" in r]
     if not measured:
         print(headline(results[0]))
