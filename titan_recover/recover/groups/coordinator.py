@@ -3,9 +3,9 @@
 One small process per job (:mod:`titan_recover.recover.coordinator_process`), a client of the job's store (which
 the launcher hosts: the coordinator can die and be restarted without losing anything members need). It decides
 nothing about training itself: it raises fault flags for members that stopped beating or progressing, and after
-every fault publishes the next epoch's members (see docs/replica_groups.md). Its decisions are written to the store before members can read them, so a new start
-resumes where a killed one stopped ("Coordinator restarts"). It exits when every replica has finished, when it is
-told to stop (SIGTERM / SIGINT), or after writing ``stop``.
+every fault publishes the next epoch's members (see docs/replica_groups.md). Its decisions are written to the store
+before members can read them, so a new start resumes where a killed one stopped ("Coordinator restarts"). It exits
+when every replica has finished, when it is told to stop (SIGTERM / SIGINT), or after writing ``stop``.
 """
 
 from __future__ import annotations
