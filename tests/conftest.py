@@ -30,6 +30,28 @@ def default_data() -> pathlib.Path:
     return prepare(str(ROOT / DEFAULT_DATA_DIR))
 
 
+@pytest.fixture
+def launcher(monkeypatch, capsys):
+    """``python -m titan_recover.launch ARGS`` in this process: (exit code, stdout, stderr). Starting any process
+    (torchrun by exec, or a child) fails the test. Import torch in the test module first: its first import may run
+    ldconfig."""
+    from titan_recover import launch as launch_module
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"the launcher started a process: {args[:2]}")
+
+    monkeypatch.setattr(launch_module.os, "execve", no_process)
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    monkeypatch.chdir(ROOT)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = launch_module.main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
 def read_metrics(folder: pathlib.Path) -> list[dict]:
     path = folder / "metrics.jsonl"
     assert path.exists(), f"no metrics written to {path}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
 import textwrap
 
 import pytest
@@ -219,27 +218,6 @@ def test_checkpoint_section_selects_the_project_manager_and_keeps_torchtitan_key
                                "--checkpoint.load_verified=false"]).checkpoint.load_verified is False
     with pytest.raises(ConfigError, match="unknown key '_snapshot' in \\[checkpoint\\]"):
         build_config(None, ["--model.flavor", "tiny", "--checkpoint._snapshot.interval", "1"])
-
-
-@pytest.fixture
-def launcher(monkeypatch, capsys):
-    """``python -m titan_recover.launch ARGS`` in this process: (exit code, stdout, stderr). Starting any process
-    (torchrun by exec, or a child) fails the test."""
-    from titan_recover import launch as launch_module
-
-    def no_process(*args, **kwargs):
-        raise AssertionError(f"the launcher started a process: {args[:2]}")
-
-    monkeypatch.setattr(launch_module.os, "execve", no_process)
-    monkeypatch.setattr(subprocess, "Popen", no_process)
-    monkeypatch.chdir(ROOT)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = launch_module.main(list(argv))
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
 
 
 def test_bad_config_fails_in_the_launcher_before_any_process(tmp_path, launcher):

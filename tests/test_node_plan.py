@@ -3,7 +3,6 @@ runs, the launcher's multi-node options, the nodes' config agreement, and the jo
 
 from __future__ import annotations
 
-import subprocess
 import time
 from datetime import timedelta
 
@@ -11,7 +10,7 @@ import pytest
 import torch  # noqa: F401 (imported before the launcher fixture forbids processes: its first import may run ldconfig)
 from torch.distributed import TCPStore
 
-from conftest import free_port, ROOT
+from conftest import free_port
 from titan_recover.config.apply import ConfigError
 from titan_recover.config.render import render_toml
 from titan_recover.job_config import build_config
@@ -20,27 +19,6 @@ from titan_recover.recover.nodes import first_difference, node_groups, NodeKeys,
 from titan_recover.recover.stores import job_url
 
 REPLICAS = "train_configs/replicas.toml"
-
-
-@pytest.fixture
-def launcher(monkeypatch, capsys):
-    """``python -m titan_recover.launch ARGS`` in this process: (exit code, stdout, stderr); starting any process
-    fails the test."""
-    from titan_recover import launch as launch_module
-
-    def no_process(*args, **kwargs):
-        raise AssertionError(f"the launcher started a process: {args[:2]}")
-
-    monkeypatch.setattr(launch_module.os, "execve", no_process)
-    monkeypatch.setattr(subprocess, "Popen", no_process)
-    monkeypatch.chdir(ROOT)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = launch_module.main(list(argv))
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
 
 
 def test_each_node_runs_a_contiguous_block_of_the_groups_the_first_ones_one_more():

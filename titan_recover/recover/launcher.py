@@ -115,7 +115,8 @@ def _dropped_incarnation(store, replica: int) -> int | None:
 
 @dataclass
 class ReplicaSlot:
-    """One replica group of the job and its current start (incarnation)."""
+    """One process the launcher starts and restarts (a replica group, the syncer, the coordinator) and its current
+    start (incarnation)."""
 
     index: int
     restarts_left: int
@@ -127,6 +128,11 @@ class ReplicaSlot:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def count_restart(self) -> None:
+        """The next start: one restart fewer left, one incarnation more (the caller starts it)."""
+        self.restarts_left -= 1
+        self.incarnation += 1
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -329,8 +335,7 @@ class ReplicaJob:
     def restart_syncer_if_crashed(self) -> None:
         syncer = self.syncer
         if syncer.proc.poll() not in (None, 0) and syncer.restarts_left > 0 and self.stopped_by is None:
-            syncer.restarts_left -= 1
-            syncer.incarnation += 1
+            syncer.count_restart()
             print(f"[titan_recover] the syncer exited with {syncer.proc.returncode}: restarting it from its "
                   f"checkpoint (start {syncer.incarnation}, {syncer.restarts_left} restart(s) left)",
                   file=sys.stderr, flush=True)
@@ -350,8 +355,7 @@ class ReplicaJob:
         neither over nor stopping; what is left of its previous start is killed first."""
         if slot.proc.poll() not in (None, 0) and slot.restarts_left > 0 and not over and self.stopped_by is None:
             _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
-            slot.restarts_left -= 1
-            slot.incarnation += 1
+            slot.count_restart()
             print(f"[titan_recover] replica {slot.index} exited with {slot.proc.returncode}: restarting it "
                   f"(start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
                   flush=True)
@@ -380,8 +384,7 @@ class ReplicaJob:
         if slot.ended_incarnation == slot.incarnation:
             return  # given up already
         if slot.restarts_left > 0:
-            slot.restarts_left -= 1
-            slot.incarnation += 1
+            slot.count_restart()
             print(f"[titan_recover] the coordinator exited with {code}: restarting it (start {slot.incarnation}, "
                   f"{slot.restarts_left} restart(s) left); it resumes the job's state from the store",
                   file=sys.stderr, flush=True)
@@ -424,8 +427,7 @@ class ReplicaJob:
             if slot.restarts_left == 0:
                 self.store.set(GroupKeys.founding(cold, slot.index), "-1")
                 continue
-            slot.restarts_left -= 1
-            slot.incarnation += 1
+            slot.count_restart()
             self.store.set(GroupKeys.founding(cold, slot.index), str(slot.incarnation))  # before it can look
             print(f"[titan_recover] every replica was lost: restarting replica {slot.index} from the newest durable "
                   f"state (start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
