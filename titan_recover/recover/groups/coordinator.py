@@ -188,9 +188,6 @@ class Coordinator:
     def _registered(self, replica: int) -> bool:
         return all(self.store.check([GroupKeys.register(replica, r)]) for r in range(self.ranks))
 
-    def _registered_incarnation(self, replica: int) -> int:
-        return int(self.store.get(GroupKeys.register(replica, 0)).decode().split(",")[3])
-
     def _registered_incarnations(self, replica: int) -> dict[int, int]:
         """rank -> the incarnation that last registered as that rank of ``replica``."""
         keys = [GroupKeys.register(replica, r) for r in range(self.ranks)]
@@ -203,7 +200,7 @@ class Coordinator:
             if len(complete) == self.replicas or time.monotonic() > deadline:
                 missing = sorted(set(range(self.replicas)) - set(complete))
                 reason = "all replicas registered" if not missing else f"replicas {missing} did not register in time"
-                self.incarnation = {i: self._registered_incarnation(i) for i in complete}
+                self.incarnation = {i: self._registered_incarnations(i)[0] for i in complete}
                 return self._publish(0, tuple(complete), tuple(missing), reason, timing={})
             self._beat()
             time.sleep(TICK_S)
