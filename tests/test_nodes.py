@@ -103,8 +103,13 @@ def test_two_nodes_on_etcd_the_standby_coordinator_takes_over(tmp_path, etcd_ser
     assert f"the job's store: etcd://{etcd_server}/titan_recover/{tmp_path.name}/" in node1.stderr
     events = read_events(tmp_path / "events.jsonl")
     elected = of(events, "coordinator_elected")
-    assert [e["start"] for e in elected] == [0, 1], elected  # the first leader, then the one that took over
-    assert [e["action"] for e in of(events, "coordinator_started")] == ["form_first", "resume"]
+    assert [e["start"] for e in elected][:2] == [0, 1], elected  # the first leader, then the one that took over
+    # a leader may lose its lease on a loaded machine (no refresh answered in 1.5 s): another takes over, as after the
+    # kill; every later election must follow such a loss, named in the events
+    lost = of(events, "coordinator_lost_leadership")
+    assert len(elected) == 2 + len(lost), (elected, lost)
+    actions = [e["action"] for e in of(events, "coordinator_started")]
+    assert actions[:2] == ["form_first", "resume"] and set(actions[2:]) <= {"resume", "finish"}, actions
     finals = of(events, "final_parameters")
     assert sorted(e["replica"] for e in finals) == [0, 1] and len({e["sha256"] for e in finals}) == 1
     assert processes_of_run(str(tmp_path)) == []

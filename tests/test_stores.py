@@ -391,3 +391,44 @@ def test_a_leader_whose_lease_is_revoked_knows_it_and_resigning_hands_over_at_on
     standby.join()
     assert c.is_leader and time.monotonic() - start < 0.5  # no TTL to wait for
     c.resign()
+
+
+class _FlakyRefresher:
+    """The election's refresher, failing its first ``failures`` calls (``None``: every call) as a lost answer."""
+
+    def __init__(self, real, failures=None):
+        self.real, self.failures, self.calls = real, failures, 0
+        self.endpoints = real.endpoints
+
+    def call(self, op, **kwargs):
+        self.calls += 1
+        if self.failures is None or self.calls <= self.failures:
+            raise ConnectionError(f"refresh {self.calls} not answered")
+        return self.real.call(op, **kwargs)
+
+
+@pytest.mark.multiprocess
+def test_a_refresh_that_fails_is_tried_again_and_the_lease_is_lost_only_before_it_can_expire(etcd_server):
+    """Two refreshes in a row go unanswered: the keepalive tries again within the same quarter TTL and keeps the
+    lease. When no refresh is answered, ``lost`` is set 3/4 TTL after the last answered one, while the key (and
+    the lease) are still held: no other candidate can lead before this one knows it may not."""
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    store = open_store(f"etcd://{etcd_server}", timeout=TIMEOUT, prefix=f"leader-{uuid.uuid4().hex}")
+    flaky = LeaderElection(store, "coordinator", "flaky")
+    flaky.campaign(timedelta(seconds=5))
+    flaky._refresher = _FlakyRefresher(flaky._refresher, failures=2)
+    time.sleep(2 * flaky.ttl_s)
+    assert not flaky.lost.is_set() and flaky._refresher.calls > 3 and store.get("coordinator") == b"flaky"
+    flaky.resign()
+
+    dead = LeaderElection(store, "coordinator", "dead")
+    dead.campaign(timedelta(seconds=5))
+    answered = time.monotonic()  # no later than the last answered refresh was sent
+    dead._refresher = _FlakyRefresher(dead._refresher)
+    assert dead.lost.wait(2 * dead.ttl_s)
+    lost_after = time.monotonic() - answered
+    assert store.get("coordinator") == b"dead"  # still held: etcd has not expired the lease yet
+    assert lost_after < dead.ttl_s, lost_after
+    assert "not answered" in dead.lost_reason and not dead.is_leader
+    dead.resign()

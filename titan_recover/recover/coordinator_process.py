@@ -51,9 +51,11 @@ def lead(store, identity: str):
     while not store.check([GroupKeys.FINISHED]):
         try:
             election.campaign(timedelta(seconds=CAMPAIGN_SLICE_S))
-            return election
         except TimeoutError:
             continue
+        if not store.check([GroupKeys.FINISHED]):
+            return election
+        break  # led only because the last leader finished the job and resigned
     election.resign()
     return None
 
@@ -63,8 +65,10 @@ def exit_when_lost(election, events) -> None:
     and two coordinators must never decide at once (the remaining window is in docs/deploy.md)."""
     def watch() -> None:
         election.lost.wait()
-        events.emit("coordinator_lost_leadership", identity=election.identity, term=election.term)
-        logger.error("%s lost the leadership (term %s): exiting", election.identity, election.term)
+        events.emit("coordinator_lost_leadership", identity=election.identity, term=election.term,
+                    reason=election.lost_reason)
+        logger.error("%s lost the leadership (term %s: %s): exiting", election.identity, election.term,
+                     election.lost_reason)
         os._exit(EXIT_LOST)
 
     threading.Thread(target=watch, name="leadership", daemon=True).start()

@@ -6,11 +6,14 @@ refreshes every ``ttl_s / 3``. If the leader stops (killed, partitioned, stalled
 after the last refresh, etcd deletes the key at its next check of expired leases (every 500 ms), and a waiting
 candidate, watching the key, creates it then.
 
-A refresh that fails (no answer from any member within ``ttl_s / 3`` in all, or the lease is gone) sets ``lost``:
-at most ``2/3 ttl_s`` after the last refresh that succeeded, so before etcd can let another candidate in (if the
-two clocks run at the same rate). ``term`` (the revision at which a leader took the key, larger for every later
-leader) lets writes be fenced by whoever reads them. etcd3gw's ``Lease`` refreshes and revokes the lease (the
-grant is posted directly, to learn the TTL granted); its ``Lock`` is not used: it keeps locks under a fixed
+The keepalive refreshes every ``ttl_s / 4`` and retries a refresh that failed (no answer, a connection refused)
+until ``3/4 ttl_s`` after the last refresh that succeeded was sent; with no success by then, or when etcd answers
+that the lease is gone, it sets ``lost``: before etcd can let another candidate in (the lease lives at least
+``ttl_s`` from that send, if the two clocks run at the same rate), with ``ttl_s / 4`` left for the holder to stop.
+A single slow answer (a loaded machine, an etcd busy syncing its log) therefore costs nothing while a later try
+gets through in time. ``term`` (the revision at which a leader took the key, larger for every later
+leader) lets writes be fenced by whoever reads them. etcd3gw's ``Lease`` revokes the lease (the grant and
+the keepalive are posted directly: to learn the TTL granted, and to bound each refresh by the time left); its ``Lock`` is not used: it keeps locks under a fixed
 ``/locks/`` prefix rather than the job's, grants a new lease at every attempt, neither waits nor keeps its lease
 alive.
 """
@@ -28,6 +31,14 @@ from titan_recover.recover.stores.etcd import (EtcdCluster, EtcdStore, first_kv,
 
 logger = logging.getLogger(__name__)
 
+REFRESH_EVERY = 1 / 4
+"""The keepalive refreshes the lease this fraction of its TTL after the last refresh that succeeded."""
+LOST_AFTER = 3 / 4
+"""...and gives up (``lost``) this fraction of the TTL after that refresh was sent (etcd keeps the lease a whole
+TTL after it received it)."""
+RETRY_S = 0.05
+"""Pause between tries of a refresh that failed at once (a refused connection)."""
+
 
 class LeaderElection:
     """One candidate for the role held in ``key`` of ``store`` (an :class:`EtcdStore`), as ``identity``.
@@ -42,9 +53,12 @@ class LeaderElection:
         self.key, self.identity, self.ttl_s = key, identity, ttl_s
         self._key = store.etcd_key(key)
         self._cluster = store.cluster
-        self._refresher = EtcdCluster(store.cluster.endpoints, ttl_s / 3 / len(store.cluster.endpoints))
+        self._refresher = EtcdCluster(store.cluster.endpoints, ttl_s * LOST_AFTER)
         self.lost = threading.Event()
         """Set when the lease could not be refreshed (or was revoked): this candidate may no longer lead."""
+        self.lost_reason = ""
+        """Why ``lost`` was set."""
+        self._granted_at = 0.0
         self.term: int | None = None
         """The etcd revision at which this candidate took the key; None until it leads."""
         self._lease: int | None = None
@@ -111,6 +125,7 @@ class LeaderElection:
         return Lease(self._lease, client=client)
 
     def _grant(self) -> None:
+        self._granted_at = time.monotonic()
         granted = self._cluster.call(lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": self.ttl_s, "ID": 0}))
         self._lease, self.ttl_s = int(granted["ID"]), int(granted["TTL"])
         self._stop.clear()
@@ -118,14 +133,35 @@ class LeaderElection:
         self._keepalive.start()
 
     def _keep_alive(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
-            try:
-                left = self._refresher.call(lambda c: self._lease_of(c).refresh())
-            except Exception as e:  # noqa: BLE001 - any failure means the lease may expire unrefreshed
-                left, reason = -1, str(e)
-            else:
-                reason = "the lease is gone (expired or revoked)"
-            if left <= 0:
-                logger.warning("%s: lost the lease of %s: %s", self.identity, self.key, reason)
-                self.lost.set()
-                return
+        last_ok = self._granted_at
+        while not self._stop.wait(max(0.0, last_ok + self.ttl_s * REFRESH_EVERY - time.monotonic())):
+            deadline = last_ok + self.ttl_s * LOST_AFTER
+            reason = "no refresh was answered"
+            while True:
+                sent = time.monotonic()
+                if sent >= deadline:
+                    self._lose(f"{reason}, {self.ttl_s * LOST_AFTER:.1f} s after the last one that was")
+                    return
+                try:
+                    left = self._refresher.call(lambda c: self._refresh(c, (deadline - sent) / len(self._refresher.endpoints)))
+                except Exception as e:  # noqa: BLE001 - tried again until the deadline
+                    reason = f"no refresh was answered (the last try: {e})"
+                    if self._stop.wait(min(RETRY_S, max(0.0, deadline - time.monotonic()))):
+                        return
+                    continue
+                if left <= 0:
+                    self._lose("the lease is gone (expired or revoked)")
+                    return
+                last_ok = sent
+                break
+
+    def _refresh(self, client, timeout_s: float) -> int:
+        """One keepalive of the lease, answered within ``timeout_s``: the TTL left (-1: the lease is gone)."""
+        reply = client.session.post(client.get_url("/lease/keepalive"), json={"ID": self._lease}, timeout=timeout_s)
+        reply.raise_for_status()
+        return int(reply.json()["result"].get("TTL", -1))
+
+    def _lose(self, reason: str) -> None:
+        logger.warning("%s: lost the lease of %s: %s", self.identity, self.key, reason)
+        self.lost_reason = reason
+        self.lost.set()
