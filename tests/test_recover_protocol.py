@@ -401,3 +401,14 @@ def test_the_coordinator_imports_no_client_module():
              "any(part in m for part in ('groups.member', 'groups.replica_sync', 'ftpg', 'modes'))))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_long_waits_are_cut_in_doubling_slices_up_to_a_cap():
+    """A rank blocked on an epoch looks at ``stop`` between slices: 1 s, then doubling, capped (few c10d
+    timed-out-wait lines in a long wait, and a stop still seen within the cap)."""
+    from itertools import islice
+
+    from titan_recover.recover.groups.member import wait_slices
+
+    assert list(islice(wait_slices(1.0, 4.0), 5)) == [1.0, 2.0, 4.0, 4.0, 4.0]
+    assert list(islice(wait_slices(0.3, 1.0), 4)) == [0.3, 0.6, 1.0, 1.0]

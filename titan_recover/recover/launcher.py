@@ -33,6 +33,7 @@ from titan_recover.recover.groups.member import COORDINATOR_ENV, INCARNATION_ENV
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
 from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag, read_dropped
+from titan_recover.recover.groups.protocol import decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
                                              run_segment)
@@ -399,8 +400,14 @@ class ReplicaJob:
                   f"{self.recover.coordinator_restarts}): stopping the job with the last committed step")
         print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
         self.store.set(GroupKeys.STOP, reason)
-        if self.store.check([GroupKeys.EPOCH]):  # members in a collective or a barrier abort it and read the stop
-            raise_fault_flag(self.store, int(self.store.get(GroupKeys.EPOCH)), reason)
+        epoch = int(self.store.get(GroupKeys.EPOCH)) if self.store.check([GroupKeys.EPOCH]) else -1
+        if epoch >= 0:  # members in a collective or a barrier abort it and read the stop
+            raise_fault_flag(self.store, epoch, reason)
+        # ranks blocked on the next epoch wake by its members and read the stop: no coordinator will publish one, so
+        # this launcher does, with the same members (the lowest writes the stop's checkpoint, as after a
+        # coordinator's stop); an epoch a coordinator published before it died stays as it was
+        members = decode_members(self.store.get(GroupKeys.members(epoch)))[0] if epoch >= 0 else ()
+        self.store.compare_set(GroupKeys.members(epoch + 1), "", encode_members(members, reason))
 
     def cold_restart_due(self) -> int | None:
         """The empty epoch of a cold restart this launcher has not yet restarted its groups for, or None."""

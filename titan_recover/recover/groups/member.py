@@ -37,7 +37,20 @@ LATE_BEAT_S = 0.5
 EXIT_EXCLUDED = 75
 """Exit code of a rank whose replica was left out of an epoch."""
 WAIT_SLICE_S = 1.0
-"""A rank blocked on an epoch or an admission looks at ``stop`` / ``finished`` this often."""
+"""A rank blocked on an epoch or an admission looks at ``stop`` / ``finished`` after this long, then after slices
+twice as long each, up to :data:`WAIT_SLICE_MAX_S`: a wait that ends by its timeout is logged by c10d (two lines),
+so a long wait (a coordinator restarting, a joiner waiting for its turn) logs a few lines, not two a second. Every
+stop that can come while ranks wait ends their waits by a write: the coordinator writes ``stop`` before an epoch's
+members, the launcher stopping a job without a coordinator writes the next epoch's members (nobody) after it."""
+WAIT_SLICE_MAX_S = 4.0
+
+
+def wait_slices(first_s: float = WAIT_SLICE_S, most_s: float = WAIT_SLICE_MAX_S):
+    """The lengths of the successive slices of a long wait: ``first_s``, doubling, capped at ``most_s``."""
+    slice_s = first_s
+    while True:
+        yield slice_s
+        slice_s = min(2 * slice_s, most_s)
 
 
 class TooFewReplicas(RuntimeError):
@@ -135,13 +148,14 @@ class ReplicaMember:
 
     def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason). Blocks in the
-        store on the next epoch's members key (woken when the coordinator writes it), looking at ``stop`` every
-        :data:`WAIT_SLICE_S`; the coordinator writes ``stop`` before the members, so a rank that sees the epoch
+        store on the next epoch's members key (woken when the coordinator writes it), looking at ``stop`` between
+        :func:`wait_slices`; the coordinator writes ``stop`` before the members, so a rank that sees the epoch
         also sees a stop that came with it."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        for slice_s in wait_slices():
             self.progress()
-            published = wait_for_key(self.store, GroupKeys.members(after + 1), WAIT_SLICE_S)
+            published = wait_for_key(self.store, GroupKeys.members(after + 1),
+                                     max(0.01, min(slice_s, deadline - time.monotonic())))
             if self.store.check([GroupKeys.STOP]):
                 raise TooFewReplicas(self.store.get(GroupKeys.STOP).decode(),
                                      untrusted=self.store.check([GroupKeys.STOP_UNTRUSTED]))
@@ -164,11 +178,11 @@ class ReplicaMember:
 
     def wait_for_admission(self, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """A joiner asks to be admitted (``join_request``) and blocks until an epoch includes this replica (in the
-        store, on the next epoch's members key; ``finished`` and ``stop`` are looked at every
-        :data:`WAIT_SLICE_S`)."""
+        store, on the next epoch's members key; ``finished`` and ``stop`` are looked at between
+        :func:`wait_slices`)."""
         self.store.set(GroupKeys.join_request(self.replica, self.rank), str(self.incarnation))
         deadline = time.monotonic() + timeout_s
-        while True:
+        for slice_s in wait_slices():
             self.progress()
             if self.store.check([GroupKeys.FINISHED]) or self.store.check([GroupKeys.STOP]):
                 raise JobOver(f"replica {self.replica}: the job ended before this replica was admitted")
@@ -184,7 +198,7 @@ class ReplicaMember:
                     f"replica {self.replica} rank {self.rank}: not admitted within {timeout_s} s "
                     "(recover.startup_timeout_s); are the running replicas committing steps?"
                 )
-            wait_for_key(self.store, GroupKeys.members(epoch + 1), WAIT_SLICE_S)
+            wait_for_key(self.store, GroupKeys.members(epoch + 1), max(0.01, min(slice_s, deadline - time.monotonic())))
 
     def fault_seen(self, epoch: int) -> bool:
         """The heartbeat thread saw the fault flag of ``epoch`` (or of a later one): no store request. Until this
