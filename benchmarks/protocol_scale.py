@@ -6,13 +6,16 @@ Per size: the job's TCPStore hosted in this process and the real coordinator as 
 titan_recover.recover.coordinator_process``), as the launcher starts them (:func:`start_control`), and ``members =
 replica groups x ranks per replica`` simulated ranks, each the project's own ``ReplicaMember`` (registration, its
 heartbeat thread, ``wait_for_epoch``) with a ``ReplicaSync`` for the commit barrier. Members are threads (one per
-member and phase, as the rank's main thread, besides the member's own heartbeat thread) spread round-robin over
-``--workers`` spawned processes, so that one process's GIL is not the bottleneck. Measured:
+member and phase, as the rank's main thread, besides the member's own heartbeat thread), whole replica groups
+spread round-robin over ``--workers`` spawned processes, so that one process's GIL is not the bottleneck; a
+group's ranks share a store of their own (a ``HashStore`` in their process, where a job has its torchrun's),
+through which the group's leader rank relays their beats. Measured:
 
-- ``requests/s``: store requests the members' clients made over ``--window`` seconds at steady state (no step
-  running: heartbeat threads only), counted by a proxy around each member's two store clients. It counts client
+- ``requests/s``: requests to the job's store the members' clients made over ``--window`` seconds at steady state
+  (no step running: heartbeat threads only), counted by a proxy around each member's two store clients (the
+  requests to the groups' own stores are counted apart, in the details). It counts client
   requests (a ``get`` is one, although c10d's client waits for the key before it reads it); the coordinator's own
-  requests (every 20 ms a ``check`` of each member's ``done`` key and a ``multi_get`` of the beats) are not in it.
+  requests (every 20 ms the ``done_count`` counter and a ``multi_get`` of the groups' beats) are not in it.
   ``coord CPU``: the coordinator process's CPU % of one core over the same window (``/proc/<pid>/stat`` utime +
   stime), the store's server thread included (the JSON splits off its main thread: ``coordinator_loop_cpu``);
 - ``barrier``: every member enters ``commit_barrier(step)`` at an agreed wall time; a step's latency runs from the
@@ -241,6 +244,19 @@ class CountingStore:
         return call
 
 
+def _silence(member) -> None:
+    """A killed (or left-out) member's store clients refuse every request from now on."""
+    for store in (member.store, member._hb_store, member.group_store):
+        if store is not None:
+            store.dead = True
+
+
+def assign_groups(groups: int, ranks_per_replica: int, workers: int) -> list[list[tuple[int, int]]]:
+    """(replica, rank) of the members each worker hosts: whole replica groups, round-robin, so that a group's
+    ranks share its own store as ranks of one torchrun do."""
+    return [[(i, r) for i in range(w, groups, workers) for r in range(ranks_per_replica)] for w in range(workers)]
+
+
 class _Warnings:
     """A logging handler counting the members' warnings (late heartbeats, failed ones) instead of printing them."""
 
@@ -312,6 +328,8 @@ class _Host:
         self.dropped: set[int] = set()
         """Replicas the coordinator left out of an epoch although they were alive (their members ended)."""
         self.counter = RequestCounter()
+        self.group_counter = RequestCounter()
+        """Requests to the replica groups' own stores (torchrun's in a job; a HashStore per group here)."""
 
     def left_out(self) -> None:
         """A member's replica was left out of an epoch (``ReplicaMember.on_excluded``, called on its heartbeat
@@ -320,7 +338,7 @@ class _Host:
         for sync in self.syncs:
             if sync.member._thread is thread:
                 self.dropped.add(sync.member.replica)  # first: its main thread's next request fails
-                sync.member.store.dead = sync.member._hb_store.dead = True
+                _silence(sync.member)
         raise SystemExit(0)  # ends the heartbeat thread (its loop catches Exception only)
 
     def start(self, address: str, assigned: list, ranks_per_replica: int, fields: dict,
@@ -329,16 +347,21 @@ class _Host:
         from titan_recover.recover.events import EventLog
         from titan_recover.recover.groups.member import ReplicaMember
         from titan_recover.recover.groups.replica_sync import ReplicaSync
+        from torch.distributed import HashStore
 
         config = RecoverConfig.from_dict(fields)
         self.syncs, self.killed, self.dropped, self.counter = [], set(), set(), RequestCounter()
+        self.group_counter = RequestCounter()
+        group_stores = {}  # a group's ranks are all in this process (assign_groups): a store in memory
         self.warnings.seen.clear()
         self.warnings.late.clear()
         began = time.time()
         for k, (replica, rank) in enumerate(assigned):
             _sleep_until(began + k * member_interval_s)  # paced: see --connect-rate
+            group = (CountingStore(group_stores.setdefault(replica, HashStore()), self.group_counter)
+                     if ranks_per_replica > 1 else None)
             member = ReplicaMember(config, replica=replica, rank=rank, ranks_per_replica=ranks_per_replica,
-                                   address=address, on_excluded=self.left_out)
+                                   address=address, on_excluded=self.left_out, group_store=group)
             member.store = CountingStore(member.store, self.counter)
             member._hb_store = CountingStore(member._hb_store, self.counter)  # before register() starts the thread
             self.syncs.append(ReplicaSync(config, member, EventLog(None, f"{replica}/{rank}")))
@@ -372,7 +395,7 @@ class _Host:
         victims = [s for s in self.syncs if s.member.replica == replica]
         for sync in victims:
             sync.member._stop.set()
-            sync.member.store.dead = sync.member._hb_store.dead = True
+            _silence(sync.member)
         self.killed.add(replica)
         for sync in victims:
             sync.member.close()
@@ -408,6 +431,9 @@ class _Host:
 
     def count(self) -> int:
         return self.counter.value()
+
+    def count_group(self) -> int:
+        return self.group_counter.value()
 
     def member_warnings(self) -> dict:
         return {"counts": self.warnings.counts(leaving_out=self.killed), "late": self.warnings.late}
@@ -517,17 +543,18 @@ def measure_load(workers: Workers, coordinator_pid: int, window_s: float) -> dic
     ticks_per_s = os.sysconf("SC_CLK_TCK")
     pids = [p.pid for p in workers.procs]
     wall0, host0 = time.monotonic(), _host_sample()
-    count0 = sum(workers.ask("count", wait_s=30))
+    count0, group0 = sum(workers.ask("count", wait_s=30)), sum(workers.ask("count_group", wait_s=30))
     coord0, loop0 = _proc_ticks(coordinator_pid), _proc_ticks(coordinator_pid, coordinator_pid)
     members0 = sum(_proc_ticks(p) for p in pids)
     time.sleep(window_s)
-    count1 = sum(workers.ask("count", wait_s=30))
+    count1, group1 = sum(workers.ask("count", wait_s=30)), sum(workers.ask("count_group", wait_s=30))
     coord1, loop1 = _proc_ticks(coordinator_pid), _proc_ticks(coordinator_pid, coordinator_pid)
     members1 = sum(_proc_ticks(p) for p in pids)
     wall1, host1 = time.monotonic(), _host_sample()
     return {
         "window_s": wall1 - wall0,
         "requests_per_s": (count1 - count0) / (wall1 - wall0),
+        "group_requests_per_s": (group1 - group0) / (wall1 - wall0),
         "coordinator_cpu": cpu_percent((wall0, coord0), (wall1, coord1), ticks_per_s),
         "coordinator_loop_cpu": cpu_percent((wall0, loop0), (wall1, loop1), ticks_per_s),
         "members_cpu": cpu_percent((wall0, members0), (wall1, members1), ticks_per_s),
@@ -597,14 +624,14 @@ def run_size(size: int, args, workers: Workers) -> dict:
     coordinator."""
     from titan_recover.recover.events import read_events
 
-    ranks, used = args.ranks_per_replica, min(len(workers.procs), size)
+    ranks = args.ranks_per_replica
     groups = size // ranks
+    used = min(len(workers.procs), groups)
     result = {"size": size, "members": size, "groups": groups, "hosting": hosting(size, used),
               "host_load_before": os.getloadavg()[0]}
     connect_s = 2 * size / args.connect_rate if args.connect_rate > 0 else 0.0  # two store clients a member
     fields = {"replicas": groups, "startup_timeout_s": connect_s + args.form_timeout, **json.loads(args.recover_json)}
-    members = [(i, r) for i in range(groups) for r in range(ranks)]
-    assigned = [{"assigned": members[w::used] if w < used else []} for w in range(len(workers.procs))]
+    assigned = [{"assigned": hosted} for hosted in assign_groups(groups, ranks, len(workers.procs))]
     with tempfile.TemporaryDirectory(prefix="protocol_scale_") as run_dir:
         started = time.monotonic()
         control = start_control(run_dir, groups, ranks, fields, timeout_s=60)
@@ -690,6 +717,13 @@ def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int) -
                           f"join_window_s){stopped}")
 
 
+def _group_requests(result: dict, interval: float) -> str:
+    if "group_requests_per_s" not in result:
+        return ""
+    per_round = result["group_requests_per_s"] * interval / result["members"]
+    return f" and {per_round:.2f} to its group's own store"
+
+
 def describe(result: dict) -> str:
     """A line of details under the table for one size."""
     if "requests_per_s" not in result:
@@ -698,7 +732,8 @@ def describe(result: dict) -> str:
     per_round = result["requests_per_s"] * interval / result["members"]
     line = (f"size {result['size']}: started in {result['setup_s']:.1f} s (coordinator, connections, epoch 0); "
             f"steady state over {result['window_s']:.1f} s: "
-            f"{per_round:.2f} requests per member per heartbeat interval ({interval} s), coordinator CPU "
+            f"{per_round:.2f} requests per member per heartbeat interval ({interval} s) to the job's store"
+            f"{_group_requests(result, interval)}, coordinator CPU "
             f"{result['coordinator_cpu']:.1f} % (main thread {result['coordinator_loop_cpu']:.1f} %, the rest is the "
             f"store's server thread), members {result['members_cpu']:.1f} %, host {result['host_busy']:.0f} % busy "
             f"(load {result['host_load_before']:.1f} before)")
@@ -808,8 +843,8 @@ def main(argv: list[str] | None = None) -> int:
         workers.exit()
     skipped = sizes[len(results):]
     print(f"\nmembers: threads in spawned processes (one thread per member per phase, and its heartbeat thread), "
-          f"{args.ranks_per_replica} ranks per replica group, spread round-robin over at most {args.workers} "
-          f"processes; requests/s counts the members' client requests; epoch_s: fault flag raised by a survivor "
+          f"{args.ranks_per_replica} ranks per replica group, whole groups spread round-robin over at most "
+          f"{args.workers} processes; requests/s counts the members' client requests to the job's store; epoch_s: fault flag raised by a survivor "
           f"-> last survivor entered the new epoch (not the heartbeat-timeout path)")
     print(TABLE_HEADER)
     for result in results:

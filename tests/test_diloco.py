@@ -17,7 +17,7 @@ from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, toke
 from titan_recover.recover.events import read_events
 from titan_recover.recover.launcher import processes_of_run
 from titan_recover.recover.groups.keys import GroupKeys
-from titan_recover.recover.groups.liveness import Heartbeat
+from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
 
 
 def _config(*overrides: str):
@@ -55,7 +55,7 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
 
     now = time.time()
     for learner in range(3):  # every learner is alive
-        coordinator.set(GroupKeys.heartbeat(learner, 0), Heartbeat(now + 60, now + 60, 1, "inner").encode())
+        coordinator.set(GroupKeys.heartbeat(learner), encode_group_beat({0: Heartbeat(now + 60, now + 60, 1, "inner")}))
     syncer._judge_liveness()
     assert syncer.alive == {0, 1, 2}
     # what the syncer learned before: fragment 0's period is 1 s; learner 2 sends every 3 s, last 0.5 s ago

@@ -99,6 +99,12 @@ def test_the_counting_store_counts_every_request_and_a_killed_one_makes_none():
     assert counter.value() == 3
 
 
+def test_workers_host_whole_replica_groups_round_robin():
+    assigned = scale.assign_groups(groups=3, ranks_per_replica=2, workers=2)
+    assert assigned == [[(0, 0), (0, 1), (2, 0), (2, 1)], [(1, 0), (1, 1)]]
+    assert scale.assign_groups(1, 8, 4)[1:] == [[], [], []]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_tiny_run_prints_a_finite_headline(tmp_path):

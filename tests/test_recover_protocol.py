@@ -11,7 +11,8 @@ from titan_recover.job_config import build_config
 from titan_recover.recover.chaos.config import ChaosConfig, FaultSpec
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import describe_beats
-from titan_recover.recover.groups.liveness import Heartbeat, judge_liveness, LivenessWatch, WatchedTime
+from titan_recover.recover.groups.liveness import (absent_beat, decode_group_beat, encode_group_beat, group_beats, Heartbeat,
+                                                 judge_liveness, LivenessWatch, WatchedTime)
 from titan_recover.recover.groups.protocol import (
     all_joined,
     decide_commit,
@@ -282,7 +283,8 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
 
     def beat(*replicas):
         for replica in replicas:
-            coordinator.store.set(GroupKeys.heartbeat(replica, 0), Heartbeat(time.time(), time.time(), 1, "forward").encode())
+            coordinator.store.set(GroupKeys.heartbeat(replica),
+                                  encode_group_beat({0: Heartbeat(time.time(), time.time(), 1, "forward")}))
 
     for _ in range(10):
         beat(0, 1)
@@ -412,3 +414,72 @@ def test_long_waits_are_cut_in_doubling_slices_up_to_a_cap():
 
     assert list(islice(wait_slices(1.0, 4.0), 5)) == [1.0, 2.0, 4.0, 4.0, 4.0]
     assert list(islice(wait_slices(0.3, 1.0), 4)) == [0.3, 0.6, 1.0, 1.0]
+
+
+def test_a_group_beat_carries_every_rank_and_a_missing_rank_dies_by_the_timeout_not_at_once():
+    beats = {0: Heartbeat(10.0, 9.5, 4, "forward", 1), 1: Heartbeat(10.1, 9.0, 4, "phase,with,commas", 1)}
+    assert decode_group_beat(encode_group_beat(beats)) == beats
+    only_leader = encode_group_beat({0: beats[0]})
+    read = group_beats({3: only_leader}, {3: [0, 1]}, {3: 1})
+    assert read[(3, 0)] == beats[0] and read[(3, 1)] == absent_beat(1)
+    watch = LivenessWatch(heartbeat_timeout_s=2.0, progress_timeout_s=10.0, max_gap_s=1.0)
+    for now in (0.0, 0.5, 1.0, 1.5):  # the leader beats, rank 1 never appears
+        watch.look(now, {(3, 0): beating(100 + now, incarnation=1), (3, 1): absent_beat(1)})
+    assert watch.judge(3, [0, 1], incarnation=1).alive  # 1.5 s missing: not yet
+    watch.look(2.5, {(3, 0): beating(102.5, incarnation=1), (3, 1): absent_beat(1)})
+    assert watch.judge(3, [0, 1], incarnation=1).dead_ranks == (1,)
+
+
+class _CountingStore:
+    """A store client that counts its requests (by method name)."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return method(*args, **kwargs)
+        return counted
+
+
+def test_the_leader_relays_its_groups_beats_and_mirrors_the_flag_so_other_ranks_never_ask_the_job_store():
+    """Two ranks of replica 0 with their group's own store (a HashStore here, torchrun's in a job): rank 1 beats
+    into the group's store and makes no request of the job's store while nothing happens; the leader relays both
+    beats as one key; a fault flag raised in the job's store reaches rank 1 through the leader's mirror."""
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag
+    from titan_recover.recover.groups.member import ReplicaMember
+
+    job, group = job_store(), HashStore()
+    config = RecoverConfig(replicas=1, heartbeat_interval_s=0.05)
+    address = f"127.0.0.1:{job.port}"
+    with pytest.raises(ValueError, match="beat through the group's own store"):
+        ReplicaMember(config, replica=0, rank=1, ranks_per_replica=2, address=address)
+    ranks = [ReplicaMember(config, replica=0, rank=r, ranks_per_replica=2, address=address, group_store=group)
+             for r in (0, 1)]
+    other = _CountingStore(ranks[1]._hb_store)
+    ranks[1]._hb_store = other
+    try:
+        for member in reversed(ranks):
+            member.register()
+        for member in ranks:  # members of epoch 0 (what wait_for_epoch would record)
+            member.epoch, member.members, member.admitted = 0, (0,), True
+        ranks[1].progress(step=7, phase="backward")
+        time.sleep(0.5)
+        relayed = decode_group_beat(job.get(GroupKeys.heartbeat(0)))
+        assert sorted(relayed) == [0, 1] and (relayed[1].step, relayed[1].phase) == (7, "backward")
+        assert other.calls == []  # ten beats of rank 1, none through the job's store
+        assert not job.check(["hb/0/1"]) and group.check([GroupKeys.rank_beat(1)])
+        raise_fault_flag(job, 0, "a peer died")
+        deadline = time.monotonic() + 5
+        while not ranks[1].fault_seen(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ranks[1].fault_seen(0) and group.check([GroupKeys.fault(0)])
+        assert job.check([GroupKeys.join(1, 0, 1)])  # and it joined the next epoch, in the job's store
+    finally:
+        for member in ranks:
+            member.close()

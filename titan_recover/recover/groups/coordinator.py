@@ -25,7 +25,7 @@ from titan_recover.recover.groups.keys import (
     raise_fault_flag,
     read_join_requests,
 )
-from titan_recover.recover.groups.liveness import Heartbeat, LivenessWatch, WatchedTime
+from titan_recover.recover.groups.liveness import group_beats, Heartbeat, LivenessWatch, WatchedTime
 from titan_recover.recover.groups.protocol import (
     all_joined,
     CoordinatorState,
@@ -208,20 +208,22 @@ class Coordinator:
 
     def _watch_liveness(self) -> None:
         watched = [m for m in self.members if m not in self.excluded]
-        # a rank that finished training stops beating: it is done, not dead
+        # a rank that finished training stops beating: it is done, not dead; once the leader rank finished, the
+        # group's last step is committed and the group's beat (the leader's relay) stops: it is no longer watched
         any_done = self._any_done()
-        keys = [(m, r) for m in watched for r in range(self.ranks) if not (any_done and self._done(m, r))]
-        if not keys:
+        ranks = {m: [r for r in range(self.ranks) if not (any_done and self._done(m, r))] for m in watched}
+        ranks = {m: rs for m, rs in ranks.items() if rs and 0 in rs}
+        if not ranks:
             return
-        raw = self.store.multi_get([GroupKeys.heartbeat(m, r) for m, r in keys])
+        raw = self.store.multi_get([GroupKeys.heartbeat(m) for m in ranks])
         now = time.monotonic()  # after the read: what it returned is the store's state at about this time
-        beats = {key: Heartbeat.decode(value) for key, value in zip(keys, raw)}
+        beats = group_beats(dict(zip(ranks, raw)), ranks, self.incarnation)
         self.watch.look(now, beats)
         if self.chaos:
             self._inject("step", min(beat.step for beat in beats.values()))
-        for replica in watched:
-            ranks = [r for m, r in keys if m == replica]
-            verdict = self.watch.judge(replica, ranks, self.incarnation.get(replica, 0))
+        for replica in ranks:
+            ranks_of = ranks[replica]
+            verdict = self.watch.judge(replica, ranks_of, self.incarnation.get(replica, 0))
             if not verdict.alive:
                 self.excluded.add(replica)
                 self._save(dataclasses.replace(self._state(), excluded=tuple(sorted(self.excluded))))
@@ -229,8 +231,9 @@ class Coordinator:
                 self.events.emit("failure_detected", epoch=self.epoch, replica=replica, by="coordinator",
                                  reason=verdict.reason(), dead_ranks=list(verdict.dead_ranks),
                                  hung_ranks=list(verdict.hung_ranks), flag=flag,
-                                 beats=describe_beats({r: beats[(replica, r)] for r in ranks},
-                                                      self.watch.ages(replica, ranks, self.incarnation.get(replica, 0)),
+                                 beats=describe_beats({r: beats[(replica, r)] for r in ranks_of},
+                                                      self.watch.ages(replica, ranks_of,
+                                                                      self.incarnation.get(replica, 0)),
                                                       self.incarnation.get(replica, 0), time.time()),
                                  unwatched_s=round(self.watch.time.unwatched_s, 3))
 

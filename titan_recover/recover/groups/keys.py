@@ -50,8 +50,15 @@ class GroupKeys:
         return f"done/{replica}/{rank}"
 
     @staticmethod
-    def heartbeat(replica: int, rank: int) -> str:
-        return f"hb/{replica}/{rank}"
+    def heartbeat(replica: int) -> str:
+        """The replica group's beat, relayed by its leader rank (rank 0): every rank's latest beat
+        (:func:`~titan_recover.recover.groups.liveness.encode_group_beat`)."""
+        return f"hb/{replica}"
+
+    @staticmethod
+    def rank_beat(rank: int) -> str:
+        """In the replica group's own store: a rank's beat, which its leader relays."""
+        return f"hb/{rank}"
 
     @staticmethod
     def founding(epoch: int, replica: int) -> str:

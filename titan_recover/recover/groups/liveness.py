@@ -34,6 +34,39 @@ class Heartbeat:
         return cls(float(t), float(p), int(step), phase, int(incarnation))
 
 
+def encode_group_beat(beats: dict[int, Heartbeat]) -> str:
+    """A replica group's beat, as its leader rank relays it: every rank's latest beat, one line each."""
+    return "\n".join(f"{rank}|{beat.encode()}" for rank, beat in sorted(beats.items()))
+
+
+def decode_group_beat(raw: bytes | str) -> dict[int, Heartbeat]:
+    """rank -> beat, of the ranks whose beat the leader had read (a rank that never beat is absent)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    beats = {}
+    for line in filter(None, text.split("\n")):
+        rank, _, beat = line.partition("|")
+        beats[int(rank)] = Heartbeat.decode(beat)
+    return beats
+
+
+def absent_beat(incarnation: int) -> Heartbeat:
+    """What a watcher records for a rank missing from its group's beat (not yet relayed, or never beat): a beat
+    that never changes, so the rank is judged dead ``heartbeat_timeout_s`` after it was first missed, not at once."""
+    return Heartbeat(0.0, 0.0, 0, "absent", incarnation)
+
+
+def group_beats(groups: dict[int, bytes | str], ranks: dict[int, list[int]],
+                incarnation: dict[int, int]) -> dict[tuple[int, int], Heartbeat]:
+    """(replica, rank) -> beat for the watched ``ranks`` of each group, from the groups' relayed beats; a rank
+    missing from its group's beat gets :func:`absent_beat`."""
+    beats = {}
+    for replica, raw in groups.items():
+        relayed = decode_group_beat(raw)
+        for rank in ranks[replica]:
+            beats[(replica, rank)] = relayed.get(rank) or absent_beat(incarnation.get(replica, 0))
+    return beats
+
+
 @dataclass(frozen=True)
 class Liveness:
     """The coordinator's verdict on one replica at one instant."""

@@ -15,10 +15,10 @@ import time
 from datetime import timedelta
 from typing import Callable, TYPE_CHECKING
 
-from torch.distributed import DistStoreError, Store
+from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 
 from titan_recover.recover.groups.keys import GroupKeys
-from titan_recover.recover.groups.liveness import Heartbeat
+from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
 from titan_recover.recover.groups.protocol import decode_members
 from titan_recover.recover.stores import connect
 
@@ -79,7 +79,11 @@ def incarnation_from_env(environ=os.environ) -> int:
 
 class ReplicaMember:
     def __init__(self, config: RecoverConfig, *, replica: int, rank: int, ranks_per_replica: int, address: str,
-                 incarnation: int = 0, on_excluded: Callable[[], None] | None = None):
+                 incarnation: int = 0, on_excluded: Callable[[], None] | None = None,
+                 group_store: Store | None = None):
+        if ranks_per_replica > 1 and group_store is None:
+            raise ValueError(f"replica {replica} has {ranks_per_replica} ranks: they beat through the group's own "
+                             "store (group_store, e.g. replica_group_store()), and none was given")
         self.config = config
         self.on_excluded = on_excluded or (lambda: os._exit(EXIT_EXCLUDED))
         """Called by the heartbeat thread when this replica was left out of an epoch: ends the process (torchrun
@@ -102,6 +106,15 @@ class ReplicaMember:
         self.waiting_on: tuple[int, str] | None = None
         """(epoch, decision key) of the commit barrier the main thread is blocked on: the heartbeat thread that
         sees the epoch's fault flag stores ``abort`` there, which wakes it."""
+        self.leader = rank == 0
+        """The group's leader rank relays every rank's beat to the job's store and mirrors the fault flag into the
+        group's store (docs/replica_groups.md "Liveness"): the job's store sees one beat and one flag check per
+        group and heartbeat interval, whatever the ranks per group."""
+        self.group_store = group_store
+        """The replica group's own store (torchrun's, :func:`replica_group_store`), used by the heartbeat thread:
+        ranks other than the leader beat into it and read the mirrored fault flag there. None for one rank."""
+        self._relayed: dict[int, Heartbeat] = {}  # the leader's latest beat of every rank of its group
+        self._mirror_from = 0  # the leader mirrored every raised flag of the epochs before this one
         self._thread: threading.Thread | None = None
         self.beacon = None
         """A :class:`~titan_recover.recover.scout.beacon.Beacon` for the hang observer, or None."""
@@ -122,7 +135,7 @@ class ReplicaMember:
             GroupKeys.register(self.replica, self.rank),
             f"{os.getpid()},{socket.gethostname()},{self.ranks_per_replica},{self.incarnation}",
         )
-        self._beat(self.store)
+        self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="titan-recover-heartbeat", daemon=True)
         self._thread.start()
 
@@ -210,12 +223,45 @@ class ReplicaMember:
         return self.admitted and self._thread is not None
 
     # ---- heartbeat thread --------------------------------------------------------------------------------
-    def _beat(self, store: Store) -> None:
+    def _beat(self) -> None:
+        """Another rank writes its beat to the group's store; the leader writes the group's beat to the job's store:
+        its own and the latest of every other rank (read from the group's store in one request)."""
         beat = Heartbeat(time.time(), self._progress, self._step, self._phase, self.incarnation)
-        store.set(GroupKeys.heartbeat(self.replica, self.rank), beat.encode())
+        if not self.leader:
+            self.group_store.set(GroupKeys.rank_beat(self.rank), beat.encode())
+            return
+        self._relayed[self.rank] = beat
+        others = range(1, self.ranks_per_replica)
+        if others:
+            keys = [GroupKeys.rank_beat(r) for r in others]
+            if len(self._relayed) == self.ranks_per_replica or self.group_store.check(keys):
+                values = self.group_store.multi_get(keys)
+            else:  # not every rank has beaten yet (start-up): relay those that have
+                values = [self.group_store.get(k) if self.group_store.check([k]) else None for k in keys]
+            self._relayed.update({r: Heartbeat.decode(v) for r, v in zip(others, values) if v is not None})
+        self._hb_store.set(GroupKeys.heartbeat(self.replica), encode_group_beat(self._relayed))
+
+    def _fault_raised(self, epoch: int) -> bool:
+        """Whether ``epoch``'s fault flag is raised. The leader reads the job's store and mirrors a raised flag into
+        the group's store, where the other ranks look (so they make no request of the job's store per beat)."""
+        if not self.leader:
+            return self.group_store.check([GroupKeys.fault(epoch)])
+        raised = self._hb_store.check([GroupKeys.fault(epoch)])
+        if raised and self.group_store is not None:
+            self.group_store.set(GroupKeys.fault(epoch), "1")
+        return raised
+
+    def _mirror_skipped(self, watching: int) -> None:
+        """The leader moved past epochs without seeing their flags (its main thread changed epoch first): mirror
+        those raised since, for a rank of its group still in one of them."""
+        if self.leader and self.group_store is not None:
+            for epoch in range(self._mirror_from, watching):
+                self._fault_raised(epoch)
+            self._mirror_from = max(self._mirror_from, watching)
 
     def _heartbeat_loop(self) -> None:
-        """Every ``heartbeat_interval_s``: beat, and look at the current epoch's fault flag. On a flag it joins the
+        """Every ``heartbeat_interval_s``: beat, and look at the current epoch's fault flag (the leader in the job's
+        store, the other ranks in the group's: :meth:`_beat`, :meth:`_fault_raised`). On a flag it joins the
         next epoch (the process is alive), records the fault for the main thread (:meth:`fault_seen`: collectives
         read it without a store request), wakes a commit barrier blocked in that epoch by storing ``abort`` as
         its decision, and, once the coordinator published the next epoch, ends the process if its replica was
@@ -228,7 +274,7 @@ class ReplicaMember:
         while not self._stop.wait(interval):
             try:
                 woke = time.monotonic()
-                self._beat(store)
+                self._beat()
                 beaten = time.monotonic()
                 if beaten - last_beat > interval + LATE_BEAT_S:
                     # the coordinator declares this rank dead at heartbeat_timeout_s: say where the time went
@@ -241,6 +287,7 @@ class ReplicaMember:
                     if not self.admitted:
                         continue
                     watching = max(watching, self.epoch)
+                    self._mirror_skipped(watching)
                     if joined > watching:  # joined the next epoch: is this replica in it?
                         if store.check([GroupKeys.members(joined)]):
                             members, _ = decode_members(store.get(GroupKeys.members(joined)))
@@ -249,7 +296,7 @@ class ReplicaMember:
                                              self.rank, joined)
                                 self.on_excluded()
                             watching = joined
-                    elif store.check([GroupKeys.fault(watching)]):
+                    elif self._fault_raised(watching):
                         self._faulted = max(self._faulted, watching)
                         store.set(GroupKeys.join(watching + 1, self.replica, self.rank), f"{time.time():.6f}")
                         store.add(GroupKeys.joined_count(watching + 1), 1)
@@ -274,3 +321,16 @@ def wait_for_key(store: Store, key: str, timeout_s: float) -> bool:
         return True
     except DistStoreError:
         return False
+
+
+def replica_group_store(timeout_s: float, environ=os.environ) -> Store:
+    """A client of the replica group's own store: the one its ranks' process group was formed on (torchrun's,
+    ``MASTER_ADDR:MASTER_PORT``; after a torchrun restart rank 0's, see ``train.fresh_store_after_restart``), under
+    a prefix of its own. It lives exactly as long as the group."""
+    try:
+        host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+    except (KeyError, ValueError) as e:
+        raise RuntimeError("a replica group of several ranks needs its own store: MASTER_ADDR and MASTER_PORT "
+                           "(set by torchrun) are missing or not a port") from e
+    client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return PrefixStore("titan_recover", client)

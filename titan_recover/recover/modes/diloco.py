@@ -14,7 +14,7 @@ import torch
 from titan_recover.recover.chaos.monkey import ChaosMonkey
 from titan_recover.recover.diloco.learner import Learner
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.groups.member import ReplicaMember, incarnation_from_env
+from titan_recover.recover.groups.member import incarnation_from_env, replica_group_store, ReplicaMember
 from titan_recover.recover.modes.base import Mode, register_mode, TrainerParts
 from titan_recover.recover.modes.single import forward_backward_with_faults
 from titan_recover.recover.modes.sync import replica_environment
@@ -33,7 +33,9 @@ class DilocoMode(Mode):
                                  incarnation=incarnation, run_dir=run_dir)
         parts.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
         self.member = ReplicaMember(config.recover, replica=learner, rank=rank, ranks_per_replica=world,
-                                    address=address, incarnation=incarnation)
+                                    address=address, incarnation=incarnation,
+                                    group_store=replica_group_store(config.recover.agree_timeout_s)
+                                    if world > 1 else None)
         self.member.register()
         self.learner = Learner(parts, self.member, events, learner=learner, learners=config.recover.replicas,
                                incarnation=incarnation, coordinator_address=address)

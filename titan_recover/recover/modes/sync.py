@@ -32,6 +32,7 @@ from titan_recover.recover.groups.member import (  # noqa: E402
     incarnation_from_env,
     JobOver,
     REPLICA_ENV,
+    replica_group_store,
     ReplicaMember,
     RUN_DIR_ENV,
     TooFewReplicas,
@@ -96,7 +97,8 @@ class SyncMode(Mode):
         self.chaos = ChaosMonkey(config.chaos.schedule(recover.groups, world), self.replica, self.rank, self.events,
                                  incarnation=incarnation, run_dir=self.run_dir)
         self.member = ReplicaMember(recover, replica=self.replica, rank=self.rank, ranks_per_replica=world,
-                                    address=address, incarnation=incarnation)
+                                    address=address, incarnation=incarnation,
+                                    group_store=replica_group_store(recover.agree_timeout_s) if world > 1 else None)
         if recover.localize.hang_threshold_s > 0:  # read by the replica's hang observer (docs/scout.md)
             self.member.beacon = Beacon(beacon_path(self.run_dir, self.replica, self.rank, incarnation))
         self.sync = ReplicaSync(recover, self.member, self.events, self.chaos, final_step=config.training.steps,

@@ -1,5 +1,5 @@
 """Which learners the syncer still expects deltas from (docs/diloco.md, "Liveness"): alive while no rank's
-heartbeat in the coordinator's store stayed unchanged for ``heartbeat_timeout_s`` on the syncer's own clock (only
+heartbeat (relayed by the learner's leader rank) in the coordinator's store stayed unchanged for ``heartbeat_timeout_s`` on the syncer's own clock (only
 over time it was watching), and not reported done."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import time
 
 from titan_recover.recover.groups.keys import GroupKeys
-from titan_recover.recover.groups.liveness import Heartbeat, LivenessWatch
+from titan_recover.recover.groups.liveness import absent_beat, decode_group_beat, LivenessWatch
 
 LIVENESS_EVERY_S = 0.2
 
@@ -25,9 +25,11 @@ class LearnerLiveness:
             if all(self.coordinator.check([GroupKeys.done(learner, rank)]) for rank in range(self.ranks)):
                 done.add(learner)
                 continue
-            keys = [GroupKeys.heartbeat(learner, rank) for rank in range(self.ranks)]
-            if all(self.coordinator.check([k]) for k in keys):
-                beats[learner] = [Heartbeat.decode(raw) for raw in self.coordinator.multi_get(keys)]
+            key = GroupKeys.heartbeat(learner)  # relayed by the learner's leader rank
+            relayed = decode_group_beat(self.coordinator.get(key)) if self.coordinator.check([key]) else {}
+            if 0 in relayed:
+                incarnation = relayed[0].incarnation
+                beats[learner] = [relayed.get(rank) or absent_beat(incarnation) for rank in range(self.ranks)]
         # judged on the syncer's own clock, over the time it watched (a merge that kept it busy is not held against
         # the learners); any start of a learner counts: its restart is alive
         self.watch.look(time.monotonic(),
