@@ -128,7 +128,8 @@ class StepRecovery:
         """``groups``: replica groups of the job (active and spares); ``active``: those holding quota
         (``[recover] replicas``; 0: every member). ``agree_speed``: make this replica's ranks agree on its measured
         speed. ``localizer``: signatures, votes, replays and stragglers (docs/scout.md). ``signature``: this rank's
-        parameter signature, read just before each reduction (the state the step's update applies to)."""
+        state signature (parameters and optimizer state), read just before each reduction (the state the step's
+        update applies to)."""
         self.quota, self.config = quota, config or StepConfig()
         self.replica, self.groups, self.per_step, self.active = replica, groups, per_step, active
         self.sync, self.worker = sync, worker

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_recover import platform
 from titan_recover.recover.modes.base import TrainerParts
-from titan_recover.recover.phoenix.state_transfer import local_tensor
+from titan_recover.recover.phoenix.state_transfer import local_tensor, optimizer_tensors
 from titan_recover.recover.scout.consensus import fingerprint
 
 
@@ -208,4 +208,11 @@ class ReplicaWorker:
             offset += g.numel()
 
     def parameter_signature(self) -> int:
+        """The signature of this rank's parameter shards alone."""
         return fingerprint(local_parameters(self.parts.model_parts))
+
+    def state_signature(self) -> int:
+        """The signature the parameter vote compares (docs/scout.md): this rank's parameter shards and its
+        optimizer state (AdamW's moments and step count), the tensors a state transfer sends. A flipped bit of a
+        moment changes it at once, before the next optimizer step carries the flip into the parameters."""
+        return fingerprint([*local_parameters(self.parts.model_parts), *optimizer_tensors(self.parts.optimizers)])

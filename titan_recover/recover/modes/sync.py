@@ -127,7 +127,7 @@ class SyncMode(Mode):
             recover.quota, config=recover.step, replica=self.replica, groups=recover.groups,
             active=recover.replicas, per_step=self.per_step, sync=self.sync, worker=self.worker,
             agree_speed=self._agree_speed if world > 1 else None, localizer=self.localizer,
-            signature=self.worker.parameter_signature,
+            signature=self.worker.state_signature,
             dtype=torch.float64 if recover.quota.exact else torch.float32,
         )
         self.state = TrainingState(parts.model_parts, list(parts.optimizers), parts.lr_schedulers,

@@ -51,6 +51,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Every tensor of the optimizers' per-parameter state (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``), local
+    shards, in parameter order and by name: what a state transfer sends after the parameters, and what the parameter
+    vote signs with them (docs/scout.md). Empty before the first optimizer step."""
+    out = []
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state.get(p, {})
+                out.extend(local_tensor(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor))
+    return out
+
+
 @dataclass
 class TrainingState:
     """What a step needs, as held by one rank (see docs/phoenix.md for the list)."""
@@ -84,13 +97,8 @@ class TrainingState:
                     p.grad = grad
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [local_tensor(p.data) for part in self.model_parts for p in part.parameters()]
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    state = opt.state.get(p, {})
-                    out.extend(local_tensor(state[k]) for k in sorted(state) if isinstance(state[k], torch.Tensor))
-        return out
+        return [*(local_tensor(p.data) for part in self.model_parts for p in part.parameters()),
+                *optimizer_tensors(self.optimizers)]
 
     def metadata(self) -> dict[str, Any]:
         groups = [[{k: v for k, v in g.items() if k != "params" and _is_json_scalar(v)} for g in opt.param_groups]

@@ -12,9 +12,9 @@ class LocalizeConfig:
     """``[recover.localize]``: naming silent corruption and stragglers by consensus among replicas (docs/scout.md)."""
 
     vote: bool = True
-    """Every rank signs its parameter shard (a 32-bit integer sum of its bits) into each step's reduction; the
-    members vote by strict majority before the step commits: an outlier replica is evicted and its microbatches
-    are computed by the others in the same step."""
+    """Every rank signs its parameter shard and optimizer state (a 32-bit integer sum of their bits) into each
+    step's reduction; the members vote by strict majority before the step commits: an outlier replica is evicted
+    and its microbatches are computed by the others in the same step."""
 
     replay_interval: int = 0
     """Every this many steps one sampled microbatch is computed again by the two members after its holder and the
