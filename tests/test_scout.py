@@ -101,7 +101,11 @@ def _flagged_steps(metrics: dict[int, dict[int, dict]], replica: int, threshold:
     ``threshold``: the detector's input and rule, recomputed apart from it."""
     flagged = []
     for step in sorted(metrics[replica]):
-        times = {r: metrics[r][step]["recover/compute_s"] / metrics[r][step]["recover/computed_here"] for r in metrics}
+        logged = {r: metrics[r][step] for r in metrics}
+        times = {r: m["recover/compute_s"] / m["recover/computed_here"] for r, m in logged.items()
+                 if m["recover/computed_here"] > 0 and m["recover/compute_s"] > 0}
+        if len(times) < 3 or replica not in times:  # a replica given no microbatch is not timed; two are not judged
+            continue
         median = statistics.median(times.values())
         spread = 1.4826 * max(statistics.median(abs(t - median) for t in times.values()), 0.05 * median)
         if (times[replica] - median) / spread > threshold:

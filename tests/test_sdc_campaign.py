@@ -30,6 +30,7 @@ def flip(kind: str, *, step: int = 2, replica: int = 1, bit: int = 31, element: 
     return campaign.Flip(kind, "sign" if bit == 31 else "exponent", step, replica, bit, element, microbatch)
 
 
+@pytest.mark.multiprocess  # trains nine models: the slower tier
 def test_base_runs_are_clean_and_every_setting_commits_the_same_state(base):
     # run_base raises on a refused clean step and on settings that committed different states
     assert base.clusters["replay_1"].votes == 2 * SETUP.total_steps  # parameters + replay, every step
@@ -37,11 +38,13 @@ def test_base_runs_are_clean_and_every_setting_commits_the_same_state(base):
     assert all(c.false == 0 for c in base.clusters.values())
 
 
+@pytest.mark.multiprocess  # trains nine models: the slower tier
 def test_a_sign_bit_parameter_flip_is_detected_and_attributed_with_replay_off(base):
     result = campaign.inject(base, base.clusters["replay_off"], flip("parameter", replica=2, element=12345))
     assert (result.outcome, result.attributed, result.latency, result.what) == ("detected", True, 0, ("parameters",))
 
 
+@pytest.mark.multiprocess  # trains nine models: the slower tier
 def test_an_optimizer_state_flip_is_seen_at_once_by_the_state_signature_and_later_by_the_parameters_alone(base):
     moment = flip("exp_avg", replica=0, bit=30, element=200_000)
     at_once = campaign.inject(base, base.clusters["replay_off"], moment)
@@ -50,6 +53,7 @@ def test_an_optimizer_state_flip_is_seen_at_once_by_the_state_signature_and_late
     assert (later.outcome, later.attributed, later.latency) == ("detected", True, 1)  # after the optimizer step
 
 
+@pytest.mark.multiprocess  # trains nine models: the slower tier
 def test_a_gradient_flip_on_a_microbatch_that_is_not_replayed_escapes(base):
     # exponent bit 30 of an element of the first attention weight's gradient (after the embedding's 131072): nonzero
     step = 2
