@@ -246,7 +246,7 @@ class CountingStore:
 
 def _silence(member) -> None:
     """A killed (or left-out) member's store clients refuse every request from now on."""
-    for store in (member.store, member._hb_store, member.group_store):
+    for store in (member.store, member._hb_store, member.group_store, member._hb_group_store):
         if store is not None:
             store.dead = True
 
@@ -361,7 +361,8 @@ class _Host:
             group = (CountingStore(group_stores.setdefault(replica, HashStore()), self.group_counter)
                      if ranks_per_replica > 1 else None)
             member = ReplicaMember(config, replica=replica, rank=rank, ranks_per_replica=ranks_per_replica,
-                                   address=address, on_excluded=self.left_out, group_store=group)
+                                   address=address, on_excluded=self.left_out,
+                                   group_store=(lambda g=group: g) if group is not None else None)
             member.store = CountingStore(member.store, self.counter)
             member._hb_store = CountingStore(member._hb_store, self.counter)  # before register() starts the thread
             self.syncs.append(ReplicaSync(config, member, EventLog(None, f"{replica}/{rank}")))

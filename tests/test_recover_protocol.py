@@ -457,9 +457,9 @@ def test_the_leader_relays_its_groups_beats_and_mirrors_the_flag_so_other_ranks_
     job, group = job_store(), HashStore()
     config = RecoverConfig(replicas=1, heartbeat_interval_s=0.05)
     address = f"127.0.0.1:{job.port}"
-    with pytest.raises(ValueError, match="beat through the group's own store"):
+    with pytest.raises(ValueError, match="through the group's own store"):
         ReplicaMember(config, replica=0, rank=1, ranks_per_replica=2, address=address)
-    ranks = [ReplicaMember(config, replica=0, rank=r, ranks_per_replica=2, address=address, group_store=group)
+    ranks = [ReplicaMember(config, replica=0, rank=r, ranks_per_replica=2, address=address, group_store=lambda: group)
              for r in (0, 1)]
     other = _CountingStore(ranks[1]._hb_store)
     ranks[1]._hb_store = other
@@ -483,3 +483,73 @@ def test_the_leader_relays_its_groups_beats_and_mirrors_the_flag_so_other_ranks_
     finally:
         for member in ranks:
             member.close()
+
+
+def _two_groups_of_two(config=None):
+    """Replica groups 0 and 1 of two ranks each, members of epoch 0, with the job's store and a store per group
+    (HashStores, as torchrun's would be): their ``ReplicaSync`` by (replica, rank), and the job's store."""
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.events import EventLog
+    from titan_recover.recover.groups.member import ReplicaMember
+    from titan_recover.recover.groups.replica_sync import ReplicaSync
+
+    config = config or RecoverConfig(replicas=2, collective_timeout_s=10.0)
+    job = job_store()
+    groups = {replica: HashStore() for replica in (0, 1)}
+    syncs = {}
+    for replica in (0, 1):
+        for rank in (0, 1):
+            member = ReplicaMember(config, replica=replica, rank=rank, ranks_per_replica=2,
+                                   address=f"127.0.0.1:{job.port}", group_store=lambda r=replica: groups[r])
+            member.epoch, member.members, member.admitted = 0, (0, 1), True
+            syncs[(replica, rank)] = ReplicaSync(config, member, EventLog(None, f"{replica}/{rank}"))
+    return syncs, job, groups
+
+
+def _barrier_in_threads(syncs, step, timeout_s=20.0):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(syncs)) as pool:
+        futures = {key: pool.submit(sync.commit_barrier, step) for key, sync in syncs.items()}
+        return {key: future.result(timeout=timeout_s) for key, future in futures.items()}
+
+
+def test_the_commit_barrier_counts_groups_in_the_job_store_and_passes_the_decision_on_in_each_group():
+    from titan_recover.recover.groups.keys import GroupKeys
+
+    syncs, job, groups = _two_groups_of_two()
+    decisions = _barrier_in_threads(syncs, 3)
+    assert set(decisions.values()) == {"commit"}
+    assert job.add(GroupKeys.reduced(0, 3), 0) == 2  # one per group, not one per rank
+    assert all(g.get(GroupKeys.decision(0, 3)) == b"commit" for g in groups.values())
+    assert not job.check([GroupKeys.fault(0)])
+
+
+def test_a_rank_that_saw_a_fault_aborts_the_step_for_every_group():
+    """Rank 1 of group 0 saw the fault flag before the barrier: it proposes ``abort`` without counting in; its
+    leader, waiting for it, wakes by the passed-on decision, and group 1 (counted in) reads it from the job."""
+    syncs, job, groups = _two_groups_of_two()
+    syncs[(0, 1)]._fault_seen = lambda: True  # what its heartbeat thread would have recorded
+    assert set(_barrier_in_threads(syncs, 4).values()) == {"abort"}
+
+
+def test_a_flag_while_a_rank_never_arrives_wakes_every_waiting_rank_with_abort():
+    """Rank 1 of group 1 never reaches the barrier (stuck in its collective); the others wait: group 0 in the job's
+    store, group 1's leader for its rank. The flag, seen by each leader's heartbeat thread, stores ``abort`` and
+    passes it on in each group: every waiting rank returns ``abort``, long before the barrier's timeout."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    syncs, job, groups = _two_groups_of_two()
+    waiting = {key: sync for key, sync in syncs.items() if key != (1, 1)}
+    with ThreadPoolExecutor(len(waiting)) as pool:
+        futures = {key: pool.submit(sync.commit_barrier, 5) for key, sync in waiting.items()}
+        time.sleep(0.5)
+        assert not any(f.done() for f in futures.values())
+        started = time.monotonic()
+        for leader in ((0, 0), (1, 0)):  # as their heartbeat threads do on the flag
+            assert syncs[leader].member.waiting_on == (0, 5)
+            threading.Thread(target=syncs[leader].member._abort_barrier, args=(0, 5)).start()
+        decisions = {key: f.result(timeout=5) for key, f in futures.items()}
+    assert set(decisions.values()) == {"abort"} and time.monotonic() - started < 5

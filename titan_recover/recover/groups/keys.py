@@ -85,11 +85,21 @@ class GroupKeys:
 
     @staticmethod
     def reduced(epoch: int, step: int | str) -> str:
+        """Groups whose ranks finished the step's reduction (counted by the leaders); in a group's own store, its
+        other ranks that did."""
         return f"reduced/e{epoch}/s{step}"
 
     @staticmethod
     def decision(epoch: int, step: int | str) -> str:
+        """The step's commit decision (compare-and-set: the first proposal stays); in a group's own store, the
+        same decision passed on to the group's ranks."""
         return f"decision/e{epoch}/s{step}"
+
+    @staticmethod
+    def group_ready(epoch: int, step: int | str) -> str:
+        """In a group's own store: every rank other than the leader finished the step's reduction (``in``), or the
+        decision was passed on (``decided``): the leader's wait in the commit barrier ends."""
+        return f"ready/e{epoch}/s{step}"
 
     @staticmethod
     def group_prefix(epoch: int, rank: int, tag: str = "") -> str:

@@ -80,10 +80,11 @@ def incarnation_from_env(environ=os.environ) -> int:
 class ReplicaMember:
     def __init__(self, config: RecoverConfig, *, replica: int, rank: int, ranks_per_replica: int, address: str,
                  incarnation: int = 0, on_excluded: Callable[[], None] | None = None,
-                 group_store: Store | None = None):
+                 group_store: Callable[[], Store] | None = None):
         if ranks_per_replica > 1 and group_store is None:
-            raise ValueError(f"replica {replica} has {ranks_per_replica} ranks: they beat through the group's own "
-                             "store (group_store, e.g. replica_group_store()), and none was given")
+            raise ValueError(f"replica {replica} has {ranks_per_replica} ranks: they beat and pass on decisions "
+                             "through the group's own store (group_store, e.g. replica_group_store), and none was "
+                             "given")
         self.config = config
         self.on_excluded = on_excluded or (lambda: os._exit(EXIT_EXCLUDED))
         """Called by the heartbeat thread when this replica was left out of an epoch: ends the process (torchrun
@@ -103,16 +104,21 @@ class ReplicaMember:
         self._phase = "startup"
         self._stop = threading.Event()
         self._faulted = -1  # the newest epoch whose fault flag the heartbeat thread saw
-        self.waiting_on: tuple[int, str] | None = None
-        """(epoch, decision key) of the commit barrier the main thread is blocked on: the heartbeat thread that
-        sees the epoch's fault flag stores ``abort`` there, which wakes it."""
+        self.waiting_on: tuple[int, int | str] | None = None
+        """(epoch, step) of the commit barrier the main thread is blocked in: the heartbeat thread that sees the
+        epoch's fault flag stores ``abort`` as the step's decision (unless one is stored) and passes the stored one
+        on to the group, which wakes it (:meth:`_abort_barrier`)."""
         self.leader = rank == 0
-        """The group's leader rank relays every rank's beat to the job's store and mirrors the fault flag into the
-        group's store (docs/replica_groups.md "Liveness"): the job's store sees one beat and one flag check per
-        group and heartbeat interval, whatever the ranks per group."""
-        self.group_store = group_store
-        """The replica group's own store (torchrun's, :func:`replica_group_store`), used by the heartbeat thread:
-        ranks other than the leader beat into it and read the mirrored fault flag there. None for one rank."""
+        """The group's leader rank relays every rank's beat to the job's store, mirrors the fault flag into the
+        group's store (docs/replica_groups.md "Liveness") and counts the group in at the commit barrier: the job's
+        store sees one beat and one flag check per group and heartbeat interval, and one rank per group at each
+        commit, whatever the ranks per group."""
+        self.group_store = group_store() if group_store is not None else None
+        """The main thread's client of the replica group's own store (torchrun's, :func:`replica_group_store`):
+        the group's half of the commit barrier (``replica_sync``). None for a group of one rank."""
+        self._hb_group_store = group_store() if group_store is not None else None
+        """The heartbeat thread's client of it (a blocked wait holds a client): ranks other than the leader beat
+        into it and read the mirrored fault flag there."""
         self._relayed: dict[int, Heartbeat] = {}  # the leader's latest beat of every rank of its group
         self._mirror_from = 0  # the leader mirrored every raised flag of the epochs before this one
         self._thread: threading.Thread | None = None
@@ -228,16 +234,17 @@ class ReplicaMember:
         its own and the latest of every other rank (read from the group's store in one request)."""
         beat = Heartbeat(time.time(), self._progress, self._step, self._phase, self.incarnation)
         if not self.leader:
-            self.group_store.set(GroupKeys.rank_beat(self.rank), beat.encode())
+            self._hb_group_store.set(GroupKeys.rank_beat(self.rank), beat.encode())
             return
         self._relayed[self.rank] = beat
         others = range(1, self.ranks_per_replica)
         if others:
             keys = [GroupKeys.rank_beat(r) for r in others]
-            if len(self._relayed) == self.ranks_per_replica or self.group_store.check(keys):
-                values = self.group_store.multi_get(keys)
+            local = self._hb_group_store
+            if len(self._relayed) == self.ranks_per_replica or local.check(keys):
+                values = local.multi_get(keys)
             else:  # not every rank has beaten yet (start-up): relay those that have
-                values = [self.group_store.get(k) if self.group_store.check([k]) else None for k in keys]
+                values = [local.get(k) if local.check([k]) else None for k in keys]
             self._relayed.update({r: Heartbeat.decode(v) for r, v in zip(others, values) if v is not None})
         self._hb_store.set(GroupKeys.heartbeat(self.replica), encode_group_beat(self._relayed))
 
@@ -245,16 +252,22 @@ class ReplicaMember:
         """Whether ``epoch``'s fault flag is raised. The leader reads the job's store and mirrors a raised flag into
         the group's store, where the other ranks look (so they make no request of the job's store per beat)."""
         if not self.leader:
-            return self.group_store.check([GroupKeys.fault(epoch)])
+            return self._hb_group_store.check([GroupKeys.fault(epoch)])
         raised = self._hb_store.check([GroupKeys.fault(epoch)])
-        if raised and self.group_store is not None:
-            self.group_store.set(GroupKeys.fault(epoch), "1")
+        if raised and self._hb_group_store is not None:
+            self._hb_group_store.set(GroupKeys.fault(epoch), "1")
         return raised
+
+    def _abort_barrier(self, epoch: int, step: int | str) -> None:
+        """The flag of ``epoch`` came while the main thread waits in that epoch's commit barrier of ``step``:
+        ``abort`` becomes the step's decision unless one is stored, and the stored one is passed on to the group."""
+        stored = self._hb_store.compare_set(GroupKeys.decision(epoch, step), "", "abort")
+        pass_on(self._hb_group_store, epoch, step, stored.decode() if isinstance(stored, bytes) else stored)
 
     def _mirror_skipped(self, watching: int) -> None:
         """The leader moved past epochs without seeing their flags (its main thread changed epoch first): mirror
         those raised since, for a rank of its group still in one of them."""
-        if self.leader and self.group_store is not None:
+        if self.leader and self._hb_group_store is not None:
             for epoch in range(self._mirror_from, watching):
                 self._fault_raised(epoch)
             self._mirror_from = max(self._mirror_from, watching)
@@ -303,7 +316,7 @@ class ReplicaMember:
                         joined = watching + 1
                         barrier = self.waiting_on
                         if barrier is not None and barrier[0] <= watching:
-                            store.compare_set(barrier[1], "", "abort")
+                            self._abort_barrier(*barrier)
                 finally:
                     idle_from = time.monotonic()
                     store_s = idle_from - beaten
@@ -321,6 +334,14 @@ def wait_for_key(store: Store, key: str, timeout_s: float) -> bool:
         return True
     except DistStoreError:
         return False
+
+
+def pass_on(local: Store | None, epoch: int, step: int | str, decision: str) -> None:
+    """Make the job's decision of ``step`` known in the group's own store (``local``; nothing for a group of one
+    rank): the group's ranks waiting for it wake, and so does its leader waiting for them."""
+    if local is not None:
+        local.set(GroupKeys.decision(epoch, step), decision)
+        local.set(GroupKeys.group_ready(epoch, step), "decided")
 
 
 def replica_group_store(timeout_s: float, environ=os.environ) -> Store:

@@ -28,7 +28,7 @@ from titan_recover.recover.groups.keys import (
     read_dropped,
     read_join_requests,
 )
-from titan_recover.recover.groups.member import ReplicaMember, wait_for_key
+from titan_recover.recover.groups.member import pass_on, ReplicaMember, wait_for_key
 from titan_recover.recover.groups.protocol import CommitDecision, decide_commit, ready_to_join
 
 if TYPE_CHECKING:
@@ -219,8 +219,12 @@ class ReplicaSync:
         return self.propose(step, "abort")
 
     def propose(self, step: int | str, proposal: str) -> str:
+        """Store ``proposal`` as the step's decision unless one is stored; the stored one is every member's
+        decision: returned, and passed on to this rank's group (its ranks and leader waiting for it wake)."""
         stored = self.member.store.compare_set(GroupKeys.decision(self.epoch, step), "", proposal)
-        return stored.decode() if isinstance(stored, bytes) else stored
+        decision = stored.decode() if isinstance(stored, bytes) else stored
+        pass_on(self.member.group_store, self.epoch, step, decision)
+        return decision
 
     def _ready_joiners(self) -> tuple[int, ...]:
         """Replicas waiting for admission with a complete, newer incarnation (read by the commit's proposer)."""
@@ -236,29 +240,70 @@ class ReplicaSync:
         return ready_to_join(self.members, requests, ranks, dropped)
 
     def commit_barrier(self, step: int | str, admit: bool = False) -> str:
-        """Count this rank in; the last rank in proposes ``commit``, a rank that saw a fault proposes ``abort``;
-        the others block on the step's decision key until it is stored (by the last rank, or ``abort`` by the
-        heartbeat thread of a rank that sees the fault flag meanwhile). ``collective_timeout_s`` without a
-        decision raises the flag and aborts. The first proposal stored is every member's decision."""
-        store = self.member.store
-        key, decided = GroupKeys.reduced(self.epoch, step), GroupKeys.decision(self.epoch, step)
-        expected = len(self.members) * self.member.ranks_per_replica
-        count = store.add(key, 1)
-        self.member.waiting_on = (self.epoch, decided)  # before looking at the flag: a flag after is answered there
+        """Every rank of every member finished the step's reduction: ``commit``; a fault came first: ``abort``.
+        One leader rank per group takes part for its group (docs/replica_groups.md "The commit barrier"): the
+        group's other ranks count themselves in in the group's own store and wait there for the decision, the
+        leader waits for them, then counts the group in in the job's store; the last group in proposes
+        ``commit``, a leader that saw a fault proposes ``abort``, the others block on the step's decision key
+        until it is stored (by the last group, or ``abort`` by the heartbeat thread of a rank that sees the fault
+        flag meanwhile) and pass it on to their group. ``collective_timeout_s`` without a decision (at either
+        level) raises the flag and aborts. The first proposal stored is every member's decision."""
+        self.member.waiting_on = (self.epoch, step)  # before looking at the flag: a flag after is answered there
         try:
-            proposal = decide_commit(count, expected, self._fault_seen())
-            if proposal is None:
-                self.member.progress()
-                if wait_for_key(store, decided, self.config.collective_timeout_s):
-                    return store.get(decided).decode()
-                raise_fault_flag(store, self.epoch, f"replica {self.member.replica}: commit barrier of step {step} timed out")
-                proposal = "abort"
+            if self.member.group_store is not None and not self.member.leader:
+                return self._follow(step)
+            if self.member.group_store is not None:
+                decided = self._wait_for_group(step)
+                if decided is not None:
+                    return decided
+            return self._count_in(step, admit)
         finally:
             self.member.waiting_on = None
+
+    def _follow(self, step: int | str) -> str:
+        """A rank other than the leader: count in in the group's store, wait there for the passed-on decision."""
+        local, ranks = self.member.group_store, self.member.ranks_per_replica
+        if self._fault_seen():
+            return self.propose(step, "abort")
+        if local.add(GroupKeys.reduced(self.epoch, step), 1) == ranks - 1:
+            local.set(GroupKeys.group_ready(self.epoch, step), "in")  # the leader's wait ends
+        self.member.progress()
+        decided = GroupKeys.decision(self.epoch, step)
+        if wait_for_key(local, decided, self.config.collective_timeout_s):
+            return local.get(decided).decode()
+        return self._timed_out(step, "its group's decision")
+
+    def _wait_for_group(self, step: int | str) -> str | None:
+        """The leader: wait until the group's other ranks are in (None: count the group in) or a decision was
+        passed on to the group already (returned)."""
+        local = self.member.group_store
+        if not wait_for_key(local, GroupKeys.group_ready(self.epoch, step), self.config.collective_timeout_s):
+            return self._timed_out(step, "its group's ranks")
+        decided = GroupKeys.decision(self.epoch, step)
+        return local.get(decided).decode() if local.check([decided]) else None
+
+    def _count_in(self, step: int | str, admit: bool) -> str:
+        """The leader (or the one rank) counts its group in in the job's store."""
+        store = self.member.store
+        key, decided = GroupKeys.reduced(self.epoch, step), GroupKeys.decision(self.epoch, step)
+        proposal = decide_commit(store.add(key, 1), len(self.members), self._fault_seen())
+        if proposal is None:
+            self.member.progress()
+            if not wait_for_key(store, decided, self.config.collective_timeout_s):
+                return self._timed_out(step, "the other groups")
+            decision = store.get(decided).decode()
+            pass_on(self.member.group_store, self.epoch, step, decision)
+            return decision
         if proposal == "commit" and admit:
             # the first proposal stored is every member's decision: one writer decides the admission too
             proposal = CommitDecision("commit", self._ready_joiners()).encode()
         return self.propose(step, proposal)
+
+    def _timed_out(self, step: int | str, waiting_for: str) -> str:
+        raise_fault_flag(self.member.store, self.epoch, f"replica {self.member.replica} rank {self.member.rank}: "
+                                                        f"commit barrier of step {step} timed out waiting for "
+                                                        f"{waiting_for}")
+        return self.propose(step, "abort")
 
     def _fault_seen(self) -> bool:
         if self.member.watches_faults:

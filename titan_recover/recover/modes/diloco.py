@@ -7,6 +7,7 @@ mixes in newer global ones.
 
 from __future__ import annotations
 
+from functools import partial
 import os
 
 import torch
@@ -34,7 +35,7 @@ class DilocoMode(Mode):
         parts.optimizers.register_step_pre_hook(lambda *_: self.chaos.maybe_inject(self.step, "optimizer"))
         self.member = ReplicaMember(config.recover, replica=learner, rank=rank, ranks_per_replica=world,
                                     address=address, incarnation=incarnation,
-                                    group_store=replica_group_store(config.recover.agree_timeout_s)
+                                    group_store=partial(replica_group_store, config.recover.agree_timeout_s)
                                     if world > 1 else None)
         self.member.register()
         self.learner = Learner(parts, self.member, events, learner=learner, learners=config.recover.replicas,

@@ -11,6 +11,7 @@ runs it, except that the clip's total norm is formed deterministically (every re
 
 from __future__ import annotations
 
+from functools import partial
 import logging
 import math
 import os
@@ -98,7 +99,8 @@ class SyncMode(Mode):
                                  incarnation=incarnation, run_dir=self.run_dir)
         self.member = ReplicaMember(recover, replica=self.replica, rank=self.rank, ranks_per_replica=world,
                                     address=address, incarnation=incarnation,
-                                    group_store=replica_group_store(recover.agree_timeout_s) if world > 1 else None)
+                                    group_store=partial(replica_group_store, recover.agree_timeout_s) if world > 1
+                                    else None)
         if recover.localize.hang_threshold_s > 0:  # read by the replica's hang observer (docs/scout.md)
             self.member.beacon = Beacon(beacon_path(self.run_dir, self.replica, self.rank, incarnation))
         self.sync = ReplicaSync(recover, self.member, self.events, self.chaos, final_step=config.training.steps,
