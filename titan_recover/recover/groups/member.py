@@ -41,7 +41,8 @@ WAIT_SLICE_S = 1.0
 twice as long each, up to :data:`WAIT_SLICE_MAX_S`: a wait that ends by its timeout is logged by c10d (two lines),
 so a long wait (a coordinator restarting, a joiner waiting for its turn) logs a few lines, not two a second. Every
 stop that can come while ranks wait ends their waits by a write: the coordinator writes ``stop`` before an epoch's
-members, the launcher stopping a job without a coordinator writes the next epoch's members (nobody) after it."""
+members, the launcher stopping a job without a coordinator writes the next epoch's members (the last epoch's)
+after it."""
 WAIT_SLICE_MAX_S = 4.0
 
 
@@ -261,8 +262,7 @@ class ReplicaMember:
     def _abort_barrier(self, epoch: int, step: int | str) -> None:
         """The flag of ``epoch`` came while the main thread waits in that epoch's commit barrier of ``step``:
         ``abort`` becomes the step's decision unless one is stored, and the stored one is passed on to the group."""
-        stored = self._hb_store.compare_set(GroupKeys.decision(epoch, step), "", "abort")
-        pass_on(self._hb_group_store, epoch, step, stored.decode() if isinstance(stored, bytes) else stored)
+        propose_decision(self._hb_store, self._hb_group_store, epoch, step, "abort")
 
     def _mirror_skipped(self, watching: int) -> None:
         """The leader moved past epochs without seeing their flags (its main thread changed epoch first): mirror
@@ -334,6 +334,15 @@ def wait_for_key(store: Store, key: str, timeout_s: float) -> bool:
         return True
     except DistStoreError:
         return False
+
+
+def propose_decision(store: Store, local: Store | None, epoch: int, step: int | str, proposal: str) -> str:
+    """Store ``proposal`` as the step's decision in the job's ``store`` unless one is stored; the stored one is
+    every member's decision: returned, and passed on to the group's own store (``local``)."""
+    stored = store.compare_set(GroupKeys.decision(epoch, step), "", proposal)
+    decision = stored.decode() if isinstance(stored, bytes) else stored
+    pass_on(local, epoch, step, decision)
+    return decision
 
 
 def pass_on(local: Store | None, epoch: int, step: int | str, decision: str) -> None:

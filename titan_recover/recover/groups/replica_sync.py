@@ -28,7 +28,7 @@ from titan_recover.recover.groups.keys import (
     read_dropped,
     read_join_requests,
 )
-from titan_recover.recover.groups.member import pass_on, ReplicaMember, wait_for_key
+from titan_recover.recover.groups.member import pass_on, propose_decision, ReplicaMember, wait_for_key
 from titan_recover.recover.groups.protocol import CommitDecision, decide_commit, ready_to_join
 
 if TYPE_CHECKING:
@@ -221,10 +221,7 @@ class ReplicaSync:
     def propose(self, step: int | str, proposal: str) -> str:
         """Store ``proposal`` as the step's decision unless one is stored; the stored one is every member's
         decision: returned, and passed on to this rank's group (its ranks and leader waiting for it wake)."""
-        stored = self.member.store.compare_set(GroupKeys.decision(self.epoch, step), "", proposal)
-        decision = stored.decode() if isinstance(stored, bytes) else stored
-        pass_on(self.member.group_store, self.epoch, step, decision)
-        return decision
+        return propose_decision(self.member.store, self.member.group_store, self.epoch, step, proposal)
 
     def _ready_joiners(self) -> tuple[int, ...]:
         """Replicas waiting for admission with a complete, newer incarnation (read by the commit's proposer)."""
@@ -241,7 +238,7 @@ class ReplicaSync:
 
     def commit_barrier(self, step: int | str, admit: bool = False) -> str:
         """Every rank of every member finished the step's reduction: ``commit``; a fault came first: ``abort``.
-        One leader rank per group takes part for its group (docs/replica_groups.md "The commit barrier"): the
+        One leader rank per group takes part for its group (docs/replica_groups.md "The step"): the
         group's other ranks count themselves in in the group's own store and wait there for the decision, the
         leader waits for them, then counts the group in in the job's store; the last group in proposes
         ``commit``, a leader that saw a fault proposes ``abort``, the others block on the step's decision key
