@@ -1,21 +1,29 @@
 #!/usr/bin/env python3
 """Validate the goodput simulator against the CPU runs of benchmarks/effective_throughput.py (docs/evidence.md).
 
-Each run with failures is predicted by the simulator from the run's failure schedule (the times its faults fired
-and the groups they hit) and a set of measured costs (``titan_recover.sim.calibration.calibrate``: step time,
-start-up, checkpoint save, whole-job restart, the stall of a failure, a group's repair; the machine's cores as
-the compute the one-thread replicas share): the wall time at which the simulated policy has trained the run's
-steps gives the predicted effective throughput (committed tokens / wall time), compared with the measured one.
-The costs come from the same mode's run under each given schedule: from the run itself (how the model composes
-the costs) and, with two or more schedules, from the run under another schedule (whether costs measured once
-predict a different failure pattern). The first file's costs are written to ``--calibration-out`` for
-``scripts/simulate_goodput.py --calibration``.
+Two steps, on different runs:
 
+1. **Freeze** (``--freeze RUNS.json``): the costs of each mode are read from one benchmark output, the calibration
+   runs (``titan_recover.sim.calibration.calibrate``: step time, start-up, checkpoint save, whole-job restart, the
+   stall of a failure, a group's repair, the compute a restarting group takes from the others on the shared
+   cores; the median over the file's rounds) and written, with where they came from, to ``--frozen``. Nothing
+   refits them afterwards.
+2. **Predict** (the default): every run of the given benchmark outputs (schedules the calibration did not see:
+   other failure times and rates, other victims, replica 0 among them) is predicted by the simulator from the run's
+   failures alone (the times they fired and the groups they hit) and the frozen costs of its mode: the wall time at
+   which the simulated policy has trained the run's steps gives the predicted effective throughput, compared with
+   the measured one. The same runs are also fitted from their own costs, which says how well the model composes
+   costs when it is told them (in-sample: ``fit_error``, not a prediction).
+
+    python scripts/validate_simulator.py --freeze docs/results/effective_throughput_calibration.json
     python scripts/validate_simulator.py [docs/results/effective_throughput.json ...]
 
-Last line: ``prediction_error=... cross_schedule_error=...``: the largest relative error over the runs with
-failures predicted from their own schedule's costs (the issue's measure; target <= 0.15), and over those predicted
-from another schedule's costs (only with two or more files).
+The prediction also writes the frozen costs, combined into one set, to ``--calibration-out`` for
+``scripts/simulate_goodput.py --calibration`` and what it prints to ``--report``.
+
+Last line: ``prediction_error=... prediction_error_median=... fit_error=...``: the largest and the median relative
+error of the frozen prediction over the runs with failures (target: prediction_error <= 0.15), and the largest
+in-sample error.
 """
 
 from __future__ import annotations
@@ -24,72 +32,127 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import statistics
+import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titan_recover.sim.calibration import calibrate, combined, periodic_run, predict  # noqa: E402
+from titan_recover.sim.model import Costs  # noqa: E402
 
+RESULTS = ROOT / "docs" / "results"
 SHOWN = {"failure_free": ("startup_s", "step_s"),
          "ckpt_restart": ("startup_s", "step_s", "checkpoint_save_s", "job_restart_s"),
          "recover": ("startup_s", "step_s", "detect_s", "group_restart_s", "restart_load"),
          "recover_spares": ("startup_s", "step_s", "detect_s", "group_restart_s", "restart_load")}
 
 
+def rounds_of(data: dict) -> list[dict]:
+    """The rounds of a benchmark output (``{mode: run}`` each); outputs before rounds held one, as ``runs``."""
+    return data["rounds"] if "rounds" in data else [data["runs"]]
+
+
+def commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return head.stdout.strip() or "unknown"
+
+
+def measured_costs(data: dict) -> dict[str, Costs]:
+    """Each mode's costs in a benchmark output: the median of each cost over its rounds."""
+    setup = data["setup"]
+    per_round = [{mode: calibrate(run, setup["checkpoint_interval"], setup["cpu_count"]) for mode, run in r.items()}
+                 for r in rounds_of(data)]
+    out = {}
+    for mode in per_round[0]:
+        fields = {f.name: statistics.median(getattr(r[mode], f.name) for r in per_round)
+                  for f in dataclasses.fields(Costs)}
+        fields["diloco_inner_steps"] = int(fields["diloco_inner_steps"])
+        out[mode] = Costs(**fields)
+    return out
+
+
+def freeze(source: pathlib.Path, frozen: pathlib.Path) -> int:
+    data = json.loads(source.read_text())
+    costs = measured_costs(data)
+    setup = data["setup"]
+    record = {"source": str(source.relative_to(ROOT) if source.is_relative_to(ROOT) else source),
+              "frozen": time.strftime("%Y-%m-%d", time.gmtime()), "commit": commit(),
+              "schedule": {k: setup.get(k) for k in ("steps", "failures", "victims", "every", "rounds", "replicas")},
+              "costs": {mode: dataclasses.asdict(c) for mode, c in costs.items()}}
+    frozen.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"costs measured in {source.name} (s), frozen in {frozen}:")
+    for mode, c in costs.items():
+        print(f"  {mode:15s} " + ", ".join(f"{k} {getattr(c, k):.2f}" for k in SHOWN[mode]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="*", default=[str(ROOT / "docs" / "results" / "effective_throughput.json")],
-                        help="benchmark outputs (one per failure schedule)")
-    parser.add_argument("--calibration-out", default=str(ROOT / "docs" / "results" / "calibration.json"))
+    parser.add_argument("results", nargs="*", default=[str(RESULTS / "effective_throughput.json")],
+                        help="benchmark outputs to predict (schedules the calibration did not see)")
+    parser.add_argument("--freeze", metavar="RUNS", help="read the costs from this benchmark output and freeze them")
+    parser.add_argument("--frozen", default=str(RESULTS / "calibration_frozen.json"), help="the frozen costs")
+    parser.add_argument("--calibration-out", default=str(RESULTS / "calibration.json"))
+    parser.add_argument("--report", default=str(RESULTS / "simulator_validation.txt"))
     args = parser.parse_args(argv)
-    schedules = [json.loads(pathlib.Path(p).read_text()) for p in args.results]
-    names = [pathlib.Path(p).stem for p in args.results]
-    costs = [{mode: calibrate(run, s["setup"]["checkpoint_interval"], s["setup"]["cpu_count"])
-              for mode, run in s["runs"].items()} for s in schedules]
-    for name, measured in zip(names, costs):
-        print(f"costs measured in {name} (s):")
-        for mode, c in measured.items():
-            print(f"  {mode:15s} " + ", ".join(f"{k} {getattr(c, k):.2f}" for k in SHOWN[mode]))
-    errors, cross = [], []
-    print(f"\n{'schedule':28s} {'run':15s} {'measured tok/s':>14s}  " + "".join(
-        f"{'costs of ' + n:>36s}" for n in names))
-    for own, (name, data) in enumerate(zip(names, schedules)):
+    if args.freeze:
+        return freeze(pathlib.Path(args.freeze).resolve(), pathlib.Path(args.frozen))
+    frozen_path = pathlib.Path(args.frozen)
+    if not frozen_path.exists():
+        parser.error(f"no frozen costs at {frozen_path}: run with --freeze RUNS.json first (docs/evidence.md)")
+    record = json.loads(frozen_path.read_text())
+    frozen = {mode: Costs(**c) for mode, c in record["costs"].items()}
+    printed = [f"# python scripts/validate_simulator.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+               f"  ({time.strftime('%Y-%m-%d', time.gmtime())}, commit {commit()})"]
+
+    def say(line: str = "") -> None:
+        printed.append(line)
+        print(line, flush=True)
+
+    say(f"frozen costs (s) from {record['source']} (schedule {record['schedule']}), frozen {record['frozen']} "
+        f"at {record['commit']}:")
+    for mode, c in frozen.items():
+        say(f"  {mode:15s} " + ", ".join(f"{k} {getattr(c, k):.2f}" for k in SHOWN[mode]))
+    errors, fits = [], []
+    say(f"\n{'output':28s} {'round':>5s} {'run':15s} {'faults':>6s} {'measured tok/s':>14s} "
+        f"{'frozen prediction':>28s} {'fit (own costs)':>28s}")
+    for path in args.results:
+        data = json.loads(pathlib.Path(path).read_text())
         setup = data["setup"]
-        for mode, run in data["runs"].items():
-            cells = []
-            for index, source in enumerate(costs):
-                predicted = predict(run, source[mode], steps=setup["steps"], replicas=setup["replicas"],
-                                    tokens_per_step=setup["tokens_per_step"], compute_units=setup["cpu_count"])
-                error = (predicted - run["tokens_per_s"]) / run["tokens_per_s"]
-                if mode != "failure_free":
-                    (errors if index == own else cross).append(abs(error))
-                cells.append(f"{predicted:10.1f} tok/s ({error:+6.1%})")
-            print(f"{name:28s} {mode:15s} {run['tokens_per_s']:14.1f}  " + "".join(f"{c:>36s}" for c in cells))
-    # what the ratio would be if a whole-job restart cost more (the first schedule's runs and costs)
-    first, setup = schedules[0]["runs"], schedules[0]["setup"]
+        shape = dict(steps=setup["steps"], replicas=setup["replicas"], tokens_per_step=setup["tokens_per_step"],
+                     compute_units=setup["cpu_count"])
+        for index, runs in enumerate(rounds_of(data)):
+            for mode, run in runs.items():
+                own = calibrate(run, setup["checkpoint_interval"], setup["cpu_count"])
+                faults = sum(e["event"] == "fault_injected" for e in run["events"])
+                cells = []
+                for costs, sink in ((frozen[mode], errors), (own, fits)):
+                    predicted = predict(run, costs, **shape)
+                    error = (predicted - run["tokens_per_s"]) / run["tokens_per_s"]
+                    if faults:
+                        sink.append(abs(error))
+                    cells.append(f"{predicted:10.1f} tok/s ({error:+6.1%})")
+                say(f"{pathlib.Path(path).stem:28s} {index:5d} {mode:15s} {faults:6d} {run['tokens_per_s']:14.1f} "
+                    + "".join(f"{c:>28s}" for c in cells))
     shape = dict(steps=setup["steps"], replicas=setup["replicas"], tokens_per_step=setup["tokens_per_step"],
                  compute_units=setup["cpu_count"])
-    recover = predict(first["recover"], costs[0]["recover"], **shape)
-    restart = costs[0]["ckpt_restart"]
-    print(f"\npredicted ratio recover / checkpoint-restart under {names[0]}'s failures, by whole-job restart cost:")
-    for steps in (restart.job_restart_s / restart.step_s, 30, 45, 60, 70, 85):
-        slower = dataclasses.replace(restart, job_restart_s=steps * restart.step_s)
-        print(f"  restart {steps:5.1f} steps ({steps * restart.step_s:6.1f} s): "
-              f"{recover / predict(first['ckpt_restart'], slower, **shape):.2f}")
-    # and under a constant failure rate: a failure every `every` seconds for as long as each job runs
-    print(f"\npredicted ratio recover / checkpoint-restart with a failure every N s for as long as each job runs "
-          f"({names[0]}'s costs):")
-    for every in (120, 80, 60, 45, 40, 36, 32, 28):
-        rates = {m: predict(periodic_run(m, every, setup["replicas"] - 1), costs[0][m], **shape)
+    say(f"\npredicted ratio recover / checkpoint-restart with a failure every N s for as long as each job runs "
+        f"({setup['steps']} steps, frozen costs):")
+    for every in (120, 80, 60, 45, 40, 30, 20):
+        rates = {m: predict(periodic_run(m, every, setup["replicas"] - 1), frozen[m], **shape)
                  for m in ("ckpt_restart", "recover")}
         ratio = rates["recover"] / rates["ckpt_restart"] if rates["ckpt_restart"] else float("inf")
-        print(f"  every {every:4d} s: recover {rates['recover']:7.1f} tok/s, checkpoint-restart "
-              f"{rates['ckpt_restart']:7.1f} tok/s, ratio {ratio:.2f}")
-    calibration = {k: round(v, 3) for k, v in combined(costs[0]).items()}
+        say(f"  every {every:4d} s: recover {rates['recover']:7.1f} tok/s, checkpoint-restart "
+            f"{rates['ckpt_restart']:7.1f} tok/s, ratio {ratio:.2f}")
+    calibration = {k: round(v, 3) for k, v in combined(frozen).items()}
     pathlib.Path(args.calibration_out).write_text(json.dumps(calibration, indent=1) + "\n")
-    print(f"\ncalibration for the simulator at scale (costs of {names[0]}, s): {json.dumps(calibration)}")
-    print(f"prediction_error={max(errors):.3f}" + (f" cross_schedule_error={max(cross):.3f}" if cross else ""))
+    say(f"\ncalibration for the simulator at scale (the frozen costs, s): {json.dumps(calibration)}")
+    say(f"prediction_error={max(errors):.3f} prediction_error_median={statistics.median(errors):.3f} "
+        f"fit_error={max(fits):.3f}")
+    pathlib.Path(args.report).write_text("\n".join(printed) + "\n")
     return 0
 
 

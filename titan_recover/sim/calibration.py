@@ -74,7 +74,8 @@ def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Co
     restart_mode = run["mode"] == "ckpt_restart"
     hit = fault_steps(run)
     faults = [e["t"] for e in events if e["event"] == "fault_injected"]
-    back = [e["t"] for e in events if e["event"] == "full_strength" and e["source"] == "0/0"]
+    # every group that lived through the loss says so: the first to say it counts (the lost group may be replica 0)
+    back = [e["t"] for e in events if e["event"] == "full_strength"]
     down = [(f, min(t for t in back if t > f)) for f in faults if any(t > f for t in back)]
     steady, restarting, saved = [], [], {}
     for (t0, s0), (t1, s1) in zip(commits, commits[1:]):
