@@ -89,6 +89,10 @@ class Costs:
     """Streaming the state from a peer to a rejoining group (PHOENIX)."""
     straggler_confirm_s: float = 30.0
     """titan_recover: how long a straggler slows every step before the quota policy gives it less work."""
+    drop_lost_steps: float = 1.0
+    """torchft's drop-the-step policy: the job's steps a failure costs, its group's rejoin included (the step in
+    flight is discarded, the quorum and communicators are rebuilt, the group is admitted again). At least the step
+    in flight; ``titan_recover.sim.published.fit_drop_lost_s`` reads the seconds from torchft's published figures."""
     diloco_inner_steps: int = 50
     """Decoupled DiLoCo: a learner's unsent progress averages half of this many of its steps when it dies."""
     restart_load: float = 0.0

@@ -4,7 +4,8 @@ A policy returns an :class:`Outcome`; ``goodput`` is useful training per second 
 the job's active replica groups compute failure-free (1.0: as if nothing happened and nothing was paid for).
 Useful training is what ends up in the model: checkpoint-restart loses the work since the newest checkpoint at
 every failure; the synchronous modes lose none (the survivors recompute a lost group's share in the same step),
-they run slower while groups are missing or straggling; Decoupled DiLoCo loses a dead learner's unsent progress.
+they run slower while groups are missing or straggling; torchft's drop-the-step policy loses the step a failure hits
+and trains a smaller batch until the group is back; Decoupled DiLoCo loses a dead learner's unsent progress.
 """
 
 from __future__ import annotations
@@ -147,6 +148,31 @@ def recover_spares(cluster: Cluster, costs: Costs, trace: Trace, spares: int = 0
     """As ``recover``, with ``spares`` warm spare groups: a spare takes a lost group's share at the next step;
     the restarted group becomes a spare. Spares are not hit by failures in this model."""
     return _synchronous("recover_spares", cluster, costs, trace, spares)
+
+
+@register_policy("drop_step")
+def drop_step(cluster: Cluster, costs: Costs, trace: Trace, spares: int = 0) -> Outcome:
+    """torchft's fault-tolerant HSDP: a failure discards the step in flight and every later step goes on with the
+    groups that are left (a smaller global batch, no recomputation) until the lost group rejoins
+    (``group_restart_s + transfer_s``); each failure, its rejoin included, costs the job ``drop_lost_steps`` steps.
+    No quota: a straggler holds every step back for as long as it straggles. No spares.
+
+    The smaller batch's tokens count as trained here, as they do in ETTR, but they are not the failure-free
+    run's batch: the trajectory differs from it (ReCoVer's invariant is lost), which no goodput figure shows."""
+    groups, f = cluster.groups, cluster.straggler_factor
+    down = (*down_intervals(trace, costs.group_restart_s + costs.transfer_s), 0)
+    unconfirmed, _ = _straggles(trace, math.inf)
+
+    def rate(counts: list[int]) -> float:
+        missing, slow = counts
+        live = max(0, groups - missing)
+        share = cluster.capacity(live, taken=missing * costs.restart_load)
+        return share / f if slow else share
+
+    useful = integrate(trace.horizon_s, [down, unconfirmed], rate)
+    useful = max(0.0, useful - costs.startup_s - trace.failures * costs.drop_lost_steps * costs.step_s)
+    goodput = useful / trace.horizon_s
+    return Outcome("drop_step", goodput, goodput, trace.failures)
 
 
 @register_policy("diloco")
