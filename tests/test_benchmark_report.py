@@ -1,7 +1,6 @@
 """benchmarks/report.py: what a benchmark prints is written to its results file under a header naming the command,
 the date, the commit and the wall time; nothing is written for a failed run or with ``--out -``; the default
-folder moves with ``TITAN_RECOVER_RESULTS_DIR``; edits outside docs/results/ mark the commit as not the whole
-story."""
+folder moves with ``TITAN_RECOVER_RESULTS_DIR``; edits outside docs/ mark the commit as not the whole story."""
 
 from __future__ import annotations
 
@@ -79,6 +78,8 @@ def test_commit_names_head_and_flags_edits_outside_the_results(tmp_path):
     head = _git(tmp_path, "rev-parse", "--short=10", "HEAD")
     assert report.commit(tmp_path) == f"commit {head}"
     (tmp_path / "docs" / "results" / "x.txt").write_text("new\n")  # a benchmark's own output: still that commit
+    (tmp_path / "docs" / "page.md").write_text("a page being written\n")
+    _git(tmp_path, "add", "docs/page.md")
     (tmp_path / "untracked.py").write_text("")
     assert report.commit(tmp_path) == f"commit {head}"
     (tmp_path / "code.py").write_text("a = 2\n")
