@@ -10,7 +10,9 @@ of each run, and prints every round, then the median and range of every key on b
         benchmarks/failure_free_overhead.py --rounds 1
 
 Both checkouts run with this interpreter. Last line: ``<key>_before=<median> <key>_after=<median> ...`` and
-``rounds=N``.
+``rounds=N``. Output also written to ``docs/results/before_after_<benchmark>.txt`` (``--out`` to change;
+benchmarks/report.py); the runs it makes write their own results files into a temporary folder, not into either
+checkout's docs/results/.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
+import os
 import subprocess
 import sys
+import tempfile
+
+from report import RESULTS_ENV, add_out_argument, default_path, recorded
 
 
 def headline(output: str) -> dict[str, float]:
@@ -38,7 +44,9 @@ def headline(output: str) -> dict[str, float]:
 
 
 def run(tree: pathlib.Path, script: list[str], timeout: float) -> dict[str, float]:
-    proc = subprocess.run([sys.executable, *script], cwd=tree, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory() as results:  # the run's own results file lands here, not in the checkout
+        proc = subprocess.run([sys.executable, *script], cwd=tree, capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, **{RESULTS_ENV: results}))
     if proc.returncode != 0:
         raise RuntimeError(f"{script[0]} failed in {tree} (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
                            f"{proc.stderr[-2000:]}")
@@ -51,11 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", required=True, type=pathlib.Path, help="checkout with the change")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one benchmark run may take")
+    add_out_argument(parser, "before_after_<benchmark>")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- benchmark script and its arguments")
     args = parser.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         parser.error("give the benchmark after --, e.g. -- benchmarks/recovery_latency.py")
+    out = args.out or str(default_path(f"before_after_{pathlib.Path(script[0]).stem}"))
+    with recorded(__file__, argv, out):
+        return compare(args, script)
+
+
+def compare(args, script: list[str]) -> int:
+    """Run the rounds; print each round's headline, then every key's median and range on both sides."""
     results: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     for r in range(args.rounds):
         order = ("before", "after") if r % 2 == 0 else ("after", "before")

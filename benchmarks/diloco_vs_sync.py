@@ -37,6 +37,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.recover.events import read_events  # noqa: E402
 
 
@@ -101,8 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow", type=float, default=3.0)
     parser.add_argument("--eval-microbatches", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=1200)
+    add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
+    with recorded(__file__, argv, args.out):
+        return measure(args)
 
+
+def measure(args) -> int:
+    """Run the measurement; print its lines and the headline."""
     diloco_flags = ["--recover.diloco.inner_steps", str(args.inner_steps), "--recover.diloco.fragments",
                     str(args.fragments), "--recover.diloco.outer_lr", str(args.outer_lr),
                     "--recover.diloco.outer_momentum", str(args.outer_momentum), "--recover.diloco.eval_interval_s", "0"]

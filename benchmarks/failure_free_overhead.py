@@ -29,6 +29,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.compare import load_curve, LOSS  # noqa: E402
 
 STEP_TIME = "time_metrics/end_to_end(s)"
@@ -72,8 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--local-batch", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
+    add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
+    with recorded(__file__, argv, args.out):
+        return measure(args)
 
+
+def measure(args) -> int:
+    """Run the measurement; print its lines and the headline."""
     times: dict[str, list[float]] = {"ftpg": [], "native": []}
     losses: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:

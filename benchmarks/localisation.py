@@ -35,6 +35,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.recover.scout.consensus import replay_plan  # noqa: E402
 from titan_recover.recover.events import read_events  # noqa: E402
 
@@ -157,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800)
+    add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
+    with recorded(__file__, argv, args.out):
+        return measure(args)
+
+
+def measure(args) -> int:
+    """Run the measurement; print its lines and the headline."""
     with tempfile.TemporaryDirectory() as tmp:
         false_clean, votes = clean(args, tmp)
         attributed, false_corrupt, _ = corruptions(args, tmp)

@@ -26,6 +26,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.compare import parse_console_steps  # noqa: E402
 
 
@@ -66,10 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
+    add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
     if args.steps <= args.warmup + 1:
         parser.error("--steps must exceed --warmup + 1")
+    with recorded(__file__, argv, args.out):
+        return measure(args)
 
+
+def measure(args) -> int:
+    """Run the measurement; print its lines and the headline."""
     times: dict[str, list[float]] = {"project": [], "stock": []}
     losses: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 
+from report import add_out_argument, recorded
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEP_TIME = "time_metrics/end_to_end(s)"
 
@@ -83,8 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=900)
+    add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
+    with recorded(__file__, argv, args.out):
+        return measure(args)
 
+
+def measure(args) -> int:
+    """Run the measurement; print its lines and the headline."""
     with tempfile.TemporaryDirectory() as tmp:
         even = run("even", args, f"{tmp}/even")
         throughput = run("throughput", args, f"{tmp}/throughput")

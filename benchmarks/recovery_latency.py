@@ -26,6 +26,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.recover.events import read_events  # noqa: E402
 
 
@@ -65,7 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--step", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
+    add_out_argument(parser, __file__)
     args, args.extra = parser.parse_known_args(argv)  # the rest: config overrides, e.g. --recover.join_window_s 0.3
+    with recorded(__file__, argv, args.out):
+        return measure(args)
+
+
+def measure(args) -> int:
+    """Run the measurement; print its lines and the headline."""
     with tempfile.TemporaryDirectory() as tmp:
         kill = run("kill", args, f"{tmp}/kill")
         hang = run("hang", args, f"{tmp}/hang")

@@ -39,6 +39,8 @@ from datetime import timedelta
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import add_out_argument, recorded  # noqa: E402
+
 PATHS = ("old", "new", "collective", "native")
 
 
@@ -136,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=16, help="gradient tensors per rank (FSDP modules)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk-mb", type=float, default=64)
+    add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
+    with recorded(__file__, argv, args.out):
+        return measure(args)
 
+
+def measure(args) -> int:
+    """Run the measurement; print its lines and the headline."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))

@@ -3,7 +3,9 @@
 the job trains at full strength again, with a warm spare and with a restart.
 
     transfer_ratio           raw gloo broadcast time / state-transfer time of the same bytes, two processes over
-                             loopback (benchmarks/state_transfer.py, run here as a subprocess; medians)
+                             loopback (benchmarks/state_transfer.py, run here as a subprocess: 1.1 GiB of state,
+                             ``--rounds`` interleaved rounds, the median of the rounds' ratios;
+                             ``transfer_ratio_min`` / ``_max`` their spread)
     spare_full_strength_s    3 replicas + 1 spare, replica 1 killed in step ``--kill-step``: fault injected ->
                              first commit of a step in which 3 replicas held quota again (event ``full_strength``)
     restart_full_strength_s  3 replicas, ``max_restarts = 1``, the same kill, no rejoin wait (the others train on):
@@ -13,10 +15,11 @@ the job trains at full strength again, with a warm spare and with a restart.
 Both jobs use the ``--flavor`` model (tiny) with 1 process per replica; the restart time includes starting Python,
 importing torch and TorchTitan and building the model on this machine while the other replicas train.
 
-    python benchmarks/rejoin.py [--flavor tiny] [--steps 150] [--rounds 5]
+    python benchmarks/rejoin.py [--flavor tiny] [--steps 150] [--rounds 5] [--out FILE]
 
-Last line: ``transfer_ratio=... spare_full_strength_s=... restart_full_strength_s=...``. Target: transfer_ratio
->= 0.8.
+Last line: ``transfer_ratio=... transfer_ratio_min=... transfer_ratio_max=... spare_full_strength_s=...
+restart_full_strength_s=...``. Target: transfer_ratio >= 0.8. Output also written to docs/results/rejoin.txt
+(benchmarks/report.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import NO_FILE, add_out_argument, recorded  # noqa: E402
 from titan_recover.recover.events import read_events  # noqa: E402
 
 
@@ -62,14 +66,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-step", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the state-transfer measurement")
     parser.add_argument("--timeout", type=float, default=900)
+    add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
+    if args.rounds < 5:
+        raise ValueError(f"--rounds must be at least 5 (a ratio needs a spread to be read), got {args.rounds}")
+    with recorded(__file__, argv, args.out):
+        measure(args)
+    return 0
 
+
+def measure(args) -> None:
+    """The state-transfer benchmark, then the two jobs; prints their lines and the headline."""
     transfer = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "state_transfer.py"), "--rounds",
-                               str(args.rounds)], cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+                               str(args.rounds), "--out", NO_FILE], cwd=ROOT, capture_output=True, text=True,
+                              timeout=args.timeout)
     if transfer.returncode != 0:
         raise RuntimeError(f"state-transfer benchmark failed:\n{transfer.stderr[-3000:]}")
-    print(transfer.stdout.strip())
-    ratio = headline(transfer.stdout)["transfer_ratio"]
+    print(transfer.stdout.strip(), flush=True)
+    moved = headline(transfer.stdout)
 
     with tempfile.TemporaryDirectory() as tmp:
         spare_s, _ = time_to_full_strength(args, f"{tmp}/spare", ["--recover.spares", "1"])
@@ -87,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         t = transferred[0]
         parts.append(f"{t['bytes'] / 2**20:.1f} MB in {t['seconds']:.3f} s ({t['mb_per_s']:.0f} MB/s)")
     print(f"spare: full strength {spare_s:.3f} s after the kill; restart: {restart_s:.3f} s (" + ", ".join(parts) + ")")
-    print(f"transfer_ratio={ratio:.3f} spare_full_strength_s={spare_s:.3f} restart_full_strength_s={restart_s:.3f}")
-    return 0
+    print(f"transfer_ratio={moved['transfer_ratio']:.3f} transfer_ratio_min={moved['transfer_ratio_min']:.3f} "
+          f"transfer_ratio_max={moved['transfer_ratio_max']:.3f} spare_full_strength_s={spare_s:.3f} "
+          f"restart_full_strength_s={restart_s:.3f}")
 
 
 if __name__ == "__main__":

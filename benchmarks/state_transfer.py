@@ -4,13 +4,18 @@ metadata; chunked, xxHash3 per chunk) to a joiner over the fault-tolerant group 
 gloo broadcast of the same number of bytes in one tensor between the same two processes.
 
 Two processes; the state is a stack of ``--layers`` square linear layers of width ``--width`` with AdamW state after
-one step (about 12 bytes per parameter: fp32 weights + two fp32 moments). ``--rounds`` alternating rounds of each;
-medians reported.
+one step (about 12 bytes per parameter: fp32 weights + two fp32 moments; the defaults make 1.1 GiB, so one raw
+broadcast lasts long enough on loopback to be timed stably). ``--rounds`` interleaved rounds: each round times one
+transfer and one raw broadcast back to back, the order alternating. Each round gives a ratio (raw / transfer of
+that round); printed: median, min and max of both times and of the ratio, and every round.
 
-    python benchmarks/state_transfer.py [--width 2048] [--layers 4] [--rounds 3] [--chunk-mb 64]
+    python benchmarks/state_transfer.py [--width 2048] [--layers 24] [--rounds 5] [--chunk-mb 64] [--out FILE]
 
-Last line: ``transfer_mb_s=... raw_mb_s=... transfer_ratio=...``. Target (issue "rejoin from peers' memory"):
-transfer_ratio >= 0.8. benchmarks/rejoin.py runs this and adds the time to full strength with a spare or a restart.
+Last line: ``transfer_mb_s=... raw_mb_s=... transfer_ratio=... transfer_ratio_min=... transfer_ratio_max=...
+transfer_s=... raw_s=... state_mb=...`` (throughputs from the median times; ``transfer_ratio``: the median of the
+rounds' ratios). Target (issue "rejoin from peers' memory"): transfer_ratio >= 0.8. Output also written to
+docs/results/state_transfer.txt (benchmarks/report.py). benchmarks/rejoin.py runs this and adds the time to full
+strength with a spare or a restart.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from datetime import timedelta
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from report import add_out_argument, recorded  # noqa: E402
 
 
 class _Step:
@@ -58,6 +65,7 @@ def _member(port: int, replica: int, args, results) -> None:
     if replica == 0:
         model(torch.randn(2, args.width)).sum().backward()
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # the gradients are not part of the state: free their memory
     state = TrainingState([model], [optimizer], scheduler, _Step(1 if replica == 0 else 0))
     if replica == 1:
         state.ensure_optimizer_state()
@@ -89,11 +97,25 @@ def _member(port: int, replica: int, args, results) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk-mb", type=int, default=64)
+    add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    with recorded(__file__, argv, args.out):
+        measure(args)
+    return 0
 
+
+def spread(values: list[float], digits: int = 3) -> str:
+    """``median [min, max]``."""
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+
+def measure(args) -> None:
+    """Run the two processes, print the table and the headline."""
     from torch.distributed import TCPStore
 
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
@@ -113,11 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     total, timings = got[1]  # the joiner's clock: from before the first byte to its last check
     mb = total / 2**20
     transfer_s, raw_s = statistics.median(timings["transfer"]), statistics.median(timings["raw"])
-    print(f"state {mb:.1f} MB ({args.layers} x {args.width}^2 parameters + AdamW state), chunks of "
-          f"{args.chunk_mb} MB, {args.rounds} rounds: transfer " + ", ".join(f"{t:.3f}" for t in timings["transfer"])
-          + " s; raw broadcast " + ", ".join(f"{t:.3f}" for t in timings["raw"]) + " s")
-    print(f"transfer_mb_s={mb / transfer_s:.1f} raw_mb_s={mb / raw_s:.1f} transfer_ratio={raw_s / transfer_s:.3f}")
-    return 0
+    ratios = [raw / moved for raw, moved in zip(timings["raw"], timings["transfer"])]
+    print(f"state {mb:.1f} MB ({args.layers} x {args.width}^2 parameters + AdamW state), chunks of {args.chunk_mb} MB, "
+          f"{args.rounds} interleaved rounds; seconds on the joiner's clock")
+    print(f"{'':24s} {'median [min, max]':26s} per round")
+    for label, values in (("transfer", timings["transfer"]), ("raw broadcast", timings["raw"]),
+                          ("ratio raw / transfer", ratios)):
+        print(f"{label:24s} {spread(values):26s} " + " ".join(f"{v:.3f}" for v in values))
+    print(f"transfer_mb_s={mb / transfer_s:.1f} raw_mb_s={mb / raw_s:.1f} transfer_ratio={statistics.median(ratios):.3f} "
+          f"transfer_ratio_min={min(ratios):.3f} transfer_ratio_max={max(ratios):.3f} transfer_s={transfer_s:.3f} "
+          f"raw_s={raw_s:.3f} state_mb={mb:.1f}")
 
 
 if __name__ == "__main__":

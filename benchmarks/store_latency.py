@@ -9,6 +9,7 @@ when another sets the key.
 
 Prints one line per store and operation: median and 99th percentile in ms. Last line: the medians,
 ``tcp_get_ms=... etcd_get_ms=... etcd_set_ms=... etcd_add_ms=... etcd_compare_set_ms=... etcd_wake_ms=...``.
+Output also written to docs/results/store_latency.txt (``--out`` to change; benchmarks/report.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from datetime import timedelta
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.recover.stores import open_store  # noqa: E402
 
 
@@ -72,11 +74,18 @@ def measure(name: str, url: str, prefix: str | None, ops: int) -> dict[str, floa
     return {op: statistics.median(samples) for op, samples in results.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--etcd", required=True, help="HOST:PORT of an etcd (>= 3.4) member's client URL")
     parser.add_argument("--ops", type=int, default=500)
-    args = parser.parse_args()
+    add_out_argument(parser, __file__)
+    args = parser.parse_args(argv)
+    with recorded(__file__, argv, args.out):
+        compare(args)
+
+
+def compare(args) -> None:
+    """Time both stores; print one line per store and operation, then the headline."""
     server = open_store("127.0.0.1:0", timeout=timedelta(seconds=30), is_server=True)
     tcp = measure("tcp", f"127.0.0.1:{server.port}", None, args.ops)
     etcd = measure("etcd", f"etcd://{args.etcd}", f"bench-{uuid.uuid4().hex}", args.ops)

@@ -31,6 +31,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.compare import difference, load_curve, LOSS, plot  # noqa: E402
 
 STEP_TIME = "time_metrics/end_to_end(s)"
@@ -76,10 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=str(ROOT / "docs" / "results" / "trajectory_fidelity.png"))
     parser.add_argument("--timeout", type=float, default=900)
+    add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
     if not 1 <= args.lost < args.replicas or args.steps < args.lost + 3:
         parser.error("need 1 <= --lost < --replicas and --steps >= --lost + 3")
+    with recorded(__file__, argv, args.out):
+        return measure(args)
 
+
+def measure(args) -> int:
+    """Run the measurement; print its lines and the headline."""
     faults = schedule(args)
     print("failure schedule: " + ", ".join(f"replica {f['replica']} at step {f['step']} ({f['phase']})"
                                            for f in faults))
