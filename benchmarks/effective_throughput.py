@@ -58,6 +58,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import recorded  # noqa: E402
 from titan_recover.recover.chaos.config import JOB_START_ENV  # noqa: E402
 from titan_recover.recover.events import read_events  # noqa: E402
 from titan_recover.sim.calibration import periodic_failures  # noqa: E402
@@ -100,7 +101,7 @@ def fault_schedule(args) -> str:
 def tokens_per_step(args) -> int:
     from titan_recover.job_config import build_config
 
-    training = build_config(CONFIG, job_overrides(args)).training
+    training = build_config(str(ROOT / CONFIG), job_overrides(args)).training
     return training.seq_len * training.local_batch_size * args.replicas
 
 
@@ -241,13 +242,21 @@ def main(argv: list[str] | None = None) -> int:
     tokens = tokens_per_step(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    printed = [f"# python benchmarks/effective_throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}"
-               f"  ({time.strftime('%Y-%m-%d', time.gmtime())}, commit {commit()}, {os.cpu_count()} CPUs)"]
+    with recorded(__file__, argv, str(out / f"{args.name}.txt")):
+        rounds = run_rounds(args, tokens)
+        setup = {k: v for k, v in vars(args).items() if k not in ("out", "timeout", "modes", "name", "keep")}
+        (out / f"{args.name}.json").write_text(json.dumps(
+            {"setup": {**setup, "config": CONFIG, "tokens_per_step": tokens, "cpu_count": os.cpu_count()},
+             "rounds": rounds}, indent=1) + "\n")
+        plot(rounds[0], out / f"{args.name}.png", tokens)
+        lines, headline = summary(rounds, args.modes)
+        print("\n".join(lines))
+        print(" ".join(f"{k}={v:.3f}" for k, v in headline.items()))
+    return 0
 
-    def say(line: str) -> None:
-        printed.append(line)
-        print(line, flush=True)
 
+def run_rounds(args, tokens: int) -> list[dict]:
+    """``--rounds`` rounds of every mode, round ``i`` starting with the ``i``-th: ``[{mode: run}]``."""
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.rounds):
@@ -258,29 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                 result["tokens_per_s"] = args.steps * tokens / result["end_s"]
                 result["failures_s"] = [e["t"] for e in result["events"] if e["event"] == "fault_injected"]
                 results[mode] = result
-                say(f"round {index} {mode:15s} {args.steps} steps in {result['end_s']:7.1f} s  "
-                    f"{result['tokens_per_s']:8.1f} tokens/s  faults at "
-                    f"{', '.join(f'{t:.1f}' for t in result['failures_s']) or '-'} s")
+                print(f"round {index} {mode:15s} {args.steps} steps in {result['end_s']:7.1f} s  "
+                      f"{result['tokens_per_s']:8.1f} tokens/s  faults at "
+                      f"{', '.join(f'{t:.1f}' for t in result['failures_s']) or '-'} s", flush=True)
             rounds.append({mode: results[mode] for mode in args.modes})
-    setup = {k: v for k, v in vars(args).items() if k not in ("out", "timeout", "modes", "name", "keep")}
-    (out / f"{args.name}.json").write_text(json.dumps(
-        {"setup": {**setup, "config": CONFIG, "tokens_per_step": tokens, "cpu_count": os.cpu_count()},
-         "rounds": rounds}, indent=1) + "\n")
-    plot(rounds[0], out / f"{args.name}.png", tokens)
-    lines, headline = summary(rounds, args.modes)
-    for line in lines:
-        say(line)
-    say(" ".join(f"{k}={v:.3f}" for k, v in headline.items()))
-    (out / f"{args.name}.txt").write_text("\n".join(printed) + "\n")
-    return 0
-
-
-def commit() -> str:
-    """The checkout's commit (``+`` when it has uncommitted changes)."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True)
-    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+    return rounds
 
 
 if __name__ == "__main__":

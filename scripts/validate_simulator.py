@@ -40,6 +40,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import recorded  # noqa: E402
 from titan_recover.sim.calibration import calibrate, combined, periodic_run, predict  # noqa: E402
 from titan_recover.sim.model import Costs  # noqa: E402
 
@@ -105,19 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no frozen costs at {frozen_path}: run with --freeze RUNS.json first (docs/evidence.md)")
     record = json.loads(frozen_path.read_text())
     frozen = {mode: Costs(**c) for mode, c in record["costs"].items()}
-    printed = [f"# python scripts/validate_simulator.py {' '.join(argv if argv is not None else sys.argv[1:])}"
-               f"  ({time.strftime('%Y-%m-%d', time.gmtime())}, commit {commit()})"]
+    with recorded(__file__, argv, args.report):
+        return predict_runs(args, record, frozen)
 
-    def say(line: str = "") -> None:
-        printed.append(line)
-        print(line, flush=True)
 
-    say(f"frozen costs (s) from {record['source']} (schedule {record['schedule']}), frozen {record['frozen']} "
+def predict_runs(args, record: dict, frozen: dict[str, Costs]) -> int:
+    """The frozen prediction and the in-sample fit of every run in ``args.results``, printed."""
+    print(f"frozen costs (s) from {record['source']} (schedule {record['schedule']}), frozen {record['frozen']} "
         f"at {record['commit']}:")
     for mode, c in frozen.items():
-        say(f"  {mode:15s} " + ", ".join(f"{k} {getattr(c, k):.2f}" for k in SHOWN[mode]))
+        print(f"  {mode:15s} " + ", ".join(f"{k} {getattr(c, k):.2f}" for k in SHOWN[mode]))
     errors, fits = [], []
-    say(f"\n{'output':28s} {'round':>5s} {'run':15s} {'faults':>6s} {'measured tok/s':>14s} "
+    print(f"\n{'output':28s} {'round':>5s} {'run':15s} {'faults':>6s} {'measured tok/s':>14s} "
         f"{'frozen prediction':>28s} {'fit (own costs)':>28s}")
     for path in args.results:
         data = json.loads(pathlib.Path(path).read_text())
@@ -135,24 +137,23 @@ def main(argv: list[str] | None = None) -> int:
                     if faults:
                         sink.append(abs(error))
                     cells.append(f"{predicted:10.1f} tok/s ({error:+6.1%})")
-                say(f"{pathlib.Path(path).stem:28s} {index:5d} {mode:15s} {faults:6d} {run['tokens_per_s']:14.1f} "
+                print(f"{pathlib.Path(path).stem:28s} {index:5d} {mode:15s} {faults:6d} {run['tokens_per_s']:14.1f} "
                     + "".join(f"{c:>28s}" for c in cells))
     shape = dict(steps=setup["steps"], replicas=setup["replicas"], tokens_per_step=setup["tokens_per_step"],
                  compute_units=setup["cpu_count"])
-    say(f"\npredicted ratio recover / checkpoint-restart with a failure every N s for as long as each job runs "
+    print(f"\npredicted ratio recover / checkpoint-restart with a failure every N s for as long as each job runs "
         f"({setup['steps']} steps, frozen costs):")
     for every in (120, 80, 60, 45, 40, 30, 20):
         rates = {m: predict(periodic_run(m, every, setup["replicas"] - 1), frozen[m], **shape)
                  for m in ("ckpt_restart", "recover")}
         ratio = rates["recover"] / rates["ckpt_restart"] if rates["ckpt_restart"] else float("inf")
-        say(f"  every {every:4d} s: recover {rates['recover']:7.1f} tok/s, checkpoint-restart "
+        print(f"  every {every:4d} s: recover {rates['recover']:7.1f} tok/s, checkpoint-restart "
             f"{rates['ckpt_restart']:7.1f} tok/s, ratio {ratio:.2f}")
     calibration = {k: round(v, 3) for k, v in combined(frozen).items()}
     pathlib.Path(args.calibration_out).write_text(json.dumps(calibration, indent=1) + "\n")
-    say(f"\ncalibration for the simulator at scale (the frozen costs, s): {json.dumps(calibration)}")
-    say(f"prediction_error={max(errors):.3f} prediction_error_median={statistics.median(errors):.3f} "
+    print(f"\ncalibration for the simulator at scale (the frozen costs, s): {json.dumps(calibration)}")
+    print(f"prediction_error={max(errors):.3f} prediction_error_median={statistics.median(errors):.3f} "
         f"fit_error={max(fits):.3f}")
-    pathlib.Path(args.report).write_text("\n".join(printed) + "\n")
     return 0
 
 
