@@ -440,8 +440,9 @@ def _job_keys(store: EtcdStore) -> dict[bytes, bytes]:
     import base64
 
     prefix = store.etcd_key("")
+    end = prefix[:-1] + bytes([prefix[-1] + 1])
     reply = store.cluster.call(lambda c: c.post(c.get_url("/kv/range"), json={
-        "key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(prefix[:-1] + bytes([prefix[-1] + 1])).decode()}))
+        "key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode()}))
     return {base64.b64decode(kv["key"])[len(prefix):]: base64.b64decode(kv.get("value", ""))
             for kv in reply.get("kvs", [])}
 

@@ -139,8 +139,9 @@ class GroupKeys:
         (:mod:`~titan_recover.recover.groups.collect`)."""
         keys = [GroupKeys.fault(epoch), GroupKeys.joined_count(epoch), GroupKeys.admission(epoch),
                 GroupKeys.admitted(epoch)]
+        groups = GroupKeys.group_prefix(epoch, 0).rsplit("/", 1)[0] + "/"  # every fault-tolerant group's
         prefixes = [f"epoch/{epoch}/", f"join/e{epoch}/", f"reduced/e{epoch}/", f"decision/e{epoch}/",
-                    f"evicted/e{epoch}/", f"founding/e{epoch}/", GroupKeys.group_prefix(epoch, 0).rsplit("/", 1)[0] + "/"]
+                    f"evicted/e{epoch}/", f"founding/e{epoch}/", groups]
         return keys, prefixes
 
 
