@@ -432,3 +432,108 @@ def test_a_refresh_that_fails_is_tried_again_and_the_lease_is_lost_only_before_i
     assert lost_after < dead.ttl_s, lost_after
     assert "not answered" in dead.lost_reason and not dead.is_leader
     dead.resign()
+
+
+# ---- etcd: fencing a leader's writes by its term --------------------------------------------------------------
+def _job_keys(store: EtcdStore) -> dict[bytes, bytes]:
+    """Every key of the store's job and its value, read straight from etcd."""
+    import base64
+
+    prefix = store.etcd_key("")
+    end = prefix[:-1] + bytes([prefix[-1] + 1])
+    reply = store.cluster.call(lambda c: c.post(c.get_url("/kv/range"), json={
+        "key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode()}))
+    return {base64.b64decode(kv["key"])[len(prefix):]: base64.b64decode(kv.get("value", ""))
+            for kv in reply.get("kvs", [])}
+
+
+@pytest.mark.multiprocess
+def test_a_deposed_leaders_writes_are_refused_and_change_nothing(etcd_server):
+    """Two leaders in turn. The first is deposed as if it had been paused past its lease (the lease revoked, its
+    process never told): every kind of write through its fenced store raises NotLeader, naming who leads, and
+    leaves every key as it was; the new leader's writes go through."""
+    from etcd3gw.lease import Lease
+
+    from titan_recover.recover.stores.etcd import NotLeader
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    store = open_store(f"etcd://{etcd_server}", timeout=TIMEOUT, prefix=f"fence-{uuid.uuid4().hex}")
+    a, b = LeaderElection(store, "coordinator/leader", "a"), LeaderElection(store, "coordinator/leader", "b")
+    with pytest.raises(RuntimeError, match="campaign first"):
+        a.fenced()
+    a.campaign(timedelta(seconds=5))
+    fenced_a = a.fenced()
+    fenced_a.set("epoch", "0")
+    fenced_a.multi_set(["epoch/0/members", "coordinator/state"], ["0,1|registered", "state-a"])
+    assert fenced_a.add("coordinator/starts", 1) == 1 and fenced_a.compare_set("fault/e0", "", "a") == b"a"
+    assert fenced_a.delete_keys(["absent"], ["nothing/"]) == 0
+
+    store.cluster.call(lambda client: Lease(a.lease, client=client).revoke())  # as if it expired during a pause
+    with pytest.raises(NotLeader, match="nobody holds it"):
+        fenced_a.set("epoch", "1")
+    b.campaign(timedelta(seconds=5))
+    fenced_b = b.fenced()
+    fenced_b.set("epoch", "1")
+    fenced_b.set("epoch/1/members", "0|replica 1 lost")
+    before = _job_keys(store)
+    refused = {
+        "set": lambda: fenced_a.set("epoch/1/members", "0,1|the deposed one's view"),
+        "multi_set": lambda: fenced_a.multi_set(["epoch", "coordinator/state"], ["2", "state-a2"]),
+        "add": lambda: fenced_a.add("coordinator/starts", 1),
+        "compare_set (it holds the expected value)": lambda: fenced_a.compare_set("fault/e0", "a", "a2"),
+        "compare_set (absent)": lambda: fenced_a.compare_set("fault/e1", "", "a"),
+        "delete_key": lambda: fenced_a.delete_key("epoch"),
+        "delete_keys": lambda: fenced_a.delete_keys(["coordinator/state"], ["epoch/"]),
+    }
+    for name, write in refused.items():
+        with pytest.raises(NotLeader, match=r"write refused, a no longer holds .*coordinator/leader.* \(b holds it"):
+            write()
+        assert _job_keys(store) == before, name
+    assert before[b"epoch"] == b"1" and before[b"epoch/1/members"] == b"0|replica 1 lost"
+    assert fenced_b.add("coordinator/starts", 1) == 2 and fenced_b.compare_set("fault/e0", "a", "b") == b"b"
+    assert fenced_b.delete_keys(["fault/e0"], ["epoch/"]) == 3
+    b.resign()
+    a.resign()
+
+
+@pytest.mark.multiprocess
+def test_a_deposed_coordinator_cannot_publish_an_epoch(etcd_server, tmp_path):
+    """The coordinator's own writes, fenced as a standby coordinator's are (coordinator_process.py): coordinator A
+    publishes epoch 0 and is deposed; B leads, resumes and forms epoch 1 without replica 1. A, still running
+    with its old view, tries to publish a different epoch 1: refused before it writes anything, and members read
+    B's epoch."""
+    from etcd3gw.lease import Lease
+
+    from titan_recover.recover.config import RecoverConfig
+    from titan_recover.recover.groups.coordinator import Coordinator
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.protocol import decode_members
+    from titan_recover.recover.stores.etcd import NotLeader
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    store = open_store(f"etcd://{etcd_server}", timeout=timedelta(seconds=5), prefix=f"fence-{uuid.uuid4().hex}")
+    config = RecoverConfig(replicas=2, join_window_s=0.3)
+    a = LeaderElection(store, GroupKeys.COORDINATOR_LEADER, "a")
+    a.campaign(timedelta(seconds=5))
+    first = Coordinator(config, a.fenced(), replicas=2, ranks_per_replica=1, run_dir=str(tmp_path))
+    first.incarnation = {0: 0, 1: 0}
+    first._publish(0, (0, 1), (), "all replicas registered", timing={})
+    store.cluster.call(lambda client: Lease(a.lease, client=client).revoke())  # a pause past its lease
+
+    b = LeaderElection(store, GroupKeys.COORDINATOR_LEADER, "b")
+    b.campaign(timedelta(seconds=5))
+    second = Coordinator(config, b.fenced(), replicas=2, ranks_per_replica=1, run_dir=str(tmp_path))
+    assert second._resume() and second.epoch == 0
+    store.set(GroupKeys.fault(0), "1.0|replica 1 rank 0: collective failed")
+    store.set(GroupKeys.join(1, 0, 0), "1")
+    second._form_next_epoch()
+    assert second.members == (0,)
+    before = _job_keys(store)
+    with pytest.raises(NotLeader, match="b holds it"):
+        first._publish(1, (0, 1), (), "the deposed coordinator's view", timing={})
+    with pytest.raises(NotLeader):
+        first._beat()
+    assert _job_keys(store) == before
+    assert decode_members(store.get(GroupKeys.members(1)))[0] == (0,) and int(store.get(GroupKeys.EPOCH)) == 1
+    b.resign()
+    a.resign()

@@ -7,7 +7,9 @@ The coordinator itself (:mod:`titan_recover.recover.groups.coordinator`) shares 
 the ranks; this entry adds what a process of the job needs: the ``[recover]`` section, its own ``[chaos]`` faults,
 its signals, and, with ``--standby`` (an etcd store; every node's launcher runs one), the leader election: it
 coordinates only once it leads (``stores/leader.py``), resuming from the stored state exactly as a restarted
-coordinator does, and exits at once (:data:`EXIT_LOST`) when its leadership is lost.
+coordinator does, and exits at once (:data:`EXIT_LOST`) when its leadership is lost. Its writes to the job's store
+are fenced by its term (``LeaderElection.fenced``): once another candidate leads, a write of this one is refused
+(``NotLeader``) before it changes anything, and it exits the same way.
 """
 
 from __future__ import annotations
@@ -107,16 +109,27 @@ def main(argv: list[str] | None = None) -> int:
     election = lead(store, args.identity) if args.standby else None
     if args.standby and election is None:
         return 0  # the job finished while this one stood by
-    coordinator = Coordinator(config, store, replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
-                              run_dir=args.run_dir, durable_state=lambda: newest_checkpoint(args.checkpoint_folder))
-    coordinator.chaos = ProcessFaults(faults, "coordinator", coordinator.start, coordinator.events)
-    if election is not None:
-        coordinator.events.emit("coordinator_elected", identity=args.identity, term=election.term)
-        exit_when_lost(election, coordinator.events)
-    signal.signal(signal.SIGTERM, coordinator.request_stop)
-    signal.signal(signal.SIGINT, coordinator.request_stop)
+    from titan_recover.recover.stores.etcd import NotLeader  # etcd3gw stays unimported without an etcd store
+
+    coordinator = None
     try:
+        coordinator = Coordinator(config, store if election is None else election.fenced(),
+                                  replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
+                                  run_dir=args.run_dir,
+                                  durable_state=lambda: newest_checkpoint(args.checkpoint_folder))
+        coordinator.chaos = ProcessFaults(faults, "coordinator", coordinator.start, coordinator.events)
+        if election is not None:
+            coordinator.events.emit("coordinator_elected", identity=args.identity, term=election.term)
+            exit_when_lost(election, coordinator.events)
+        signal.signal(signal.SIGTERM, coordinator.request_stop)
+        signal.signal(signal.SIGINT, coordinator.request_stop)
         return coordinator.run()
+    except NotLeader as refused:  # another candidate leads: this one's write changed nothing
+        logger.error("%s: %s: exiting", args.identity, refused)
+        if coordinator is not None:
+            coordinator.events.emit("coordinator_lost_leadership", identity=args.identity, term=election.term,
+                                    reason=f"a write was refused: {refused}")
+        return EXIT_LOST
     finally:
         if election is not None:
             election.resign()

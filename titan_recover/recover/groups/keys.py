@@ -132,6 +132,18 @@ class GroupKeys:
         coordinator leaves it out of the next epoch (docs/scout.md)."""
         return f"evicted/e{epoch}/{replica}"
 
+    @staticmethod
+    def of_epoch(epoch: int) -> tuple[list[str], list[str]]:
+        """Every key of ``epoch`` in the job's store, as ``(keys, prefixes)``: a prefix ends with ``/`` so that
+        epoch 1's never matches epoch 10's keys. What is deleted once no member can read the epoch any more
+        (:mod:`~titan_recover.recover.groups.collect`)."""
+        keys = [GroupKeys.fault(epoch), GroupKeys.joined_count(epoch), GroupKeys.admission(epoch),
+                GroupKeys.admitted(epoch)]
+        groups = GroupKeys.group_prefix(epoch, 0).rsplit("/", 1)[0] + "/"  # every fault-tolerant group's
+        prefixes = [f"epoch/{epoch}/", f"join/e{epoch}/", f"reduced/e{epoch}/", f"decision/e{epoch}/",
+                    f"evicted/e{epoch}/", f"founding/e{epoch}/", groups]
+        return keys, prefixes
+
 
 # ---- the fault flag: raised by a rank whose collective failed, or by the coordinator -------------------------
 

@@ -21,6 +21,7 @@ import torch
 
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.ftpg.base import build_group, FaultDetected, FaultTolerantGroup
+from titan_recover.recover.groups.collect import KeyCollector
 from titan_recover.recover.groups.keys import (
     fault_time_and_reason,
     GroupKeys,
@@ -56,6 +57,8 @@ class ReplicaSync:
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
         self.committed_epoch = -1  # epoch of the last commit (start-up broadcast or step): quotas start from it
         self.committed_members: tuple[int, ...] = ()
+        self.collector = KeyCollector(member.store)
+        """Deletes the keys no member can read any more after each commit this rank stores (groups/collect.py)."""
 
     @property
     def epoch(self) -> int:
@@ -294,7 +297,10 @@ class ReplicaSync:
         if proposal == "commit" and admit:
             # the first proposal stored is every member's decision: one writer decides the admission too
             proposal = CommitDecision("commit", self._ready_joiners()).encode()
-        return self.propose(step, proposal)
+        decision = self.propose(step, proposal)
+        if decision == proposal and CommitDecision.decode(decision).outcome == "commit":
+            self.collector.after_commit(self.epoch, step)  # this rank stored the commit: every member is in it
+        return decision
 
     def _timed_out(self, step: int | str, waiting_for: str) -> str:
         raise_fault_flag(self.member.store, self.epoch, f"replica {self.member.replica} rank {self.member.rank}: "

@@ -16,6 +16,12 @@ between is missed); each watch is re-armed after :data:`REARM_S`, so a watch the
 broke silently delays a wake-up by at most that. Requests go to one member of the cluster; one that cannot reach
 it moves to the next member (:class:`EtcdCluster`), except an ``add`` that may have reached it. etcd refuses a
 request above its ``--max-request-bytes`` (1.5 MiB by default): such a ``set`` raises :class:`DistStoreError`.
+
+A store can be **fenced** (:class:`Fence`, :meth:`EtcdStore.fenced`): each of its writes is then a transaction that
+applies only while a leader key still has the create revision its holder took it at (etcd's election recipe:
+``Compare(CreateRevision(leaderKey), "=", leaderRev)``), and raises :class:`NotLeader` otherwise, writing nothing.
+:meth:`EtcdStore.delete_keys` deletes keys and whole key prefixes in one transaction (the protocol's collection of
+keys nobody can read any more, docs/deploy.md "Keys deleted").
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -58,6 +65,16 @@ def put_op(key: bytes, value: bytes, lease: int | None = None) -> dict:
     return {"request_put": put | ({"lease": lease} if lease else {})}
 
 
+def delete_op(key: bytes, prefix: bool = False) -> dict:
+    """Delete ``key``, or with ``prefix`` every key that starts with it."""
+    return {"request_delete_range": {"key": _b64(key)} | ({"range_end": _b64(prefix_end(key))} if prefix else {})}
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The end of the key range of every key that starts with ``prefix`` (etcd's ``range_end``)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
 def if_absent(key: bytes) -> dict:
     return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
 
@@ -70,6 +87,10 @@ def if_unchanged(key: bytes, mod_revision: int) -> dict:
     return {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}
 
 
+def if_created_at(key: bytes, create_revision: int) -> dict:
+    return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": create_revision}
+
+
 def first_kv(response: dict) -> dict | None:
     """The key-value record a transaction's range read (value base64, revisions as strings), or None if absent."""
     kvs = response["response_range"].get("kvs", [])
@@ -80,6 +101,25 @@ def kv_of(response: dict) -> tuple[bytes, int] | None:
     """``(value, mod_revision)`` of the key a transaction's range read, or None if it is absent."""
     kv = first_kv(response)
     return None if kv is None else (base64.b64decode(kv.get("value", "")), int(kv["mod_revision"]))
+
+
+class NotLeader(RuntimeError):
+    """A fenced store's write was refused: the leader key it is fenced by is no longer held at its term (another
+    candidate leads, or the lease lapsed). Nothing was written; the writer has lost the role and must stop."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The leader key (its full etcd key) and the create revision (``term``) its holder took it at: a fenced
+    store's writes apply only while the key still has that create revision."""
+
+    key: bytes
+    term: int
+    holder: str = ""
+    """Who took the key at ``term`` (for messages)."""
+
+    def compare(self) -> dict:
+        return if_created_at(self.key, self.term)
 
 
 class EtcdCluster:
@@ -196,8 +236,12 @@ class EtcdStore(Store):
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str, *,
-                 timeout: timedelta = timedelta(seconds=300), request_timeout: timedelta = timedelta(seconds=10)):
+                 timeout: timedelta = timedelta(seconds=300), request_timeout: timedelta = timedelta(seconds=10),
+                 fence: Fence | None = None):
         super().__init__()
+        self.fence = fence
+        """With a :class:`Fence`, every write applies only while its leader key is held at its term
+        (:class:`NotLeader` otherwise); reads are not fenced."""
         if not prefix.strip("/"):
             raise ValueError(f"an etcd store needs a key prefix naming the job, got {prefix!r}")
         self.prefix = "/" + prefix.strip("/") + "/"
@@ -207,7 +251,33 @@ class EtcdStore(Store):
         self._wait_for_cluster(timeout)
 
     def __repr__(self) -> str:
-        return f"EtcdStore({self.cluster.describe()}, prefix={self.prefix!r})"
+        fenced = f", fenced by {self.fence.key.decode()!r} at term {self.fence.term}" if self.fence else ""
+        return f"EtcdStore({self.cluster.describe()}, prefix={self.prefix!r}{fenced})"
+
+    def fenced(self, fence: Fence) -> EtcdStore:
+        """A client of the same keys whose writes are fenced by ``fence`` (its own connections)."""
+        return EtcdStore(self.cluster.endpoints, self.prefix, timeout=self.timeout,
+                         request_timeout=timedelta(seconds=self.cluster.request_timeout_s), fence=fence)
+
+    def _write(self, compare: list[dict], success: list[dict], failure: list[dict] = (), *,
+               idempotent: bool = True) -> dict:
+        """A write transaction, fenced when the store is: the fence's compare joins ``compare`` and a read of the
+        leader key ends ``failure``; a transaction that failed because of the fence raises :class:`NotLeader`.
+        The reply's responses are those of ``success`` or ``failure`` as given (the fence's read removed)."""
+        if self.fence is None:
+            return self.cluster.txn(compare, success, failure, idempotent=idempotent)
+        reply = self.cluster.txn([*compare, self.fence.compare()], success, [*failure, read_op(self.fence.key)],
+                                 idempotent=idempotent)
+        if not reply.get("succeeded"):
+            holder = first_kv(reply["responses"][-1])
+            if holder is None or int(holder["create_revision"]) != self.fence.term:
+                now = ("nobody holds it" if holder is None else
+                       f"{base64.b64decode(holder.get('value', '')).decode(errors='replace')} holds it since "
+                       f"revision {holder['create_revision']}")
+                raise NotLeader(f"{self!r}: write refused, {self.fence.holder or 'this writer'} no longer holds "
+                                f"{self.fence.key.decode()!r} at term {self.fence.term} ({now})")
+            reply["responses"] = reply["responses"][:-1]
+        return reply
 
     def etcd_key(self, key: str | bytes) -> bytes:
         """The etcd key that holds the store's ``key``."""
@@ -271,14 +341,17 @@ class EtcdStore(Store):
         return not self._read(list(keys))[1]
 
     def num_keys(self) -> int:
-        end = self._prefix[:-1] + bytes([self._prefix[-1] + 1])
+        end = prefix_end(self._prefix)
         reply = self.cluster.call(lambda c: c.post(c.get_url("/kv/range"), json={
             "key": _b64(self._prefix), "range_end": _b64(end), "count_only": True}))
         return int(reply.get("count", 0))
 
     # ---- writes --------------------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
-        self.cluster.call(lambda c: c.put(self.etcd_key(key), _as_bytes(value)))
+        if self.fence is None:
+            self.cluster.call(lambda c: c.put(self.etcd_key(key), _as_bytes(value)))
+        else:
+            self._write([], [put_op(self.etcd_key(key), _as_bytes(value))])
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Set each key; the writes of up to :data:`MAX_TXN_OPS` keys are one transaction (seen all or none)."""
@@ -287,13 +360,25 @@ class EtcdStore(Store):
         latest = {self.etcd_key(k): _as_bytes(v) for k, v in zip(keys, values)}  # etcd: one write per key per txn
         puts = [put_op(k, v) for k, v in latest.items()]
         for at in range(0, len(puts), MAX_TXN_OPS):
-            self.cluster.txn([], puts[at : at + MAX_TXN_OPS])
+            self._write([], puts[at : at + MAX_TXN_OPS])
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; False if it did not exist."""
-        request = {"key": _b64(self.etcd_key(key))}
-        reply = self.cluster.call(lambda c: c.post(c.get_url("/kv/deleterange"), json=request))
-        return int(reply.get("deleted", 0)) > 0
+        return self.delete_keys([key]) > 0
+
+    def delete_keys(self, keys: Sequence[str] = (), prefixes: Sequence[str] = ()) -> int:
+        """Delete ``keys`` and every key that starts with one of ``prefixes`` (store keys; a prefix is matched as
+        text: end it with ``/`` to mean a folder). One transaction per :data:`MAX_TXN_OPS` of them. Returns how
+        many keys were deleted."""
+        if any(not p for p in prefixes):
+            raise ValueError("delete_keys: an empty prefix would delete every key of the store")
+        ops = ([delete_op(self.etcd_key(k)) for k in keys]
+               + [delete_op(self.etcd_key(p), prefix=True) for p in prefixes])
+        deleted = 0
+        for at in range(0, len(ops), MAX_TXN_OPS):
+            reply = self._write([], ops[at : at + MAX_TXN_OPS])
+            deleted += sum(int(r["response_delete_range"].get("deleted", 0)) for r in reply.get("responses", []))
+        return deleted
 
     # torch's trampoline for Python stores looks these two up by their C++ names when C++ calls them (a
     # PrefixStore over this store does); the other methods it looks up by their Python names.
@@ -308,8 +393,8 @@ class EtcdStore(Store):
         guard, base = if_absent(full), 0
         deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
-            reply = self.cluster.txn([guard], [put_op(full, str(base + amount).encode())], [read_op(full)],
-                                     idempotent=False)
+            reply = self._write([guard], [put_op(full, str(base + amount).encode())], [read_op(full)],
+                                idempotent=False)
             if reply.get("succeeded"):
                 return base + amount
             current = kv_of(reply["responses"][0])
@@ -332,7 +417,7 @@ class EtcdStore(Store):
         guard = if_holds(full, expected) if expected else if_absent(full)
         deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
-            reply = self.cluster.txn([guard], [put_op(full, desired)], [read_op(full)])
+            reply = self._write([guard], [put_op(full, desired)], [read_op(full)])
             if reply.get("succeeded"):
                 return desired
             current = kv_of(reply["responses"][0])

@@ -12,7 +12,10 @@ that the lease is gone, it sets ``lost``: before etcd can let another candidate 
 ``ttl_s`` from that send, if the two clocks run at the same rate), with ``ttl_s / 4`` left for the holder to stop.
 A single slow answer (a loaded machine, an etcd busy syncing its log) therefore costs nothing while a later try
 gets through in time. ``term`` (the revision at which a leader took the key, larger for every later
-leader) lets writes be fenced by whoever reads them. etcd3gw's ``Lease`` revokes the lease (the grant and
+leader) fences the leader's writes: :meth:`LeaderElection.fenced` gives a store whose every write is a transaction
+that applies only while the key still has that create revision (etcd's own election recipe, ``Proclaim``, guards
+the leader's writes the same way), so a deposed leader that runs on (paused past its lease, its keepalive not yet
+aware) writes nothing and gets :class:`~.etcd.NotLeader` instead. etcd3gw's ``Lease`` revokes the lease (the grant and
 the keepalive are posted directly: to learn the TTL granted, and to bound each refresh by the time left); its ``Lock`` is not used: it keeps locks under a fixed
 ``/locks/`` prefix rather than the job's, grants a new lease at every attempt, neither waits nor keeps its lease
 alive.
@@ -26,7 +29,7 @@ import threading
 import time
 from datetime import timedelta
 
-from titan_recover.recover.stores.etcd import (EtcdCluster, EtcdStore, first_kv, if_absent, put_op,
+from titan_recover.recover.stores.etcd import (EtcdCluster, EtcdStore, Fence, first_kv, if_absent, put_op,
                                                read_op, REARM_S)
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ class LeaderElection:
             raise ValueError(f"ttl_s must be at least 1 s, got {ttl_s}")
         self.key, self.identity, self.ttl_s = key, identity, ttl_s
         self._key = store.etcd_key(key)
+        self._store = store
         self._cluster = store.cluster
         self._refresher = EtcdCluster(store.cluster.endpoints, ttl_s * LOST_AFTER)
         self.lost = threading.Event()
@@ -73,6 +77,13 @@ class LeaderElection:
     @property
     def is_leader(self) -> bool:
         return self.term is not None and not self.lost.is_set()
+
+    def fenced(self) -> EtcdStore:
+        """A client of the election's store whose every write applies only while this candidate holds the key at
+        its ``term`` (:class:`~.etcd.NotLeader` otherwise, nothing written); RuntimeError before it leads."""
+        if self.term is None:
+            raise RuntimeError(f"{self.identity}: fenced() needs the leadership of {self.key}; campaign first")
+        return self._store.fenced(Fence(self._key, self.term, self.identity))
 
     def campaign(self, timeout: timedelta = timedelta(seconds=300)) -> None:
         """Block until this candidate leads; TimeoutError (naming the leader) after ``timeout``, RuntimeError if

@@ -1,0 +1,129 @@
+"""The protocol's keys stay bounded over many steps (groups/collect.py, docs/replica_groups.md "Keys deleted").
+
+Members are the project's own ``ReplicaMember`` and ``ReplicaSync`` in threads of this process (no heartbeat
+thread, no training), running the real commit barrier step after step against the job's store: the embedded
+TCPStore (fast) and etcd (the session's ``etcd_server``, multiprocess tier).
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from titan_recover.recover.config import RecoverConfig
+from titan_recover.recover.groups.keys import GroupKeys
+from titan_recover.recover.groups.member import ReplicaMember
+from titan_recover.recover.groups.replica_sync import ReplicaSync
+from titan_recover.recover.stores import open_store
+
+REPLICAS = 3
+
+
+def members_of(address: str, epoch: int) -> list[ReplicaSync]:
+    """One rank per replica, in ``epoch`` with every replica as a member (as after ``wait_for_epoch``)."""
+    config = RecoverConfig(replicas=REPLICAS, collective_timeout_s=10.0)
+    syncs = []
+    for replica in range(REPLICAS):
+        member = ReplicaMember(config, replica=replica, rank=0, ranks_per_replica=1, address=address)
+        member.epoch, member.members, member.admitted = epoch, tuple(range(REPLICAS)), True
+        syncs.append(ReplicaSync(config, member, events=None))
+    return syncs
+
+
+def commit(syncs: list[ReplicaSync], step: int | str) -> None:
+    """Every member runs the commit barrier of ``step`` at once; every one must read ``commit``."""
+    decisions = [None] * len(syncs)
+
+    def run(i: int) -> None:
+        decisions[i] = syncs[i].commit_barrier(step)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(syncs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert decisions == ["commit"] * len(syncs), (step, decisions)
+
+
+def move_to(syncs: list[ReplicaSync], epoch: int) -> None:
+    for sync in syncs:
+        sync.member.epoch = epoch
+
+
+def etcd_keys(store) -> set[str]:
+    """Every key of the store's job, read straight from etcd."""
+    prefix = store.etcd_key("")
+    reply = store.cluster.call(lambda c: c.post(c.get_url("/kv/range"), json={
+        "key": base64.b64encode(prefix).decode(),
+        "range_end": base64.b64encode(prefix[:-1] + bytes([prefix[-1] + 1])).decode(), "keys_only": True}))
+    return {base64.b64decode(kv["key"])[len(prefix):].decode() for kv in reply.get("kvs", [])}
+
+
+def test_every_key_of_an_epoch_is_under_its_own_keys_and_prefixes():
+    keys, prefixes = GroupKeys.of_epoch(1)
+    of_one = [GroupKeys.members(1), GroupKeys.fault(1), GroupKeys.join(1, 2, 3), GroupKeys.joined_count(1),
+              GroupKeys.reduced(1, 7), GroupKeys.decision(1, "admit7"), GroupKeys.admission(1), GroupKeys.admitted(1),
+              GroupKeys.evicted(1, 2), GroupKeys.founding(1, 2), GroupKeys.group_prefix(1, 3, "transfer") + "/0"]
+    of_ten = [GroupKeys.members(10), GroupKeys.fault(10), GroupKeys.join(10, 2, 3), GroupKeys.joined_count(10),
+              GroupKeys.reduced(10, 7), GroupKeys.decision(10, 7), GroupKeys.admission(10), GroupKeys.admitted(10),
+              GroupKeys.evicted(10, 2), GroupKeys.founding(10, 2), GroupKeys.group_prefix(10, 3) + "/0",
+              GroupKeys.EPOCH, GroupKeys.COORDINATOR_STATE, GroupKeys.heartbeat(1), GroupKeys.register(1, 0)]
+
+    def collected(key: str) -> bool:
+        return key in keys or any(key.startswith(p) for p in prefixes)
+
+    assert all(map(collected, of_one)), [k for k in of_one if not collected(k)]
+    assert not any(map(collected, of_ten)), [k for k in of_ten if collected(k)]
+
+
+def test_a_commit_deletes_the_step_before_on_the_embedded_store():
+    """TCPStore: the keys of the commit barrier stay those of the last step, however many steps commit (the
+    older epochs' keys are not collected: the store cannot delete gloo's keys by prefix)."""
+    server = open_store("127.0.0.1:0", timeout=timedelta(seconds=10), is_server=True)
+    syncs = members_of(f"127.0.0.1:{server.port}", epoch=0)
+    counts = []
+    for step in range(0, 40):
+        commit(syncs, step)
+        counts.append(server.num_keys())
+    assert len(set(counts[1:])) == 1, counts  # bounded: constant from the second commit on
+    assert server.check([GroupKeys.reduced(0, 39), GroupKeys.decision(0, 39)])
+    assert not any(server.check([key]) for step in range(39) for key in
+                   (GroupKeys.reduced(0, step), GroupKeys.decision(0, step)))
+
+
+@pytest.mark.multiprocess
+def test_keys_stay_bounded_over_many_steps_and_epochs_on_etcd(etcd_server):
+    """etcd: 60 steps in epoch 0 leave the keys of the last step only; then the members are in epoch 2 (epochs 0
+    and 1 left keys of every kind, epoch 10's must not be touched): the first commit in epoch 2 deletes every key
+    of epochs 0 and 1 and nothing else."""
+    address = f"etcd://{etcd_server}/titan_recover/collect-{uuid.uuid4().hex}"
+    store = open_store(address, timeout=timedelta(seconds=10))
+    store.set(GroupKeys.EPOCH, "0")
+    store.set(GroupKeys.members(0), "0,1,2|all replicas registered")
+    syncs = members_of(address, epoch=0)
+    steady = {GroupKeys.EPOCH, GroupKeys.members(0)}
+    for step in range(0, 60):
+        commit(syncs, step)
+        keys = etcd_keys(store)
+        assert keys == steady | {GroupKeys.reduced(0, step), GroupKeys.decision(0, step)}, (step, sorted(keys))
+
+    def every_kind(epoch: int) -> set[str]:
+        return {GroupKeys.members(epoch), GroupKeys.fault(epoch), GroupKeys.join(epoch, 1, 0),
+                GroupKeys.joined_count(epoch), GroupKeys.reduced(epoch, 61), GroupKeys.decision(epoch, 61),
+                GroupKeys.reduced(epoch, "admit60"), GroupKeys.admission(epoch), GroupKeys.admitted(epoch),
+                GroupKeys.evicted(epoch, 1), GroupKeys.founding(epoch, 1), GroupKeys.group_prefix(epoch, 0) + "/0",
+                GroupKeys.group_prefix(epoch, 2, "transfer") + "/rank_1"}
+
+    old = every_kind(0) | every_kind(1)
+    kept = every_kind(10) | {GroupKeys.members(2), GroupKeys.join(2, 0, 0), GroupKeys.COORDINATOR_STATE}
+    store.multi_set(sorted(old | kept), ["1"] * len(old | kept))
+    move_to(syncs, 2)
+    commit(syncs, 61)
+    assert etcd_keys(store) == {GroupKeys.EPOCH} | kept | {GroupKeys.reduced(2, 61), GroupKeys.decision(2, 61)}
+    for step in range(62, 70):  # the next commits in epoch 2 delete one step each, nothing else
+        commit(syncs, step)
+    assert etcd_keys(store) == {GroupKeys.EPOCH} | kept | {GroupKeys.reduced(2, 69), GroupKeys.decision(2, 69)}
