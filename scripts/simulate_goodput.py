@@ -27,7 +27,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from report import recorded  # noqa: E402
 from titan_recover.sim.model import Cluster, Costs, DAY_S, draw_trace, young_daly_interval  # noqa: E402
 from titan_recover.sim.policies import POLICIES, simulate  # noqa: E402
 
@@ -88,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--straggler-rate", type=float, default=0.01, help="episodes per group per hour")
     parser.add_argument("--cost", action="append", default=[], help="override a Costs field: name=value")
     parser.add_argument("--calibration", help="costs measured on the CPU runs (JSON), in units of their step")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results"), help="folder of the plots")
+    parser.add_argument("--report", default="-",
+                        help="also write what is printed to this file under a header line (benchmarks/report.py)")
     args = parser.parse_args(argv)
     overrides = calibrated_costs(pathlib.Path(args.calibration)) if args.calibration else {}
     for item in args.cost:
@@ -101,39 +105,40 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "_calibrated" if args.calibration else ""
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shown = {k: round(v, 3) for k, v in dataclasses.asdict(costs).items()
-             if fixed or k != "checkpoint_interval_s"}
-    print(f"costs (s): {json.dumps(shown)}" + ("" if fixed else "; checkpoints at each cluster's Young/Daly interval"))
-    header = f"{'':>22s}" + "".join(f"{p:>20s}" for p in POLICIES.names())
+    with recorded(__file__, argv, args.report):
+        shown = {k: round(v, 3) for k, v in dataclasses.asdict(costs).items()
+                 if fixed or k != "checkpoint_interval_s"}
+        print(f"costs (s): {json.dumps(shown)}" + ("" if fixed else "; checkpoints at each cluster's Young/Daly interval"))
+        header = f"{'':>22s}" + "".join(f"{p:>20s}" for p in POLICIES.names())
 
-    by_size = []
-    print(f"\ngoodput vs cluster size ({args.days:g} days, MTBF {Cluster().mtbf_device_h:g} h per device, "
-          f"{args.straggler_rate} straggles per group-hour)\n{header}")
-    seconds = None
-    for devices in SIZES:
-        cluster = Cluster(devices=devices - devices % 64, straggler_rate_per_group_h=args.straggler_rate)
-        started = time.process_time()
-        row, events = run(cluster, costs, args.days, args.seed, fixed)
-        if devices == SIZES[-1]:
-            seconds = time.process_time() - started
-        by_size.append((cluster.devices, row))
-        print(f"{cluster.devices:>14d} devices" + "".join(f"{row[p]:>20.4f}" for p in POLICIES.names())
-              + f"   ({events} events)")
+        by_size = []
+        print(f"\ngoodput vs cluster size ({args.days:g} days, MTBF {Cluster().mtbf_device_h:g} h per device, "
+              f"{args.straggler_rate} straggles per group-hour)\n{header}")
+        seconds = None
+        for devices in SIZES:
+            cluster = Cluster(devices=devices - devices % 64, straggler_rate_per_group_h=args.straggler_rate)
+            started = time.process_time()
+            row, events = run(cluster, costs, args.days, args.seed, fixed)
+            if devices == SIZES[-1]:
+                seconds = time.process_time() - started
+            by_size.append((cluster.devices, row))
+            print(f"{cluster.devices:>14d} devices" + "".join(f"{row[p]:>20.4f}" for p in POLICIES.names())
+                  + f"   ({events} events)")
 
-    by_mtbf = []
-    print(f"\ngoodput vs per-device MTBF (65536 devices, {args.days:g} days)\n{header}")
-    for mtbf in MTBFS_H:
-        cluster = Cluster(devices=65536, mtbf_device_h=mtbf, straggler_rate_per_group_h=args.straggler_rate)
-        row, _ = run(cluster, costs, args.days, args.seed, fixed)
-        by_mtbf.append((mtbf, row))
-        print(f"{mtbf:>16d} h MTBF" + "".join(f"{row[p]:>20.4f}" for p in POLICIES.names()))
+        by_mtbf = []
+        print(f"\ngoodput vs per-device MTBF (65536 devices, {args.days:g} days)\n{header}")
+        for mtbf in MTBFS_H:
+            cluster = Cluster(devices=65536, mtbf_device_h=mtbf, straggler_rate_per_group_h=args.straggler_rate)
+            row, _ = run(cluster, costs, args.days, args.seed, fixed)
+            by_mtbf.append((mtbf, row))
+            print(f"{mtbf:>16d} h MTBF" + "".join(f"{row[p]:>20.4f}" for p in POLICIES.names()))
 
-    plot(by_size, "accelerators", out / f"simulator_size{suffix}.png")
-    plot(by_mtbf, "MTBF per device (h)", out / f"simulator_mtbf{suffix}.png")
-    print(f"\nplots: {out / f'simulator_size{suffix}.png'}, {out / f'simulator_mtbf{suffix}.png'}")
-    largest = by_size[-1][1]
-    print(f"devices={by_size[-1][0]} days={args.days:g} seconds={seconds:.2f} "
-          + " ".join(f"goodput_{p}={largest[p]:.4f}" for p in POLICIES.names()))
+        plot(by_size, "accelerators", out / f"simulator_size{suffix}.png")
+        plot(by_mtbf, "MTBF per device (h)", out / f"simulator_mtbf{suffix}.png")
+        print(f"\nplots: {out / f'simulator_size{suffix}.png'}, {out / f'simulator_mtbf{suffix}.png'}")
+        largest = by_size[-1][1]
+        print(f"devices={by_size[-1][0]} days={args.days:g} seconds={seconds:.2f} "
+              + " ".join(f"goodput_{p}={largest[p]:.4f}" for p in POLICIES.names()))
     return 0
 
 
