@@ -47,12 +47,6 @@ def backend(request) -> Backend:
     return Backend(request.param, request)
 
 
-def elapsed(fn) -> float:
-    start = time.monotonic()
-    fn()
-    return time.monotonic() - start
-
-
 def later(seconds: float, fn) -> threading.Thread:
     thread = threading.Timer(seconds, fn)
     thread.start()
