@@ -36,6 +36,8 @@ import traceback
 from datetime import timedelta
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+GROUP_TIMEOUT_S = 30.0
+"""The fault-tolerant group's ``timeout_s`` in the gloo section: a survivor released by its deadline waits this long."""
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -100,8 +102,8 @@ def _gloo_member(port: int, replica: int, members: tuple, device_name: str, mb: 
             if dying.is_set():
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        group = build_group(config, store, epoch=0, members=members, replica=replica, rank=0, timeout_s=30.0,
-                            device=device, on_poll=on_poll)
+        group = build_group(config, store, epoch=0, members=members, replica=replica, rank=0,
+                            timeout_s=GROUP_TIMEOUT_S, device=device, on_poll=on_poll)
         plain = ProcessGroupGloo(PrefixStore("plain", store), replica, len(members), timedelta(seconds=120))
         n = mb * 2**20 // 4
         t = torch.empty(n, device=device)
@@ -166,6 +168,7 @@ def ftpg_gloo(device: torch.device, mb: int, members: int, reps: int = 3) -> dic
         "staged_s": staged, "plain_s": plain, "staged_vs_plain": staged / plain if staged and plain else None,
         "kill_survivors_released": len(survivors) == members - 1 and all(v["outcome"] == "fault" for v in survivors),
         "kill_release_s": max((v["s"] for v in survivors), default=None), "kill": got["kill"],
+        "timeout_s": GROUP_TIMEOUT_S,
         "errors": got["error"],
     }
 

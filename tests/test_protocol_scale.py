@@ -106,14 +106,16 @@ def test_workers_host_whole_replica_groups_round_robin():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
 def test_a_tiny_run_prints_a_finite_headline(tmp_path):
+    """The benchmark runs end to end and prints its headline. What is asserted is the output, not the time: the
+    run's timeout only ends a hang (starting its processes, each importing torch, takes tens of seconds on a busy
+    machine), inside pytest's own per-test timeout."""
     out = tmp_path / "scale.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/protocol_scale.py", "--sizes", "4", "--ranks-per-replica", "2", "--workers", "2",
          "--window", "1", "--settle", "0.2", "--repeats", "2", "--kills", "1", "--form-timeout", "30",
          "--wait-timeout", "10", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=55)
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     match = HEADLINE.match(proc.stdout.strip().splitlines()[-1])
     assert match, proc.stdout[-2000:]

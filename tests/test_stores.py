@@ -47,12 +47,6 @@ def backend(request) -> Backend:
     return Backend(request.param, request)
 
 
-def elapsed(fn) -> float:
-    start = time.monotonic()
-    fn()
-    return time.monotonic() - start
-
-
 def later(seconds: float, fn) -> threading.Thread:
     thread = threading.Timer(seconds, fn)
     thread.start()
@@ -150,18 +144,30 @@ def test_check_multi_get_and_multi_set(backend):
 
 
 def test_wait_wakes_when_another_client_sets_the_key(backend):
+    """``wait`` returns once another client set the last missing key: not before the set began (it waited for
+    it) and without its 10 s timeout expiring (the set woke it). ``wait`` with its own timeout ends after that one,
+    before the store's. Only orderings and the configured timeouts are compared: no bound on the machine's speed."""
     other = backend.client()
-    later(0.1, lambda: other.set("k2", "v"))
-    store = backend.client(timeout=timedelta(seconds=10))
+    setting = []
+
+    def set_k2():
+        setting.append(time.monotonic())
+        other.set("k2", "v")
+
+    timeout_s = 10.0
+    store = backend.client(timeout=timedelta(seconds=timeout_s))
     store.set("k1", "v")
-    took = elapsed(lambda: store.wait(["k1", "k2"]))
-    assert 0.09 < took < 1.0
+    later(0.1, set_k2)
+    start = time.monotonic()
+    store.wait(["k1", "k2"])  # a timeout would raise
+    returned = time.monotonic()
+    assert setting and setting[0] <= returned and returned - start < timeout_s
     later(0.1, lambda: other.set("k3", "v"))
     assert store.get("k3") == b"v"  # get blocks as wait does
     start = time.monotonic()
-    with pytest.raises(DistStoreError):
+    with pytest.raises(DistStoreError, match="wait timeout after 150ms"):
         store.wait(["k4"], timedelta(seconds=0.15))  # its own timeout, not the store's 10 s
-    assert 0.1 < time.monotonic() - start < 1.0
+    assert 0.15 <= time.monotonic() - start < timeout_s
 
 
 def test_delete_and_num_keys(backend):
@@ -378,19 +384,35 @@ def test_a_leader_whose_lease_is_revoked_knows_it_and_resigning_hands_over_at_on
     a, b, c = (LeaderElection(store, "coordinator", name) for name in ("a", "b", "c"))
     a.campaign(timedelta(seconds=5))
     assert a.is_leader and store.get("coordinator") == b"a"
+    refreshes = _FlakyRefresher(a._refresher, failures=0)  # counts a's refreshes, fails none
+    a._refresher = refreshes
     store.cluster.call(lambda client: Lease(a.lease, client=client).revoke())  # as if it expired
+    revoked_at = refreshes.calls
     b.campaign(timedelta(seconds=5))
-    assert a.lost.wait(a.ttl_s / 3 + 1.0) and not a.is_leader
+    assert a.lost.wait(30 * a.ttl_s) and not a.is_leader  # the wait only guards against a leader that never knows
+    # the first refresh that reached etcd after the revoke told it: at most one was sent after the revoke
+    assert refreshes.calls - revoked_at <= 1, (revoked_at, refreshes.calls)
     with pytest.raises(RuntimeError, match="the lease was lost"):
         a.campaign(timedelta(seconds=1))
     standby = threading.Thread(target=c.campaign, args=(timedelta(seconds=5),))
     standby.start()
-    time.sleep(0.3)
-    start = time.monotonic()
+    _wait_for(lambda: c.lease is not None)  # c campaigns with a lease of its own
+    lease_of_b = b.lease
     b.resign()
+    # resigning revoked b's lease (etcd answers TTL -1 for a lease it no longer has): nothing for c to wait out
+    remaining = store.cluster.call(lambda client: Lease(lease_of_b, client=client).ttl())
+    assert remaining == -1, remaining
     standby.join()
-    assert c.is_leader and time.monotonic() - start < 0.5  # no TTL to wait for
+    assert c.is_leader and store.get("coordinator") == b"c"
     c.resign()
+
+
+def _wait_for(condition, guard_s: float = 60.0) -> None:
+    """Until ``condition()``; ``guard_s`` only ends a wait for something that never happens."""
+    deadline = time.monotonic() + guard_s
+    while not condition():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.01)
 
 
 class _FlakyRefresher:
