@@ -99,7 +99,9 @@ def final_optimizer_state(folder: pathlib.Path, replica: int, rank: int) -> dict
 
 
 def bitwise_equal(a, b) -> bool:
-    """Nested dicts, lists and tuples of tensors and plain values equal bit for bit (tensors also in dtype)."""
+    """Nested dicts, lists and tuples of tensors and plain values equal bit for bit (tensors also in dtype). A list
+    equals a tuple of the same items: a state transfer sends the param groups as JSON, which turns AdamW's
+    ``betas`` tuple into a list."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and torch.equal(a, b))
@@ -107,7 +109,7 @@ def bitwise_equal(a, b) -> bool:
         return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
                 and all(bitwise_equal(a[k], b[k]) for k in a))
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        return (type(a) is type(b) and len(a) == len(b)
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
                 and all(bitwise_equal(x, y) for x, y in zip(a, b)))
     return type(a) is type(b) and a == b
 
