@@ -9,7 +9,8 @@ microbatches in the same step); ``drop`` (the batch shrinks and the failed steps
 loss from its failure-free counterpart over all steps (exact mode against the exact failure-free run; 0 means
 every step's loss is bitwise equal). The exact failure-free run also gives exact mode's step-time overhead
 (median step time over the plain failure-free run's, first ``--warmup`` steps dropped). The overlay of the four
-loss curves is written to ``--plot``.
+loss curves is written to ``--plot``; every run's per-step losses, the exact failure-free reference among them
+(``"exact (failure-free)"``, the curve exact mode's failure runs must equal bitwise), to the ``.json`` beside it.
 
     python benchmarks/trajectory_fidelity.py [--flavor debugmodel] [--steps 20] [--seed 0]
 
@@ -107,7 +108,8 @@ def measure(args) -> int:
               "drop (torchft semantics)": drop}
     plot(curves, args.plot)
     data = pathlib.Path(args.plot).with_suffix(".json")
-    data.write_text(json.dumps({"schedule": faults, "curves": curves}, indent=1) + "\n")
+    data.write_text(json.dumps({"schedule": faults, "curves": {**curves, "exact (failure-free)": exact_reference}},
+                               indent=1) + "\n")
     print(f"plot: {args.plot} (curves: {data})")
     print(f"{args.replicas} replicas, {args.lost} lost, {args.flavor}, {args.steps} steps: largest relative loss "
           f"deviation from the failure-free run: recover {recover_dev:.2e}, exact {exact_dev:.2e}, drop {drop_dev:.2e}"

@@ -104,7 +104,7 @@ EXACT_REFERENCE = {"replicas": 3, "steps": 8}
 @pytest.fixture(scope="session")
 def exact_reference(tmp_path_factory, default_data) -> pathlib.Path:
     """The failure-free run that several modules compare with, run once: the tiny model, 3 replicas of 1 process,
-    8 steps, exact mode, every rank's final parameters saved."""
+    8 steps, exact mode, every rank's final parameters, optimizer and schedule state saved."""
     from replica_runs import run_replicas
 
     folder = tmp_path_factory.mktemp("exact_reference")
@@ -114,33 +114,71 @@ def exact_reference(tmp_path_factory, default_data) -> pathlib.Path:
     return folder
 
 
-HSDP_REFERENCE_STEPS = 3
+LAYOUT_STEPS = 6
+"""Steps of every layout run compared with the FSDP reference: the same step count, since the learning rate's
+decay after the warm-up is spread over ``training.steps``."""
+GLOBAL_BATCH = 4
+"""Sequences in the global batch of every layout run: debug_model.toml's (FSDP2 over 2 ranks x local batch 2)."""
+
+
+def same_training(seed_checkpoint: pathlib.Path, data_parallel: int) -> tuple[str, ...]:
+    """Overrides that make a layout with ``data_parallel`` data-parallel ranks train what the FSDP reference
+    trains: the tiny model from the seed checkpoint's weights, the same global batch (local batch
+    ``GLOBAL_BATCH / data_parallel``; a pipeline cuts it into microbatches of 1), ``LAYOUT_STEPS`` steps. Data
+    rank ``r`` of ``d`` reads rows ``[(c * d + r) * b, ... + b)`` at its ``c``-th batch (data/loader.py), so every
+    layout's step reads the same rows."""
+    if GLOBAL_BATCH % data_parallel:
+        raise ValueError(f"{data_parallel} data-parallel ranks cannot share a global batch of {GLOBAL_BATCH}")
+    return ("--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps", str(LAYOUT_STEPS),
+            "--training.local_batch_size", str(GLOBAL_BATCH // data_parallel),
+            "--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.initial_load_path", str(seed_checkpoint))
 
 
 @pytest.fixture(scope="session")
-def hsdp_reference(tmp_path_factory, default_data):
-    """train_configs/hsdp.toml (TorchTitan's native HSDP: 2 replicas x FSDP2 over 2) with the tiny model,
-    failure-free, run once: the layout test of HSDP and the reference of what replica groups log. Returns
-    (folder, console output)."""
-    folder = tmp_path_factory.mktemp("hsdp_reference")
-    proc = launch("train_configs/hsdp.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb",
-                  "--training.steps", str(HSDP_REFERENCE_STEPS), "--dump_folder", str(folder), timeout=240)
+def seed_checkpoint(tmp_path_factory, default_data) -> pathlib.Path:
+    """The tiny model initialised once, unsharded, in one process, as TorchTitan's step-0 seed checkpoint
+    (``[checkpoint] create_seed_checkpoint``): the weights every layout run starts from. Each layout initialises
+    its shards with its own random streams (FSDP2 over 2 and TP over 2 start from different weights), so without
+    it the losses of two layouts differ from the first step."""
+    folder = tmp_path_factory.mktemp("seed_checkpoint")
+    proc = launch("train_configs/debug_model.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb",
+                  "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable",
+                  "--checkpoint.create_seed_checkpoint", "--dump_folder", str(folder), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step0 = folder / "checkpoint" / "step-0"
+    assert (step0 / ".metadata").is_file(), sorted(p.name for p in folder.rglob("*"))
+    return step0
+
+
+def layout_run(tmp_path_factory, seed_checkpoint: pathlib.Path, config: str, data_parallel: int):
+    """``train_configs/<config>.toml`` trained as the FSDP reference is (:func:`same_training`), failure-free.
+    Returns (folder, console output)."""
+    folder = tmp_path_factory.mktemp(f"{config}_run")
+    proc = launch(f"train_configs/{config}.toml", *same_training(seed_checkpoint, data_parallel),
+                  "--dump_folder", str(folder), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return folder, proc.stdout + proc.stderr
 
 
-TP_REFERENCE_STEPS = 6
+@pytest.fixture(scope="session")
+def fsdp_reference(tmp_path_factory, seed_checkpoint):
+    """debug_model.toml (FSDP2 over 2) from the seed checkpoint: the run every layout's losses are compared with.
+    Returns (folder, console output)."""
+    return layout_run(tmp_path_factory, seed_checkpoint, "debug_model", 2)
 
 
 @pytest.fixture(scope="session")
-def tp_reference(tmp_path_factory, default_data):
-    """train_configs/tp.toml (TP 2) with the tiny model, failure-free, run once: the layout test of TP and the
-    reference of the snapshot refill test. Returns (folder, console output)."""
-    folder = tmp_path_factory.mktemp("tp_reference")
-    proc = launch("train_configs/tp.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb",
-                  "--training.steps", str(TP_REFERENCE_STEPS), "--dump_folder", str(folder), timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return folder, proc.stdout + proc.stderr
+def hsdp_reference(tmp_path_factory, seed_checkpoint):
+    """train_configs/hsdp.toml (TorchTitan's native HSDP: 2 replicas x FSDP2 over 2) trained as the FSDP reference
+    is: the layout test of HSDP and the reference of what replica groups log. Returns (folder, console output)."""
+    return layout_run(tmp_path_factory, seed_checkpoint, "hsdp", 4)
+
+
+@pytest.fixture(scope="session")
+def tp_reference(tmp_path_factory, seed_checkpoint):
+    """train_configs/tp.toml (TP 2) trained as the FSDP reference is: the layout test of TP and the reference of
+    the snapshot refill test. Returns (folder, console output)."""
+    return layout_run(tmp_path_factory, seed_checkpoint, "tp", 1)
 
 
 def free_port() -> int:

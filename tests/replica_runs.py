@@ -92,10 +92,52 @@ def final_parameters(folder: pathlib.Path, replica: int, rank: int) -> dict[str,
     return torch.load(folder / "final_parameters" / f"replica{replica}_rank{rank}.pt")
 
 
+def final_optimizer_state(folder: pathlib.Path, replica: int, rank: int) -> dict:
+    """What the rank saved with ``--recover.save_final_parameters`` besides its parameters (final_parameters.py's
+    ``optimizer_state``)."""
+    return torch.load(folder / "final_optimizer" / f"replica{replica}_rank{rank}.pt")
+
+
+def bitwise_equal(a, b) -> bool:
+    """Nested dicts, lists and tuples of tensors and plain values equal bit for bit (tensors also in dtype). A list
+    equals a tuple of the same items: a state transfer sends the param groups as JSON, which turns AdamW's
+    ``betas`` tuple into a list."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and torch.equal(a, b))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(bitwise_equal(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(bitwise_equal(x, y) for x, y in zip(a, b)))
+    return type(a) is type(b) and a == b
+
+
+def assert_same_optimizer_state(reference: pathlib.Path, run: pathlib.Path, *, replica: int, rank: int,
+                                steps: int) -> None:
+    """The rank's final optimizer state (AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` of every parameter,
+    every param group's hyperparameters and ``lr``) and learning-rate schedule state (position, base and last
+    rates) equal bitwise the reference's replica 0 at the same rank; both took ``steps`` optimizer steps (so
+    neither state is empty or stale)."""
+    expected, actual = final_optimizer_state(reference, 0, rank), final_optimizer_state(run, replica, rank)
+    for state in (expected, actual):
+        assert state["optimizer"] and all(float(s["step"]) == steps for s in state["optimizer"].values())
+        assert all(s["last_epoch"] == steps for s in state["lr_schedulers"])
+    assert expected["optimizer"].keys() == actual["optimizer"].keys()
+    for name, value in expected["optimizer"].items():
+        assert value.keys() == actual["optimizer"][name].keys(), (replica, rank, name)
+        for key in value:
+            assert bitwise_equal(actual["optimizer"][name][key], value[key]), (replica, rank, name, key)
+    assert bitwise_equal(actual["param_groups"], expected["param_groups"]), (replica, rank, actual["param_groups"])
+    assert bitwise_equal(actual["lr_schedulers"], expected["lr_schedulers"]), (replica, rank, actual["lr_schedulers"])
+
+
 def assert_same_trajectory(reference: pathlib.Path, run: pathlib.Path, *, survivors: list[int], ranks: int,
                            bitwise: bool, rtol: float = 1e-5) -> None:
     """The failure run equals the failure-free reference: the loss at every step and every final parameter, within
-    ``rtol`` relative (or bitwise), and the same tokens committed at every step."""
+    ``rtol`` relative (or bitwise, and then the final optimizer and schedule state too), and the same tokens
+    committed at every step."""
     ref = metrics_by_replica(reference)[0]
     for replica in survivors:
         got = metrics_by_replica(run)[replica]
@@ -116,6 +158,8 @@ def assert_same_trajectory(reference: pathlib.Path, run: pathlib.Path, *, surviv
                     scale = value.abs().max().clamp_min(1e-12)
                     error = float((actual[name] - value).abs().max() / scale)
                     assert error <= rtol, f"replica {replica} rank {rank} {name}: relative error {error:.3e}"
+            if bitwise:
+                assert_same_optimizer_state(reference, run, replica=replica, rank=rank, steps=len(ref))
 
 
 def of(events, name, **where):
@@ -123,16 +167,18 @@ def of(events, name, **where):
 
 
 def assert_all_equal_reference(reference, folder, events, replicas):
-    """Every replica ended bitwise identical to the reference (1 rank per replica); every logged loss and token
-    count equals the reference's at that step (a replica that rejoined logged only the steps it trained)."""
+    """Every replica ended bitwise identical to the reference (1 rank per replica): parameters, optimizer and
+    schedule state; every logged loss and token count equals the reference's at that step (a replica that rejoined
+    logged only the steps it trained)."""
     finals = of(events, "final_parameters")
     assert sorted(e["replica"] for e in finals) == list(replicas)
     assert len({e["sha256"] for e in finals}) == 1, "replicas ended with different parameters"
+    ref = metrics_by_replica(reference)[0]
     for replica in replicas:
         expected, actual = final_parameters(reference, 0, 0), final_parameters(folder, replica, 0)
         assert expected.keys() == actual.keys()
         assert all(torch.equal(actual[name], value) for name, value in expected.items()), replica
-    ref = metrics_by_replica(reference)[0]
+        assert_same_optimizer_state(reference, folder, replica=replica, rank=0, steps=len(ref))
     for replica, logged in metrics_by_replica(folder).items():
         for step, record in logged.items():
             assert record[LOSS] == ref[step][LOSS], (replica, step)

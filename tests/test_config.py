@@ -353,3 +353,16 @@ def test_a_replica_group_is_started_on_its_own_gpus(tmp_path):
     cpu = Recording(config, None, [], 2, 0)
     cpu.start_replica(ReplicaSlot(0, 0))
     assert started[-1][1].get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")  # no split on CPU
+
+
+def test_a_seed_checkpoint_is_refused_where_torchtitan_refuses_it():
+    from titan_recover.train import check_seed_checkpoint
+
+    seed = ["--model.flavor", "tiny", "--checkpoint.create_seed_checkpoint"]
+    check_seed_checkpoint(build_config(None, [*seed, "--checkpoint.enable"]), 1)  # one process, checkpoints on
+    with pytest.raises(ValueError, match="needs a single process .* got 2"):
+        check_seed_checkpoint(build_config(None, [*seed, "--checkpoint.enable"]), 2)
+    with pytest.raises(ValueError, match="needs checkpoint.enable = true"):
+        check_seed_checkpoint(build_config(None, seed), 1)
+    with pytest.raises(ValueError, match="set recover.replicas = 1"):
+        check_seed_checkpoint(build_config(str(ROOT / "train_configs/replicas.toml"), [*seed, "--checkpoint.enable"]), 1)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from conftest import launch, read_metrics, TP_REFERENCE_STEPS
+from conftest import LAYOUT_STEPS, launch, read_metrics, same_training
 from test_state_transfer import Deferred, DeferredCopies, Replica
 from titan_recover.recover.events import read_events
 from titan_recover.recover.phoenix.snapshots import buddy_node, restore_step, Snapshots
@@ -164,9 +164,9 @@ def test_on_a_device_the_copy_runs_on_a_side_stream_into_one_reused_buffer_and_i
 
 
 @pytest.mark.multiprocess
-def test_killed_rank_of_a_tensor_parallel_job_refills_from_the_keeper(tmp_path, tp_reference):
-    reference, _ = tp_reference  # train_configs/tp.toml, failure-free, TP_REFERENCE_STEPS steps
-    common = ("--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps", str(TP_REFERENCE_STEPS))
+def test_killed_rank_of_a_tensor_parallel_job_refills_from_the_keeper(tmp_path, tp_reference, seed_checkpoint):
+    reference, _ = tp_reference  # train_configs/tp.toml, failure-free, LAYOUT_STEPS steps from the seed checkpoint
+    common = same_training(seed_checkpoint, 1)
     run = tmp_path / "run"
     proc = launch("train_configs/tp.toml", *common, "--dump_folder", str(run), "--recover.max_restarts", "1",
                   "--recover.snapshot.interval", "1",
@@ -184,7 +184,7 @@ def test_killed_rank_of_a_tensor_parallel_job_refills_from_the_keeper(tmp_path, 
     logged = collections.defaultdict(list)
     for record in read_metrics(run):
         logged[record["step"]].append(record["loss_metrics/global_avg_loss"])
-    assert sorted(logged) == sorted(ref) == list(range(1, TP_REFERENCE_STEPS + 1))
+    assert sorted(logged) == sorted(ref) == list(range(1, LAYOUT_STEPS + 1))
     # steps after the restored one were trained twice (before the kill and after the restart): both times, and
     # every other step, with exactly the failure-free loss
     assert all(loss == ref[s] for s, losses in logged.items() for loss in losses), (dict(logged), ref)

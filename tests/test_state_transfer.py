@@ -176,6 +176,36 @@ def test_a_fresh_replica_becomes_bitwise_its_donor_and_stays_so(direct_bytes):
         assert torch.equal(a, b)
 
 
+def test_the_saved_optimizer_state_of_equal_training_is_bitwise_equal_and_one_ulp_is_told_apart():
+    """What ``--recover.save_final_parameters`` writes to ``final_optimizer/`` (final_parameters.optimizer_state)
+    as the bitwise tests compare it (replica_runs.bitwise_equal): every AdamW moment and step count by parameter
+    name, the param groups, the schedule's position and rates."""
+    from replica_runs import bitwise_equal
+
+    from titan_recover.recover.modes.final_parameters import optimizer_state
+
+    a, b = Replica(seed=0), Replica(seed=0)
+    for replica in (a, b):
+        for batch in range(3):
+            replica.train_step(batch)
+    saved = optimizer_state([a.model], [a.optimizer], [a.scheduler])
+    assert sorted(saved["optimizer"]) == sorted(name for name, _ in a.model.named_parameters())
+    assert all(sorted(s) == ["exp_avg", "exp_avg_sq", "step"] and float(s["step"]) == 3
+               for s in saved["optimizer"].values())
+    assert saved["lr_schedulers"] == [{"last_epoch": 3, "base_lrs": [1e-2], "_last_lr": [1e-2 / 4]}]
+    assert saved["param_groups"][0][0]["lr"] == 1e-2 / 4
+    assert bitwise_equal(saved, optimizer_state([b.model], [b.optimizer], [b.scheduler]))
+
+    moment = b.optimizer.state[b.model[0].weight]["exp_avg_sq"].view(-1)
+    moment[0] = torch.nextafter(moment[0], torch.tensor(float("inf")))  # one ulp, one element
+    assert not bitwise_equal(saved, optimizer_state([b.model], [b.optimizer], [b.scheduler]))
+    c = Replica(seed=0)
+    for batch in range(3):
+        c.train_step(batch)
+    c.scheduler.last_epoch += 1  # the schedule one step on, everything else equal
+    assert not bitwise_equal(saved, optimizer_state([c.model], [c.optimizer], [c.scheduler]))
+
+
 def test_a_replica_of_another_shape_is_refused_before_anything_is_overwritten():
     donor, other = Replica(seed=0), Replica(seed=1, hidden=32)
     donor.train_step(0)

@@ -62,6 +62,22 @@ def place_replica_outputs(config) -> None:
     config.metrics.wandb_group = config.metrics.wandb_group or run_name
 
 
+def check_seed_checkpoint(config, world_size: int) -> None:
+    """``[checkpoint] create_seed_checkpoint`` (TorchTitan's): the model initialised once, unsharded, saved as the
+    step-0 checkpoint that runs of any layout then load (``initial_load_path``), so that they start from the same
+    weights; as in TorchTitan's own entry point, only in one process, with checkpoints enabled, and not with
+    replica groups (their runs load it as any job does)."""
+    if not config.checkpoint.create_seed_checkpoint:
+        return
+    if world_size != 1:
+        raise ValueError(f"checkpoint.create_seed_checkpoint needs a single process (the model unsharded), got "
+                         f"{world_size}: set every parallel degree to 1 (--nproc-per-node 1)")
+    if not config.checkpoint.enable:
+        raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+    if config.recover.enabled:
+        raise ValueError("checkpoint.create_seed_checkpoint is a single-process job: set recover.replicas = 1")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     toml_path = argv.pop(0) if argv and not argv[0].startswith("--") else None
@@ -72,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     config = build_config(toml_path, argv)
     layout = resolve_layout(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
     check_batch(config.training, config.parallelism, layout)
+    check_seed_checkpoint(config, int(os.environ.get("WORLD_SIZE", "1")))
     if config.recover.enabled:
         place_replica_outputs(config)
 
@@ -85,7 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     exit_code = 0
     try:
         trainer = config.build()
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
     except SystemExit as stop:  # the replica protocol's orderly stop (too few replicas left)
         exit_code = stop.code if isinstance(stop.code, int) else 1
     finally:

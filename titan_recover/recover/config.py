@@ -128,7 +128,8 @@ class RecoverConfig:
     """How long the coordinator waits for all replicas to register before forming epoch 0 without the missing."""
 
     save_final_parameters: bool = False
-    """At the end, every rank writes its local parameter shards to ``<run>/final_parameters/`` (to compare runs)."""
+    """At the end, every rank writes its local parameter shards to ``<run>/final_parameters/`` and its optimizer and
+    learning-rate schedule state to ``<run>/final_optimizer/`` (to compare runs bitwise)."""
 
     quota: QuotaConfig = field(default_factory=QuotaConfig)
     step: StepConfig = field(default_factory=StepConfig)

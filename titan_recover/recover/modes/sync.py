@@ -44,7 +44,11 @@ from titan_recover.recover.groups.replica_sync import ReplicaSync  # noqa: E402
 from titan_recover.recover.invariant import grad_norm  # noqa: E402
 from titan_recover.recover.invariant.step_recovery import STEP_MANAGERS, StepOutcome  # noqa: E402
 from titan_recover.recover.modes.base import Mode, register_mode, StepReport, Stop, TrainerParts  # noqa: E402
-from titan_recover.recover.modes.final_parameters import parameter_digest, save_final_parameters  # noqa: E402
+from titan_recover.recover.modes.final_parameters import (  # noqa: E402
+    parameter_digest,
+    save_final_optimizer_state,
+    save_final_parameters,
+)
 from titan_recover.recover.modes.replica_worker import ComputeHooks, local_parameters, ReplicaWorker  # noqa: E402
 from titan_recover.recover.phoenix.admission import Admission  # noqa: E402
 from titan_recover.recover.phoenix.state_transfer import local_tensor, TrainingState  # noqa: E402
@@ -341,8 +345,12 @@ class SyncMode(Mode):
 
     def _finished(self) -> None:
         if self.config.recover.save_final_parameters:
-            save_final_parameters(self.parts.model_parts, os.path.join(self.run_dir, "final_parameters"),
+            parts = self.parts
+            save_final_parameters(parts.model_parts, os.path.join(self.run_dir, "final_parameters"),
                                   replica=self.replica, rank=self.rank)
+            save_final_optimizer_state(parts.model_parts, parts.optimizers, parts.lr_schedulers,
+                                       os.path.join(self.run_dir, "final_optimizer"), replica=self.replica,
+                                       rank=self.rank)
         self.member.finish()
         if self.member.beacon is not None:
             self.member.beacon.close(done=True)
