@@ -63,6 +63,13 @@ class RunMetrics(MetricsProcessor):
         wandb_mode: Literal["offline", "online", "disabled"] = "offline"
         """``offline`` writes runs under the run folder for ``wandb sync`` later; ``WANDB_MODE`` wins."""
 
+        def __post_init__(self) -> None:
+            if self.log_freq < 1:
+                raise ValueError(f"metrics.log_freq must be >= 1 (log every N steps), got {self.log_freq}")
+            if self.enable_wandb and not self.wandb_project.strip():
+                raise ValueError("metrics.wandb_project is empty: name the wandb project (default 'titan_recover') "
+                                 "or set metrics.enable_wandb = false")
+
     def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, pp_schedule: str, **kwargs):
         if config.enable_wandb:
             os.environ.setdefault("WANDB_MODE", config.wandb_mode)
