@@ -43,6 +43,11 @@ def test_run_train_sh_trains_default_config_with_wandb_offline(reference):
     folder, output = reference
     check_layout(output, folder, (2, 1, 2, 1, 1), steps=STEPS)  # FSDP2 over 2 processes
     assert list(folder.glob("tb/*/wandb/offline-run-*")), "wandb did not write an offline run"
+    # no MFU against an assumed peak on CPU, and no warning about a value nobody set
+    assert "fallback to A100" not in output and "Peak FLOPS used for computing MFU" not in output
+    assert "no peak FLOPS is known for 'cpu': MFU is not computed" in output and "mfu: N/A" in output
+    assert all("mfu(%)" not in r for r in read_metrics(folder))
+    assert "initial_load_model_only" not in output
 
 
 def test_same_config_and_seed_give_identical_losses(reference, tmp_path):
