@@ -393,3 +393,12 @@ def test_building_the_config_warns_about_nothing_the_user_did_not_set(caplog, tm
     explicit = build_config(None, ["--model.flavor", "tiny", "--checkpoint.initial_load_path", str(tmp_path),
                                    "--checkpoint.no_initial_load_model_only"])
     assert explicit.checkpoint.initial_load_model_only is False
+
+
+def test_reference_is_planned_as_a_sibling_run_without_faults(launcher):
+    code, out, err = launcher("train_configs/rejoin.toml", "--reference", "--dry-run")
+    assert code == 0, err
+    assert "then the reference into outputs/rejoin-reference" in out and "--chaos.faults '[]'" in out
+    code, _, err = launcher("train_configs/rejoin.toml", "--reference", "--nnodes", "2", "--node-rank", "0",
+                           "--rdzv-endpoint", "127.0.0.1:29999")
+    assert code == 2 and "--reference runs the job and its reference one after the other on one node" in err

@@ -72,6 +72,7 @@ def _project_defaults(config, run_name: str) -> None:
     config.validator.enable = False  # TorchTitan's validator reads HF datasets; the project's data is offline
     config.debug.seed = 0
     config.dump_folder = os.path.join("outputs", run_name)
+    config.metrics.wandb_group = run_name  # a config's runs (its --reference included) group together
 
 
 def _resolve_checkpoint(config) -> None:
