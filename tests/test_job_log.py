@@ -84,9 +84,10 @@ def test_the_console_has_a_line_per_step_and_per_resilience_event():
 
 
 def test_the_run_is_named_after_the_toml_file():
-    assert run_name("train_configs/rejoin.toml", None, "x").startswith("rejoin-20")
+    assert run_name("train_configs/rejoin.toml", None, "/tmp/x").startswith("rejoin-20")
+    assert run_name("train_configs/rejoin.toml", None, "outputs/rejoin-reference/").startswith("rejoin-reference-20")
     assert run_name("train_configs/rejoin.toml", "mine", "x") == "mine"
-    assert run_name(None, None, "llama3_tiny").startswith("llama3_tiny-")
+    assert run_name(None, None, "outputs/llama3_tiny").startswith("llama3_tiny-20")
 
 
 def test_torchtitans_peak_lookup_is_quiet_and_says_whether_it_fell_back():

@@ -270,9 +270,13 @@ class WandbRun:
         self.run.finish()
 
 
-def run_name(toml_path: str | None, configured: str | None, fallback: str) -> str:
-    """The job's wandb run name: ``[metrics] wandb_run_name``, else the TOML file's name and the start time."""
+def run_name(toml_path: str | None, configured: str | None, run_dir: str) -> str:
+    """The job's wandb run name: ``[metrics] wandb_run_name``, else the TOML file's name (the run folder's where it
+    extends it: ``rejoin-reference``) and the start time."""
     if configured:
         return configured
-    stem = os.path.splitext(os.path.basename(toml_path))[0] if toml_path else fallback
+    folder = os.path.basename(os.path.normpath(run_dir))
+    stem = os.path.splitext(os.path.basename(toml_path))[0] if toml_path else folder
+    if folder.startswith(f"{stem}-"):
+        stem = folder
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"

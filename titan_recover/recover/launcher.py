@@ -243,7 +243,7 @@ class ReplicaJob:
         if metrics.enable_wandb:
             try:
                 sinks.append(WandbRun(run_dir=self.run_dir, project=metrics.wandb_project, mode=metrics.wandb_mode,
-                                      name=run_name(toml_path, metrics.wandb_run_name, os.path.basename(self.run_dir)),
+                                      name=run_name(toml_path, metrics.wandb_run_name, self.run_dir),
                                       group=metrics.wandb_group or os.path.basename(self.run_dir),
                                       config={"resolved_toml": self.config_text}))
             except Exception as error:  # noqa: BLE001 - the job trains without its wandb run
