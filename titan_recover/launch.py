@@ -325,6 +325,10 @@ def torchrun_command(config, options: dict, toml_path: str | None, overrides: li
             cmd += [f"--node-rank={options['--node-rank']}"]
     env = dict(os.environ, LOG_RANK=str(metrics_rank))
     env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here, across restarts
+    if config.metrics.enable_wandb:  # the metrics rank's run, named like a replica-group job's (docs/outputs.md)
+        from titan_recover.recover.job_log import run_name
+
+        env.setdefault("WANDB_RUN_NAME", run_name(toml_path, config.metrics.wandb_run_name, config.dump_folder))
     if config.recover.max_restarts:
         # torchrun restarts every worker when one dies; gloo must not connect at group creation for that
         cmd += [f"--max-restarts={config.recover.max_restarts}"]
