@@ -136,11 +136,16 @@ class JobLog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            self.poll()
+            try:
+                self.poll()
+            except Exception as error:  # noqa: BLE001 - the job trains on; the files keep everything
+                logger.warning("job log: reading the run's files failed: %s", error)
 
     def poll(self, final: bool = False) -> None:
         for record in self.metrics.read():
-            step = int(record["step"])
+            if not isinstance(record.get("step"), int):
+                continue  # not a step's line
+            step = record["step"]
             if step > self.last_step:
                 self.pending.setdefault(step, []).append(record)
         for event in self.events.read():
