@@ -342,7 +342,7 @@ def test_a_replica_group_is_started_on_its_own_gpus(tmp_path):
     started = []
 
     class Recording(ReplicaJob):
-        def _start(self, cmd, env, prefix, death_signal=None):
+        def _start(self, cmd, env, prefix, death_signal=None, log=""):
             started.append((prefix, env))
 
     job = Recording(config, None, [], 2, 0, devices=[["0", "1"], ["2", "3"]])
