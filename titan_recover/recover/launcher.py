@@ -186,8 +186,9 @@ class ReplicaJob:
         os.makedirs(self.run_dir, exist_ok=True)
         self.metrics = config.metrics
         self.verbose = verbose
-        self.logs = "" if verbose else os.path.join(self.run_dir, "logs")
-        """Where each child's output goes, one file per process kind (empty: the console)."""
+        self.logs = "" if verbose or config.recover.diloco_mode else os.path.join(self.run_dir, "logs")
+        """Where each child's output goes, one file per process kind (empty: the console, prefixed: with
+        ``--verbose``, and in diloco mode, whose learners have no common step to summarise)."""
         if self.logs:
             os.makedirs(self.logs, exist_ok=True)
         self.job_log = None
@@ -238,7 +239,7 @@ class ReplicaJob:
 
         if self.plan.rank != 0 or self.recover.diloco_mode:
             return
-        sinks = [] if self.verbose else [ConsoleLines()]
+        sinks = [ConsoleLines()] if self.logs else []
         metrics = self.metrics
         if metrics.enable_wandb:
             try:
@@ -249,7 +250,7 @@ class ReplicaJob:
             except Exception as error:  # noqa: BLE001 - the job trains without its wandb run
                 print(f"[titan_recover] warning: the job's wandb run could not start ({error}); metrics.jsonl and "
                       "events.jsonl hold everything", file=sys.stderr, flush=True)
-        if not self.verbose:
+        if self.logs:
             print(f"[titan_recover] each process's full output: {self.logs}/ (replica_<i>.log, coordinator.log); "
                   "--verbose shows them here", file=sys.stderr, flush=True)
         if sinks:
