@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Lay two or more runs' loss curves over each other (PNG) and print each run's largest per-step difference
-from the first (the reference).
+from the first (the reference). A run's resilience events (its ``events.jsonl``) are vertical marks at their steps.
 
     python scripts/compare_runs.py outputs/reference outputs/with_failures --out compare.png
 
@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from titan_recover.compare import difference, load_curve, LOSS, parameter_difference, plot  # noqa: E402
+from titan_recover.compare import difference, event_marks, load_curve, LOSS, parameter_difference, plot  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     for d in diffs:
         print(f"{d.run}: {d.common_steps} common steps, largest |diff| {d.max_abs:.3e} at step {d.worst_step} "
               f"(relative {d.max_rel:.3e})")
-    plot(curves, args.out, args.metric)
+    marks = {label: event_marks(run) for label, run in zip(labels, args.runs)}
+    for label, by_step in marks.items():
+        if by_step:
+            print(f"{label}: resilience events at step(s) {', '.join(map(str, by_step))} (vertical marks)")
+    plot(curves, args.out, args.metric, marks)
     print(f"plot: {args.out}")
     worst = max(diffs, key=lambda d: d.max_abs)
     summary = f"max_abs_diff={worst.max_abs:.6e} max_rel_diff={worst.max_rel:.6e} common_steps={worst.common_steps}"

@@ -146,6 +146,7 @@ def test_replica_groups_share_the_run_checkpoint_folder(tmp_path, monkeypatch):
     place_replica_outputs(config)
     assert config.dump_folder == str(tmp_path / "replica_1")
     assert config.checkpoint.folder == str(tmp_path / "checkpoint")
+    assert config.metrics.enable_wandb is False  # the job's one wandb run is the launcher's (docs/outputs.md)
 
 
 def test_one_replica_writes_the_checkpoint_and_a_restart_loads_it_whoever_wrote_it(tmp_path, process_group):

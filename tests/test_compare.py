@@ -51,3 +51,47 @@ def test_final_parameters_are_compared_bitwise(tmp_path):
     assert off.different == 1 and 0 < off.max_abs < 1e-6
     with pytest.raises(FileNotFoundError, match="save_final_parameters"):
         parameter_difference(tmp_path / "a", tmp_path)
+
+
+def _run_folder(path, losses, events=()):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "replica": 0, "time": float(s), "loss_metrics/global_avg_loss": v}) + "\n"
+        for s, v in losses))
+    (path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_resilience_events_become_marks_at_their_steps(tmp_path):
+    """An event's own step, the step after an admission, else the step trained when it was written; routine
+    events (every step's commit) are no marks."""
+    from titan_recover.compare import event_marks
+
+    _run_folder(tmp_path / "run", [(1, 4.0), (2, 3.0), (3, 2.0)], [
+        {"event": "step_committed", "step": 1, "time": 1.0},
+        {"event": "fault_injected", "step": 2, "time": 1.5, "replica": 1},
+        {"event": "fault_injected", "step": 2, "time": 1.6, "replica": 1},
+        {"event": "failure_detected", "time": 1.7, "replica": 1},
+        {"event": "replica_admitted", "after_step": 2, "time": 2.5, "replica": 1},
+    ])
+    assert event_marks(tmp_path / "run") == {2: ["fault_injected", "failure_detected"], 3: ["replica_admitted"]}
+    assert event_marks(tmp_path / "nothing") == {}
+
+
+def test_the_reference_report_and_when_a_reference_is_reused(tmp_path):
+    from titan_recover.reference import reference_folder, reference_overrides, report, RESOLVED, reusable
+
+    run, ref = tmp_path / "rejoin", tmp_path / "rejoin-reference"
+    assert reference_folder(str(run) + "/") == str(ref)
+    assert reference_overrides(["--training.steps", "3"], str(run), None)[-6:] == [
+        "--chaos.faults", "[]", "--chaos.random_faults", "0", "--dump_folder", str(ref)]
+    _run_folder(run, [(1, 4.0), (2, 3.0), (3, 2.5)], [{"event": "fault_injected", "step": 2, "time": 1.5}])
+    _run_folder(ref, [(1, 4.0), (2, 3.0), (3, 2.0)])
+    text = report(str(run), str(ref))
+    assert "largest |diff| 5.000e-01 at step 3" in text and "common_steps=3" in text
+    assert (run / "reference.png").read_bytes()[:4] == b"\x89PNG"
+    assert not reusable(str(ref), "config", 3)  # never finished: no resolved config written
+    (ref / RESOLVED).write_text("config")
+    assert reusable(str(ref), "config", 3)
+    assert not reusable(str(ref), "other config", 3) and not reusable(str(ref), "config", 4)
+    _run_folder(tmp_path / "same", [(1, 4.0), (2, 3.0), (3, 2.0)])
+    assert "steps: equal" in report(str(tmp_path / "same"), str(ref))

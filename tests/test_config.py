@@ -342,7 +342,7 @@ def test_a_replica_group_is_started_on_its_own_gpus(tmp_path):
     started = []
 
     class Recording(ReplicaJob):
-        def _start(self, cmd, env, prefix, death_signal=None):
+        def _start(self, cmd, env, prefix, death_signal=None, log=""):
             started.append((prefix, env))
 
     job = Recording(config, None, [], 2, 0, devices=[["0", "1"], ["2", "3"]])
@@ -366,3 +366,52 @@ def test_a_seed_checkpoint_is_refused_where_torchtitan_refuses_it():
         check_seed_checkpoint(build_config(None, seed), 1)
     with pytest.raises(ValueError, match="set recover.replicas = 1"):
         check_seed_checkpoint(build_config(str(ROOT / "train_configs/replicas.toml"), [*seed, "--checkpoint.enable"]), 1)
+
+
+NONSENSE = [
+    (("--training.steps", "0"), "training.steps must be >= 1"),
+    (("--training.seq_len", "0"), "training.seq_len must be >= 1"),
+    (("--training.max_norm", "-1"), "training.max_norm must be > 0"),
+    (("--training.gc_freq", "0"), "training.gc_freq must be >= 1"),
+    (("--lr_scheduler.warmup_steps", "-1"), "lr_scheduler.warmup_steps must be >= 0"),
+    (("--metrics.log_freq", "0"), "metrics.log_freq must be >= 1"),
+    (("--metrics.enable_wandb", "--metrics.wandb_project", " "), "metrics.wandb_project is empty"),
+    (("--dump_folder", ""), "dump_folder is empty"),
+    (("--recover.coordinator_port", "70000"), "recover.coordinator_port must be a TCP port"),
+    (("--checkpoint.initial_load_model_only",), "has no effect without checkpoint.initial_load_path"),
+]
+
+
+def test_nonsense_values_are_refused_with_what_is_wrong():
+    for overrides, message in NONSENSE:
+        with pytest.raises(ConfigError, match=message.replace(".", "\\.")):
+            build_config(None, ["--model.flavor", "tiny", *overrides])
+
+
+def test_negative_steps_fail_in_the_launcher_before_any_process(launcher):
+    code, _, err = launcher("train_configs/debug_model.toml", "--training.steps", "-5")
+    assert code == 2, err
+    assert "titan_recover: config error: training.steps must be >= 1" in err and "got -5" in err
+
+
+def test_building_the_config_warns_about_nothing_the_user_did_not_set(caplog, tmp_path):
+    """TorchTitan's checkpoint default ``initial_load_model_only = True`` is resolved by the project's section (off
+    without a path, where it means nothing), so no start warns about it; with a path it is TorchTitan's default."""
+    caplog.set_level("WARNING")
+    config = build_config("train_configs/rejoin.toml")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], [r.getMessage() for r in caplog.records]
+    assert config.checkpoint.initial_load_model_only is False
+    with_path = build_config(None, ["--model.flavor", "tiny", "--checkpoint.initial_load_path", str(tmp_path)])
+    assert with_path.checkpoint.initial_load_model_only is True
+    explicit = build_config(None, ["--model.flavor", "tiny", "--checkpoint.initial_load_path", str(tmp_path),
+                                   "--checkpoint.no_initial_load_model_only"])
+    assert explicit.checkpoint.initial_load_model_only is False
+
+
+def test_reference_is_planned_as_a_sibling_run_without_faults(launcher):
+    code, out, err = launcher("train_configs/rejoin.toml", "--reference", "--dry-run")
+    assert code == 0, err
+    assert "then the reference into outputs/rejoin-reference" in out and "--chaos.faults '[]'" in out
+    code, _, err = launcher("train_configs/rejoin.toml", "--reference", "--nnodes", "2", "--node-rank", "0",
+                           "--rdzv-endpoint", "127.0.0.1:29999")
+    assert code == 2 and "--reference runs the job and its reference one after the other on one node" in err

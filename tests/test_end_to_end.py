@@ -12,6 +12,7 @@ import pytest
 
 from conftest import check_layout, launch, read_metrics, ROOT
 from titan_recover.compare import parse_console_steps
+from wandb_offline import read_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +43,17 @@ def reference(default_data, tmp_path_factory) -> tuple[pathlib.Path, str]:
 def test_run_train_sh_trains_default_config_with_wandb_offline(reference):
     folder, output = reference
     check_layout(output, folder, (2, 1, 2, 1, 1), steps=STEPS)  # FSDP2 over 2 processes
-    assert list(folder.glob("tb/*/wandb/offline-run-*")), "wandb did not write an offline run"
+    runs = list(folder.glob("tb/*/wandb/offline-run-*"))
+    assert len(runs) == 1, f"expected the metrics rank's one offline run, found {runs}"
+    run = read_run(runs[0].parent)  # named after the TOML file and the start time, grouped by the TOML file
+    assert run.name.startswith("debug_model-20") and run.group == "debug_model", (run.name, run.group)
+    logged = sorted(s for s, row in run.history.items() if "loss_metrics/global_avg_loss" in row)
+    assert logged == list(range(1, STEPS + 1))
+    # no MFU against an assumed peak on CPU, and no warning about a value nobody set
+    assert "fallback to A100" not in output and "Peak FLOPS used for computing MFU" not in output
+    assert "no peak FLOPS is known for 'cpu': MFU is not computed" in output and "mfu: N/A" in output
+    assert all("mfu(%)" not in r for r in read_metrics(folder))
+    assert "initial_load_model_only" not in output
 
 
 def test_same_config_and_seed_give_identical_losses(reference, tmp_path):

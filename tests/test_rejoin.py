@@ -6,10 +6,13 @@ of every replica, the restarted and promoted ones included, equal the failure-fr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import EXACT_REFERENCE
-from replica_runs import assert_all_equal_reference, metrics_by_replica, of, run_replicas
+from replica_runs import assert_all_equal_reference, LOSS, metrics_by_replica, of, run_replicas
+from wandb_offline import read_run
 from titan_recover.recover.launcher import processes_of_run
 
 pytestmark = pytest.mark.multiprocess
@@ -36,10 +39,11 @@ def test_killed_replica_rejoins_and_a_donor_and_a_joiner_dying_mid_transfer_are_
     joiner (step 6): the others go on; its third start is admitted and receives the state before step 8."""
     faults = [fault(1, 2, "forward"), fault(0, 4, "transfer"), fault(0, 6, "transfer", incarnation=1)]
     proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults,
-                                extra=(*EXACT, *RESTARTS))
+                                extra=(*EXACT, *RESTARTS, "--metrics.enable_wandb"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fired = sorted((e["replica"], e["step"], e["phase"]) for e in of(events, "fault_injected"))
     assert fired == [(0, 4, "transfer"), (0, 6, "transfer"), (1, 2, "forward")]
+    assert_one_job_run(tmp_path, proc, reference)
 
     admitted = [(e["replica"], e["after_step"], e["incarnation"]) for e in of(events, "replica_admitted")]
     assert admitted == [(1, 3, 1), (0, 5, 1), (0, 7, 2)]
@@ -59,6 +63,32 @@ def test_killed_replica_rejoins_and_a_donor_and_a_joiner_dying_mid_transfer_are_
     assert sorted(logged[2]) == list(range(1, STEPS + 1))
     assert_all_equal_reference(reference, tmp_path, events, replicas=[0, 1, 2])
     assert processes_of_run(str(tmp_path)) == []
+
+
+def assert_one_job_run(folder, proc, reference):
+    """The job's one wandb run (offline, written by the launcher while replicas died and came back): named after
+    the TOML file, grouped by it, the loss and the recover/* figures of every step equal to what the members logged
+    (the failure-free reference's), each fault marked at its step and in the table of events; no member started a
+    run of its own. The console has a line per step and per resilience event, each group's output its own file."""
+    run = read_run(folder / "wandb")
+    assert run.group == "replicas" and run.name.startswith("replicas-"), (run.group, run.name)
+    ref = metrics_by_replica(reference)[0]
+    assert sorted(s for s, row in run.history.items() if LOSS in row) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        row = run.history[step]
+        assert row[LOSS] == ref[step][LOSS] and row["recover/tokens"] == ref[step]["recover/tokens"], step
+        assert row["recover/replicas"] >= 2 and any(k.startswith("replica2/throughput") for k in row), row
+    assert [s for s in range(1, STEPS + 1) if "events/fault_injected" in run.history[s]] == [2, 4, 6]
+    assert [s for s in range(1, STEPS + 1) if "events/replica_admitted" in run.history[s]] == [4, 6, 8]
+    table_file = next((folder / "wandb").glob("offline-run-*/files/media/table/event_table_*.json"))
+    table = json.loads(table_file.read_text())
+    columns = table["columns"]
+    injected = sorted(row[columns.index("step")] for row in table["data"] if row[columns.index("kind")] == "fault_injected")
+    assert injected == [2, 4, 6]
+    assert not list(folder.glob("replica_*/**/offline-run-*")), "a member started a wandb run of its own"
+    assert "step     8  loss" in proc.stdout and "[event] fault_injected (step 2" in proc.stdout
+    assert "[replica 0]" not in proc.stdout  # the groups' full output is in their files
+    assert (folder / "logs" / "replica_0.log").read_text().count("---- ") == 3  # three starts of replica 0
 
 
 def test_spare_is_promoted_after_a_kill(tmp_path, reference):

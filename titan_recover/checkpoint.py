@@ -79,6 +79,11 @@ def verified_load_step(folder: str, requested: int) -> tuple[int, str | None]:
 class RecoverCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
+        initial_load_model_only: bool | None = None
+        """TorchTitan's key: load only the model from ``initial_load_path`` (not the optimizer, schedule, step).
+        Unset: on when ``initial_load_path`` is set (TorchTitan's default) and off without one, where it has no
+        effect; ``true`` without an ``initial_load_path`` is refused (it would do nothing)."""
+
         load_verified: bool | None = None
         """Load the newest checkpoint recorded as verified by a clean parameter vote (docs/scout.md section 4)
         instead of TorchTitan's newest when ``load_step = -1``. Unset: on in a replica-group job (``[recover]

@@ -90,7 +90,39 @@ def parameter_difference(reference: str | pathlib.Path, other: str | pathlib.Pat
     return ParameterDifference(name, len(files), tensors, different, max_abs)
 
 
-def plot(curves: dict[str, dict[int, float]], out: str | pathlib.Path, metric: str = LOSS) -> None:
+def event_marks(run: str | pathlib.Path) -> dict[int, list[str]]:
+    """The resilience events of a run folder by step (``<run>/events.jsonl``; routine events left out, each kind
+    once per step): an event's own step, else the step being trained when it was written (the first step whose
+    metrics line came after it). Empty without an event log."""
+    from titan_recover.recover.events import read_events
+    from titan_recover.recover.job_log import event_step, is_resilience_event
+
+    folder = pathlib.Path(run)
+    events = [e for e in read_events(folder / "events.jsonl") if is_resilience_event(e)] if folder.is_dir() else []
+    if not events:
+        return {}
+    times = sorted((float(r["time"]), int(r["step"])) for r in _records(folder / "metrics.jsonl") if "time" in r)
+    marks: dict[int, list[str]] = {}
+    for event in events:
+        step = event_step(event)
+        if step is None:
+            step = next((s for t, s in times if t >= event.get("time", 0.0)), times[-1][1] if times else 0)
+        kinds = marks.setdefault(step, [])
+        if event["event"] not in kinds:
+            kinds.append(event["event"])
+    return dict(sorted(marks.items()))
+
+
+def _records(path: pathlib.Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(curves: dict[str, dict[int, float]], out: str | pathlib.Path, metric: str = LOSS,
+         marks: dict[str, dict[int, list[str]]] | None = None) -> None:
+    """The curves over each other (the first is the reference) and each run's difference from it below; ``marks``
+    (a run's :func:`event_marks`) are drawn as vertical lines in the run's colour, named by their kinds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,8 +139,14 @@ def plot(curves: dict[str, dict[int, float]], out: str | pathlib.Path, metric: s
         if i:
             common = sorted(set(reference) & set(curves[name]))
             bottom.plot(common, [curves[name][s] - reference[s] for s in common], label=name, color=color)
+    for i, name in enumerate(names):
+        for step, kinds in (marks or {}).get(name, {}).items():
+            for axis in (top, bottom):
+                axis.axvline(step, color=f"C{i}", linestyle=":", linewidth=1.0, alpha=0.8)
+            top.annotate("\n".join(kinds), (step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                         textcoords="offset points", fontsize=6, color=f"C{i}", va="top", ha="left")
     top.set_ylabel(metric)
-    top.legend()
+    top.legend(loc="lower left")
     top.grid(alpha=0.3)
     bottom.axhline(0, color="black", linewidth=0.8)
     bottom.set_ylabel(f"minus {names[0]}")

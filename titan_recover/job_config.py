@@ -16,11 +16,37 @@ reading and applying TOML and CLI values is :mod:`titan_recover.config.loader`'s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
 
 from titan_recover.config.apply import apply_mapping, ConfigError, settable_fields, unknown_key_error
 from titan_recover.config.loader import apply_override, model_choice, parse_overrides, read_toml, requested_device
+from titan_recover.config.validate import check_values
+
+
+class _CheckpointDefaultsWarnings(logging.Filter):
+    """Drops what TorchTitan's checkpoint-section checks warn while its registered config is built from
+    TorchTitan's defaults (``initial_load_model_only = True`` without a path). The project replaces that section
+    (``_project_defaults``) and TorchTitan's checks run again on the final values (``_recheck_project_sections``),
+    so a warning that applies to the user's config is still printed, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and _CHECKPOINTER in pathlib.Path(record.pathname).parts)
+
+
+_CHECKPOINTER = "checkpointer"
+"""The folder of TorchTitan's checkpoint managers and their config checks."""
+
+
+def _registered_config(entry):
+    """TorchTitan's registered ``Trainer.Config`` of the model, built without its defaults' warnings."""
+    root, quiet = logging.getLogger(), _CheckpointDefaultsWarnings()  # TorchTitan logs on the root logger
+    root.addFilter(quiet)
+    try:
+        return entry.base_config()
+    finally:
+        root.removeFilter(quiet)
 
 
 def _as_trainer_config(base, config_cls):
@@ -35,8 +61,9 @@ def _project_defaults(config, run_name: str) -> None:
     config.dataloader = AddressableDataLoader.Config()
     base_checkpoint = config.checkpoint
     ours = settable_fields(RecoverCheckpointManager.Config)
-    config.checkpoint = RecoverCheckpointManager.Config(
-        **{name: getattr(base_checkpoint, name) for name in settable_fields(base_checkpoint) if name in ours}
+    config.checkpoint = RecoverCheckpointManager.Config(  # initial_load_model_only: resolved on the final values
+        **{name: getattr(base_checkpoint, name) for name in settable_fields(base_checkpoint)
+           if name in ours and name != "initial_load_model_only"}
     )
     base_metrics = config.metrics
     config.metrics = RunMetrics.Config(
@@ -45,6 +72,7 @@ def _project_defaults(config, run_name: str) -> None:
     config.validator.enable = False  # TorchTitan's validator reads HF datasets; the project's data is offline
     config.debug.seed = 0
     config.dump_folder = os.path.join("outputs", run_name)
+    config.metrics.wandb_group = run_name  # a config's runs (its --reference included) group together
 
 
 def _resolve_checkpoint(config) -> None:
@@ -55,6 +83,11 @@ def _resolve_checkpoint(config) -> None:
     checkpoint, recover = config.checkpoint, config.recover
     if not isinstance(checkpoint, RecoverCheckpointManager.Config):
         return  # another checkpoint manager was chosen
+    if checkpoint.initial_load_model_only is None:  # TorchTitan's default where it means something
+        checkpoint.initial_load_model_only = bool(checkpoint.initial_load_path)
+    elif checkpoint.initial_load_model_only and not checkpoint.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_model_only = true has no effect without checkpoint."
+                          "initial_load_path: set the path of the checkpoint to start from, or remove the key")
     if checkpoint.load_verified is None:
         checkpoint.load_verified = recover.enabled and not recover.diloco_mode and recover.localize.vote
     checkpoint._snapshot = recover.snapshot
@@ -94,7 +127,7 @@ def build_config(toml_path: str | None, cli_args: list[str] | None = None, *, de
         entry = get_model(name, flavor)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    config = _as_trainer_config(entry.base_config(), RecoverTrainer.Config)
+    config = _as_trainer_config(_registered_config(entry), RecoverTrainer.Config)
     config.model_spec = entry.model_spec()
     run_name = pathlib.Path(toml_path).stem if toml_path else f"{name}_{flavor}"
     _project_defaults(config, run_name)
@@ -118,6 +151,7 @@ def build_config(toml_path: str | None, cli_args: list[str] | None = None, *, de
         config.dataloader.document_positions = platform.takes_document_masks(config.model_spec)
     _resolve_checkpoint(config)
     _recheck_project_sections(config)
+    check_values(config)
     try:
         config.__post_init__()  # TorchTitan's own cross-field checks, on the final values
     except ValueError as e:

@@ -16,6 +16,12 @@ Launcher options (everything else is a config override):
     --node-rank R         this node's rank (0 ... N-1); with replica groups node 0 hosts the job's store and runs
                           the coordinator, and node R runs its block of the replica groups
     --dry-run             do every check, print the torchrun command (or this node's groups), start nothing
+    --reference           also run the same config without [chaos] into <dump_folder>-reference (or reuse the one
+                          there, if it ran the same resolved config), then print the largest per-step difference
+                          of the loss and write the overlay, <dump_folder>/reference.png (one node)
+    --verbose             with replica groups: every process's full output on the console, prefixed (default: one
+                          line per committed step and per resilience event; each process's output in
+                          <run>/logs/)
 
 With replica groups ([recover] replicas >= 2) run one launcher per node, each with the same config: each replica
 group runs on one node, node R a contiguous block of them (docs/deploy.md "Running on many nodes").
@@ -33,7 +39,7 @@ import time
 
 from titan_recover.config.apply import ConfigError
 
-_FLAGS = {"--help", "-h", "--print-config", "--list-models", "--dry-run"}
+_FLAGS = {"--help", "-h", "--print-config", "--list-models", "--dry-run", "--verbose", "--reference"}
 _OPTIONS = {"--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--node-rank"}
 
 
@@ -301,7 +307,8 @@ def replica_job(config, options: dict, toml_path: str | None, overrides: list[st
         return 0
     from titan_recover.recover.launcher import launch_replicas
 
-    return launch_replicas(config, toml_path, overrides, nproc, metrics_rank, devices=devices, plan=plan)
+    return launch_replicas(config, toml_path, overrides, nproc, metrics_rank, devices=devices, plan=plan,
+                           verbose=bool(options.get("--verbose")))
 
 
 def torchrun_command(config, options: dict, toml_path: str | None, overrides: list[str], nproc: int, nnodes: int,
@@ -318,6 +325,10 @@ def torchrun_command(config, options: dict, toml_path: str | None, overrides: li
             cmd += [f"--node-rank={options['--node-rank']}"]
     env = dict(os.environ, LOG_RANK=str(metrics_rank))
     env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here, across restarts
+    if config.metrics.enable_wandb:  # the metrics rank's run, named like a replica-group job's (docs/outputs.md)
+        from titan_recover.recover.job_log import run_name
+
+        env.setdefault("WANDB_RUN_NAME", run_name(toml_path, config.metrics.wandb_run_name, config.dump_folder))
     if config.recover.max_restarts:
         # torchrun restarts every worker when one dies; gloo must not connect at group creation for that
         cmd += [f"--max-restarts={config.recover.max_restarts}"]
@@ -343,6 +354,24 @@ def torchrun_job(config, options: dict, toml_path: str | None, overrides: list[s
     return 0  # not reached
 
 
+def reference_job(config, options: dict, toml_path: str | None, overrides: list[str]) -> int:
+    """``--reference``: the run, its failure-free reference and the comparison (``reference.py``)."""
+    from titan_recover.reference import reference_folder, reference_overrides, run_with_reference
+
+    if _int_option(options, "--nnodes", 1) > 1:
+        raise ConfigError("--reference runs the job and its reference one after the other on one node: start the "
+                          "reference yourself on many nodes (--chaos.faults '[]' --dump_folder ...-reference)")
+    launcher_args = [f"--nproc-per-node={options['--nproc-per-node']}"] if "--nproc-per-node" in options else []
+    launcher_args += ["--verbose"] if options.get("--verbose") else []
+    if options.get("--dry-run"):
+        ref = reference_overrides(overrides, config.dump_folder, config.metrics.wandb_run_name)
+        print(f"run into {config.dump_folder}, then the reference into {reference_folder(config.dump_folder)} "
+              f"(unless it holds this config's reference) with {shlex.join(ref[len(overrides):])}, then the "
+              "comparison")
+        return 0
+    return run_with_reference(config, toml_path, overrides, launcher_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -361,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         nproc, nnodes, layout = check_job(config, options)
         prepare_data(config)
+        if options.get("--reference"):
+            return reference_job(config, options, toml_path, overrides)
     except ConfigError as e:
         print(f"titan_recover: config error: {e}", file=sys.stderr)
         return 2

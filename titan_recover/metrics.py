@@ -9,6 +9,7 @@ the run folder, written by the rank that holds the loss (rank 0, or the first ra
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from typing import Any, Literal
 
 import torch
 from torchtitan.components.metrics import _get_metrics_rank, BaseLogger, LoggerContainer, MetricsProcessor
+
+logger = logging.getLogger(__name__)
 
 
 class JsonlLogger(BaseLogger):
@@ -34,6 +37,23 @@ class JsonlLogger(BaseLogger):
             os.write(fd, (json.dumps(record) + "\n").encode())
         finally:
             os.close(fd)
+
+
+class _PeakLookupLogs(logging.Filter):
+    """Drops TorchTitan's log lines about its peak-FLOPS lookup and notes whether it fell back to an assumed
+    peak (``Peak flops undefined for: cpu, fallback to A100``)."""
+
+    _LINES = ("Peak flops undefined", "Error running lspci", "Peak FLOPS used for computing MFU")
+
+    def __init__(self):
+        super().__init__()
+        self.fell_back = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "fallback to A100" in message:
+            self.fell_back = True
+        return not message.startswith(self._LINES)
 
 
 def _plain(value: Any) -> Any:
@@ -55,13 +75,48 @@ class RunMetrics(MetricsProcessor):
         """wandb project (``WANDB_PROJECT`` in the environment wins)."""
 
         wandb_run_name: str | None = None
-        """wandb run name; default: wandb's own."""
+        """wandb run name; default: with replica groups the TOML file's name and the start time
+        (``rejoin-20260101-120000``), else wandb's own."""
 
         wandb_group: str | None = None
-        """wandb group, e.g. to lay a failure run over its failure-free reference."""
+        """wandb group; default: the TOML file's name, so that a config's runs (its ``--reference`` included) and
+        a diloco job's syncer run group together."""
 
         wandb_mode: Literal["offline", "online", "disabled"] = "offline"
         """``offline`` writes runs under the run folder for ``wandb sync`` later; ``WANDB_MODE`` wins."""
+
+        def __post_init__(self) -> None:
+            if self.log_freq < 1:
+                raise ValueError(f"metrics.log_freq must be >= 1 (log every N steps), got {self.log_freq}")
+            if self.enable_wandb and not self.wandb_project.strip():
+                raise ValueError("metrics.wandb_project is empty: name the wandb project (default 'titan_recover') "
+                                 "or set metrics.enable_wandb = false")
+
+    def __init__(self, config: Config, **kwargs):
+        """TorchTitan's processor; where TorchTitan knows no peak FLOPS for the device (CPU, an unlisted GPU: it
+        would divide by an A100's peak) MFU is not computed, through TorchTitan's own switch for an MFU without
+        meaning (``has_quantization``, under which its log shows ``mfu: N/A`` and no ``mfu(%)``), and its
+        fallback warnings are said once, here, instead of by each lookup (this processor's and the trainer's)."""
+        quiet = _PeakLookupLogs()
+        root = logging.getLogger()  # TorchTitan logs on the root logger
+        root.addFilter(quiet)
+        super().__init__(config, **kwargs)
+        self.peak_known = not quiet.fell_back
+        """Whether TorchTitan knows the device's peak FLOPS (MFU is computed only then)."""
+        if self.peak_known:
+            root.removeFilter(quiet)
+            return
+        self._quiet = quiet  # the trainer looks the peak up again after this processor is built
+        self.has_quantization = True
+        logger.info("no peak FLOPS is known for %r: MFU is not computed", self.device_memory_monitor.device_name)
+
+    _quiet: logging.Filter | None = None
+
+    def close(self) -> None:
+        if self._quiet is not None:
+            logging.getLogger().removeFilter(self._quiet)
+            self._quiet = None
+        super().close()
 
     def _build_metric_logger(self, *, config: Config, parallel_dims, dump_folder: str, pp_schedule: str, **kwargs):
         if config.enable_wandb:

@@ -43,7 +43,9 @@ def place_replica_outputs(config) -> None:
     ``<run>/metrics.jsonl`` (tagged with the replica) and the events to ``<run>/events.jsonl``. The durable
     checkpoints go to the run's folder (``<run>/<checkpoint.folder>``), shared by the groups: the project's checkpoint
     manager writes each checkpoint from one replica only (docs/replica_groups.md "Checkpoints"), and every group,
-    a restarted one or the whole job started again, loads from there whichever replica wrote it."""
+    a restarted one or the whole job started again, loads from there whichever replica wrote it. In sync mode the
+members start no wandb run: node 0's launcher writes the job's one run from ``metrics.jsonl`` and
+``events.jsonl``; a diloco learner still starts its own, in the job's group."""
     from torchtitan.tools import filesystem
 
     from titan_recover.checkpoint import RecoverCheckpointManager
@@ -58,6 +60,9 @@ def place_replica_outputs(config) -> None:
     if config.metrics.jsonl_file:
         config.metrics.jsonl_file = os.path.join(run_dir, config.metrics.jsonl_file)
     run_name = config.metrics.wandb_run_name or os.path.basename(run_dir)
+    if not config.recover.diloco_mode:  # the job's one wandb run is node 0's launcher's (recover/job_log.py)
+        config.metrics.enable_wandb = False
+        return
     config.metrics.wandb_run_name = f"{run_name}-replica{replica}"
     config.metrics.wandb_group = config.metrics.wandb_group or run_name
 

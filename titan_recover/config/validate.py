@@ -109,3 +109,23 @@ def check_model_data(model_vocab_size: int, data_vocab_size: int, dataset_path: 
             f"the data in {dataset_path} uses a vocabulary of {data_vocab_size} tokens but the model's embedding "
             f"has {model_vocab_size}; prepare the data with --vocab-size {model_vocab_size} or pick a larger model"
         )
+
+
+def check_values(config) -> None:
+    """Values of TorchTitan's sections that the project sets or relies on and that TorchTitan itself accepts
+    although they cannot mean anything (a run of ``training.steps = -5`` trains nothing and exits 0)."""
+    training = config.training
+    bounds = [
+        ("training.steps", training.steps, 1, "the number of optimizer steps to train"),
+        ("training.seq_len", training.seq_len, 1, "tokens per sequence"),
+        ("training.gc_freq", training.gc_freq, 1, "steps between garbage collections"),
+        ("lr_scheduler.warmup_steps", config.lr_scheduler.warmup_steps, 0, "steps of learning-rate warmup"),
+    ]
+    for name, value, lowest, meaning in bounds:
+        if value < lowest:
+            raise ConfigError(f"{name} must be >= {lowest} ({meaning}), got {value}")
+    if not training.max_norm > 0:
+        raise ConfigError(f"training.max_norm must be > 0 (gradients are clipped to this total norm; a value <= 0 "
+                          f"would scale them by a negative or zero factor), got {training.max_norm}")
+    if not str(config.dump_folder).strip():
+        raise ConfigError("dump_folder is empty: set the run folder (default: outputs/<toml name>)")

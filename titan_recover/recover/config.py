@@ -160,6 +160,9 @@ class RecoverConfig:
                              "share for a spare to take over; set recover.spares = 0")
         if self.store:
             check_store_url(self.store)
+        if not 0 <= self.coordinator_port <= 65535:
+            raise ValueError(f"recover.coordinator_port must be a TCP port, 0 ... 65535 (0: a free one), got "
+                             f"{self.coordinator_port}")
         if self.rejoin_wait_s < 0:
             raise ValueError(f"recover.rejoin_wait_s must be >= 0, got {self.rejoin_wait_s}")
         if self.spares < 0 or self.max_restarts < 0 or self.coordinator_restarts < 0:

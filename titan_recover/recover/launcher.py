@@ -9,9 +9,11 @@ and it resumes from the stored state (docs/replica_groups.md "Coordinator restar
 every node runs one as a standby that takes over when the leading one's lease lapses. Each child runs in its own
 session and dies with the launcher (``PR_SET_PDEATHSIG``: a killed launcher leaves no orphan); the launcher
 forwards Ctrl-C / SIGTERM to all of them, kills what is left after a grace period, and finally kills any process of
-its node that still carries this run's marker in its environment, so nothing outlives the job. Output of every
-replica is prefixed with ``[replica i]``. The exit code is the job's verdict, on every node: 0 only when the
-coordinator saw the training budget committed.
+its node that still carries this run's marker in its environment, so nothing outlives the job. Each child's
+output goes to its own file under ``<run>/logs/`` (``--verbose``: to the console, prefixed with ``[replica i]``),
+and node 0's launcher writes the job's one wandb run and a readable console from what the members log
+(``job_log.py``). The exit code is the job's verdict, on every node: 0 only when the coordinator saw the training
+budget committed.
 """
 
 from __future__ import annotations
@@ -66,12 +68,21 @@ def _pump(stream, prefix: str, sink) -> None:
     for line in iter(stream.readline, b""):
         sink.write(prefix + line.decode(errors="replace"))
         sink.flush()
+    if sink is not sys.stdout:
+        sink.close()
 
 
-def _spawn(cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIGKILL) -> subprocess.Popen:
+def _spawn(cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIGKILL,
+           log: str | None = None) -> subprocess.Popen:
+    """Start a child; its output goes to the console with ``prefix``, or appended to the file ``log``."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_die_with_launcher(death_signal))
-    threading.Thread(target=_pump, args=(proc.stdout, prefix, sys.stdout), daemon=True).start()
+    sink = sys.stdout
+    if log is not None:
+        sink = open(log, "a", encoding="utf-8")
+        sink.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {proc.pid}: {' '.join(cmd[:6])} ...\n")
+        prefix = ""
+    threading.Thread(target=_pump, args=(proc.stdout, prefix, sink), daemon=True).start()
     return proc
 
 
@@ -153,9 +164,12 @@ class ReplicaJob:
     process of the run behind."""
 
     def __init__(self, config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
-                 metrics_rank: int, devices: list[list[str]] | None = None, plan: NodePlan | None = None):
+                 metrics_rank: int, devices: list[list[str]] | None = None, plan: NodePlan | None = None,
+                 verbose: bool = False):
         """``devices``: the GPUs of each of this node's replica groups, in order (``recover/placement.py``); None:
-        no split (CPU). ``plan``: this node's part of the job (default: one node running every group)."""
+        no split (CPU). ``plan``: this node's part of the job (default: one node running every group).
+        ``verbose``: every child's full output on the console, prefixed (else each goes to its file under
+        ``<run>/logs/`` and the console shows the job's steps and events, :mod:`job_log`)."""
         from titan_recover.config.render import render_toml
 
         self.recover = config.recover
@@ -170,6 +184,15 @@ class ReplicaJob:
         self.ranks, self.metrics_rank = ranks_per_replica, metrics_rank
         self.run_dir = os.path.abspath(config.dump_folder)
         os.makedirs(self.run_dir, exist_ok=True)
+        self.metrics = config.metrics
+        self.verbose = verbose
+        self.logs = "" if verbose or config.recover.diloco_mode else os.path.join(self.run_dir, "logs")
+        """Where each child's output goes, one file per process kind (empty: the console, prefixed: with
+        ``--verbose``, and in diloco mode, whose learners have no common step to summarise)."""
+        if self.logs:
+            os.makedirs(self.logs, exist_ok=True)
+        self.job_log = None
+        """Node 0: the job's metrics run and console lines (:meth:`start_job_log`)."""
         self.base_env = self._base_env()
         self.children: list[subprocess.Popen] = []
         """Every process started, for the signal forwarding and the cleanup."""
@@ -199,10 +222,44 @@ class ReplicaJob:
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(len(self.plan.groups) * self.ranks)))
         return env
 
-    def _start(self, cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIGKILL) -> subprocess.Popen:
-        proc = _spawn(cmd, env, prefix, death_signal)
+    def _start(self, cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIGKILL,
+               log: str = "") -> subprocess.Popen:
+        """Start a child; ``log``: the name of its output file under ``<run>/logs/`` (unless verbose)."""
+        proc = _spawn(cmd, env, prefix, death_signal, log=self.log_path(log) if self.logs and log else None)
         self.children.append(proc)
         return proc
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.logs, f"{name}.log")
+
+    def start_job_log(self, toml_path: str | None) -> None:
+        """Node 0, a synchronous job: the job's one wandb run (``[metrics] enable_wandb``) and, unless verbose, a
+        line per committed step and per resilience event on the console (:mod:`job_log`)."""
+        from titan_recover.recover.job_log import ConsoleLines, JobLog, run_name, WandbRun
+
+        if self.plan.rank != 0 or self.recover.diloco_mode:
+            return
+        sinks = [ConsoleLines()] if self.logs else []
+        metrics = self.metrics
+        if metrics.enable_wandb:
+            try:
+                sinks.append(WandbRun(run_dir=self.run_dir, project=metrics.wandb_project, mode=metrics.wandb_mode,
+                                      name=run_name(toml_path, metrics.wandb_run_name, self.run_dir),
+                                      group=metrics.wandb_group or os.path.basename(self.run_dir),
+                                      config={"resolved_toml": self.config_text}))
+            except Exception as error:  # noqa: BLE001 - the job trains without its wandb run
+                print(f"[titan_recover] warning: the job's wandb run could not start ({error}); metrics.jsonl and "
+                      "events.jsonl hold everything", file=sys.stderr, flush=True)
+        if self.logs:
+            print(f"[titan_recover] each process's full output: {self.logs}/ (replica_<i>.log, coordinator.log); "
+                  "--verbose shows them here", file=sys.stderr, flush=True)
+        if sinks:
+            self.job_log = JobLog(self.run_dir, sinks).start()
+
+    def close_job_log(self) -> None:
+        if self.job_log is not None:
+            self.job_log.close()
+            self.job_log = None
 
     def on_signal(self, signum, _frame) -> None:
         """Ctrl-C / SIGTERM: remember it (no restarts from now on) and forward SIGTERM to every child."""
@@ -271,6 +328,7 @@ class ReplicaJob:
              "--recover-json", json.dumps(asdict(recover)), "--chaos-json", json.dumps(asdict(self.chaos)),
              "--checkpoint-folder", self.checkpoint_folder, *standby],
             self.base_env, "[coordinator] " if not self.plan.many else f"[coordinator node {self.plan.rank}] ",
+            log="coordinator",
         )
         self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
                                           self.recover.startup_timeout_s)
@@ -311,7 +369,8 @@ class ReplicaJob:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0",
                f"--nproc-per-node={ranks_per_replica}", f"--local-ranks-filter={metrics_rank}",
                "-m", "titan_recover.train", *([toml_path] if toml_path else []), *overrides]
-        slot.proc = self._start(cmd, env, f"[replica {slot.index}] ", death_signal=signal.SIGTERM)
+        slot.proc = self._start(cmd, env, f"[replica {slot.index}] ", death_signal=signal.SIGTERM,
+                                log=f"replica_{slot.index}")
         threshold = recover.localize.hang_threshold_s
         if threshold > 0:  # the replica's hang observer, a process of its own (docs/scout.md)
             if slot.observer is not None and slot.observer.poll() is None:
@@ -320,7 +379,7 @@ class ReplicaJob:
                 [sys.executable, "-m", "titan_recover.recover.scout.observer", "--run-dir", run_dir, "--replica",
                  str(slot.index), "--incarnation", str(slot.incarnation), "--ranks", str(ranks_per_replica),
                  "--threshold-s", str(threshold), *(["--end-hung"] if recover.localize.end_hung else [])],
-                self.base_env, f"[observer {slot.index}] ")
+                self.base_env, f"[observer {slot.index}] ", log=f"observer_{slot.index}")
 
     def start_syncer(self) -> None:
         """The syncer's current start; a restart resumes from its checkpoint."""
@@ -330,7 +389,7 @@ class ReplicaJob:
             [sys.executable, "-m", "titan_recover.recover.diloco.syncer", "--coordinator", address, "--run-dir",
              run_dir, "--ranks", str(ranks_per_replica), "--start", str(syncer.incarnation),
              *([toml_path] if toml_path else []), *overrides],
-            dict(self.base_env, OMP_NUM_THREADS="1"), "[syncer] ")
+            dict(self.base_env, OMP_NUM_THREADS="1"), "[syncer] ", log="syncer")
 
     # ---- restarts ----------------------------------------------------------------------------------------
     def restart_syncer_if_crashed(self) -> None:
@@ -357,8 +416,9 @@ class ReplicaJob:
         if slot.proc.poll() not in (None, 0) and slot.restarts_left > 0 and not over and self.stopped_by is None:
             _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
             slot.count_restart()
+            where = f"; its output: {self.log_path(f'replica_{slot.index}')}" if self.logs else ""
             print(f"[titan_recover] replica {slot.index} exited with {slot.proc.returncode}: restarting it "
-                  f"(start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
+                  f"(start {slot.incarnation}, {slot.restarts_left} restart(s) left){where}", file=sys.stderr,
                   flush=True)
             self.start_replica(slot)
 
@@ -597,14 +657,17 @@ class BeatWatch:
 
 
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
-                    metrics_rank: int, devices: list[list[str]] | None = None, plan: NodePlan | None = None) -> int:
+                    metrics_rank: int, devices: list[list[str]] | None = None, plan: NodePlan | None = None,
+                    verbose: bool = False) -> int:
     """Run this node's part of the replica-group job to its end; returns the launcher's exit code
     (:meth:`ReplicaJob.result`: the job's verdict): 2 when this node's config differs from node 0's, 1 when the job's
     store cannot be found or is lost."""
-    job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank, devices=devices, plan=plan)
+    job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank, devices=devices, plan=plan,
+                     verbose=verbose)
     previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         job.open_job_store()
+        job.start_job_log(toml_path)
         if job.runs_coordinator:
             job.start_coordinator()
         job.start_replicas()
@@ -623,6 +686,7 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
               "launcher ended or the network failed; ending this node's processes", file=sys.stderr, flush=True)
         return 1
     finally:
+        job.close_job_log()
         job.cleanup()
         for s, handler in previous.items():
             signal.signal(s, handler)
