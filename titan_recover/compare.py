@@ -139,12 +139,19 @@ def plot(curves: dict[str, dict[int, float]], out: str | pathlib.Path, metric: s
         if i:
             common = sorted(set(reference) & set(curves[name]))
             bottom.plot(common, [curves[name][s] - reference[s] for s in common], label=name, color=color)
-    for i, name in enumerate(names):
-        for step, kinds in (marks or {}).get(name, {}).items():
-            for axis in (top, bottom):
-                axis.axvline(step, color=f"C{i}", linestyle=":", linewidth=1.0, alpha=0.8)
-            top.annotate("\n".join(kinds), (step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
-                         textcoords="offset points", fontsize=6, color=f"C{i}", va="top", ha="left")
+    every_step = [s for curve in curves.values() for s in curve]
+    near = 0.08 * (max(every_step) - min(every_step)) if every_step else 0.0
+    labelled: tuple[float, float] | None = None  # (step, points below the top where free space starts)
+    for i, name, step, kinds in sorted(((i, name, step, kinds) for i, name in enumerate(names)
+                                        for step, kinds in (marks or {}).get(name, {}).items()),
+                                       key=lambda mark: mark[2]):
+        for axis in (top, bottom):
+            axis.axvline(step, color=f"C{i}", linestyle=":", linewidth=1.0, alpha=0.8)
+        # a label near the one before goes under it instead of over it
+        below = labelled[1] if labelled is not None and step - labelled[0] < near else 2.0
+        top.annotate("\n".join(kinds), (step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -below),
+                     textcoords="offset points", fontsize=6, color=f"C{i}", va="top", ha="left")
+        labelled = (step, below + 7.5 * len(kinds) + 2.0)
     top.set_ylabel(metric)
     top.legend(loc="lower left")
     top.grid(alpha=0.3)

@@ -672,6 +672,7 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
             job.start_coordinator()
         job.start_replicas()
         job.watch()
+        job.close_job_log()  # its last lines (the last step, the final events) before the verdict
         code = job.result()
         job.settle_nodes(code)
         return code
