@@ -13,6 +13,7 @@ import torch
 from torch.distributed import TCPStore
 
 from conftest import launch
+from wandb_offline import read_run
 from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, token_weights
 from titan_recover.recover.events import read_events
 from titan_recover.recover.launcher import processes_of_run
@@ -129,7 +130,7 @@ def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
         "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.items()) + "}" for f in faults) + "]"
     max_window_s = 2.0
     proc = launch(
-        "train_configs/diloco.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb",
+        "train_configs/diloco.toml", "--model.flavor", "tiny",
         "--training.steps", str(steps), "--recover.diloco.inner_steps", str(period),
         "--recover.diloco.max_window_s", str(max_window_s), "--recover.diloco.checkpoint_interval_s", "1",
         "--recover.diloco.eval_interval_s", "0", "--recover.heartbeat_timeout_s", "2.0",
@@ -200,6 +201,20 @@ def test_learners_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
     assert len(finished) == 1
     assert finished[0]["val_loss"] < evaluated[0]["val_loss"] - 0.1, (evaluated[0], finished[0])
     assert processes_of_run(str(tmp_path)) == []  # nothing left behind
+
+    # one wandb run for the job (offline), written by the launcher: each learner on its own step, the syncer's
+    # merges with the global model's validation loss, the faults marked; no learner or syncer run of its own
+    assert len(list(tmp_path.rglob("offline-run-*"))) == 1, list(tmp_path.rglob("offline-run-*"))
+    run = read_run(tmp_path / "wandb")
+    assert run.group == "diloco" and run.name.startswith("diloco-"), (run.name, run.group)
+    rows = list(run.history.values())
+    for learner in (0, 1, 2):
+        steps_logged = [r[f"learner{learner}/step"] for r in rows if f"learner{learner}/step" in r]
+        assert steps_logged and all(f"learner{learner}/loss_metrics/global_avg_loss" in r
+                                    for r in rows if f"learner{learner}/step" in r)
+    merged = [r for r in rows if "syncer/merges" in r]
+    assert any("syncer/val_loss" in r for r in merged)
+    assert sum(r.get("events/fault_injected", 0) for r in rows) == len(by_kind["fault_injected"])
 
 
 def test_a_block_given_back_is_taken_once_and_given_back_once():

@@ -125,3 +125,36 @@ def test_an_event_every_process_reported_is_one_console_line():
     ConsoleLines(out).step(6, {}, [{"event": "spare_promoted", "step": 6, "source": f"{r}/0", "spares": [3]}
                                    for r in (0, 2, 3)])
     assert out.getvalue() == "[event] spare_promoted (step 6, 0/0, 2/0, 3/0): spares=[3]\n"
+
+
+def test_a_diloco_job_is_one_wandb_run_each_learner_on_its_own_step(tmp_path, monkeypatch):
+    """Diloco learners are not in lockstep: the job's one run holds each learner's lines as ``learner<i>/*`` with
+    its own step, the syncer's as ``syncer/*`` (the global model's validation loss among them), and every
+    resilience event; lines written before the job log started (a resumed run's) are not logged again."""
+    from wandb_offline import read_run
+
+    from titan_recover.recover.job_log import DilocoJobLog, DilocoWandbRun
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    metrics, syncer, events = (tmp_path / f"{name}.jsonl" for name in ("metrics", "syncer_metrics", "events"))
+    line(metrics, {"step": 50, "replica": 0, "time": 0.0, LOSS: 1.0})  # an earlier run's
+    run = DilocoWandbRun(run_dir=str(tmp_path), project="titan_recover", name="diloco-test", group="diloco",
+                         mode="offline")
+    log = DilocoJobLog(str(tmp_path), run)
+    line(metrics, {"step": 1, "replica": 0, "time": 1.0, LOSS: 8.0})
+    line(metrics, {"step": 1, "replica": 1, "time": 1.1, LOSS: 8.1})
+    line(metrics, {"step": 2, "replica": 0, "time": 1.2, LOSS: 7.5})
+    line(syncer, {"step": 1, "time": 1.3, "merges": 1, "val_loss": 7.9, "quorum_size": 2})
+    line(events, {"event": "fault_injected", "time": 1.4, "replica": 1, "step": 2, "source": "1/0"})
+    line(events, {"event": "fragment_merged", "time": 1.5})  # routine: only in the table
+    log.poll()
+    log.close()
+    logged = read_run(tmp_path / "wandb")
+    assert (logged.name, logged.group) == ("diloco-test", "diloco")
+    rows = list(logged.history.values())
+    learner0 = [(r["learner0/step"], r[f"learner0/{LOSS}"]) for r in rows if "learner0/step" in r]
+    assert learner0 == [(1, 8.0), (2, 7.5)]
+    assert [(r["learner1/step"], r[f"learner1/{LOSS}"]) for r in rows if "learner1/step" in r] == [(1, 8.1)]
+    assert [(r["syncer/merges"], r["syncer/val_loss"]) for r in rows if "syncer/merges" in r] == [(1, 7.9)]
+    assert [r["events/fault_injected"] for r in rows if "events/fault_injected" in r] == [1]
+    assert not [r for r in rows if "events/fragment_merged" in r]

@@ -59,12 +59,7 @@ members start no wandb run: node 0's launcher writes the job's one run from ``me
     config.dump_folder = os.path.join(run_dir, f"replica_{replica}")
     if config.metrics.jsonl_file:
         config.metrics.jsonl_file = os.path.join(run_dir, config.metrics.jsonl_file)
-    run_name = config.metrics.wandb_run_name or os.path.basename(run_dir)
-    if not config.recover.diloco_mode:  # the job's one wandb run is node 0's launcher's (recover/job_log.py)
-        config.metrics.enable_wandb = False
-        return
-    config.metrics.wandb_run_name = f"{run_name}-replica{replica}"
-    config.metrics.wandb_group = config.metrics.wandb_group or run_name
+    config.metrics.enable_wandb = False  # the job's one wandb run is node 0's launcher's (recover/job_log.py)
 
 
 def check_seed_checkpoint(config, world_size: int) -> None:

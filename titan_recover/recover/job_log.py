@@ -285,3 +285,105 @@ def run_name(toml_path: str | None, configured: str | None, run_dir: str) -> str
     if folder.startswith(f"{stem}-"):
         stem = folder
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+# ---- diloco mode ---------------------------------------------------------------------------------------------
+def learner_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A learner's metrics line as the job run's row: every figure as ``learner<i>/<key>``, its own step as
+    ``learner<i>/step`` (the x-axis of its charts: learners are not in lockstep)."""
+    learner = record.get("replica", 0)
+    row = {f"learner{learner}/{key}": value for key, value in record.items()
+           if key not in ("step", "time", "replica") and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    row[f"learner{learner}/step"] = record["step"]
+    return row
+
+
+def syncer_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The syncer's line (one per merge or evaluation) as ``syncer/<key>``; ``syncer/merges`` is its x-axis."""
+    row = {f"syncer/{key}": value for key, value in record.items()
+           if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    row["syncer/merges"] = record.get("merges", record.get("step", 0))
+    return row
+
+
+class DilocoWandbRun:
+    """A diloco job's one wandb run: each learner's figures against its own step (``learner<i>/*`` over
+    ``learner<i>/step``), the syncer's against its merges (``syncer/*`` over ``syncer/merges``: the global
+    model's validation loss, goodput, quorum), every resilience event as ``events/<kind>`` against the seconds
+    since the job started (``elapsed_s``), and the table of events at the end."""
+
+    def __init__(self, *, run_dir: str, project: str, name: str, group: str, mode: str, config: dict | None = None):
+        self.inner = WandbRun(run_dir=run_dir, project=project, name=name, group=group, mode=mode, config=config)
+        self.run = self.inner.run
+        self.run.define_metric("elapsed_s")
+        self.run.define_metric("syncer/*", step_metric="syncer/merges")
+        self.run.define_metric("events/*", step_metric="elapsed_s")
+        self.learners: set[int] = set()
+        self.started = time.time()
+
+    def learner(self, record: dict[str, Any]) -> None:
+        learner = record.get("replica", 0)
+        if learner not in self.learners:
+            self.learners.add(learner)
+            self.run.define_metric(f"learner{learner}/*", step_metric=f"learner{learner}/step")
+        self.run.log(learner_record(record))
+
+    def syncer(self, record: dict[str, Any]) -> None:
+        self.run.log(syncer_record(record))
+
+    def event(self, event: dict[str, Any]) -> None:
+        at = event_step(event)
+        self.inner.rows.append(event_row(event, at if at is not None else -1))
+        elapsed = float(event.get("time", time.time())) - self.started
+        self.run.log({"elapsed_s": elapsed, "events/count": 1, f"events/{event.get('event')}": 1})
+
+    def close(self, events: list[dict[str, Any]]) -> None:
+        self.inner.close(events)
+
+
+class DilocoJobLog:
+    """Follows a diloco job's ``metrics.jsonl`` (the learners'), ``syncer_metrics.jsonl`` and ``events.jsonl``
+    and hands every line to the job's run as it appears (no step to wait for: learners are not in lockstep)."""
+
+    def __init__(self, run_dir: str, sink: DilocoWandbRun, poll_s: float = 0.5):
+        self.tails = {name: JsonlTail(os.path.join(run_dir, f"{name}.jsonl"))
+                      for name in ("metrics", "syncer_metrics", "events")}
+        for tail in self.tails.values():  # a resumed run's old lines are not logged again
+            tail.offset = os.path.getsize(tail.path) if os.path.exists(tail.path) else 0
+        self.sink, self.poll_s = sink, poll_s
+        self.all_events: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> DilocoJobLog:
+        self._thread = threading.Thread(target=self._run, name="job-log", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            for record in self.tails["metrics"].read():
+                if isinstance(record.get("step"), int):
+                    self.sink.learner(record)
+            for record in self.tails["syncer_metrics"].read():
+                self.sink.syncer(record)
+            for event in self.tails["events"].read():
+                self.all_events.append(event)
+                if is_resilience_event(event):
+                    self.sink.event(event)
+        except Exception as error:  # noqa: BLE001 - the job trains on; the files keep everything
+            logger.warning("job log: %s", error)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.poll()
+        try:
+            self.sink.close(self.all_events)
+        except Exception as error:  # noqa: BLE001
+            logger.warning("job log: closing the wandb run failed: %s", error)

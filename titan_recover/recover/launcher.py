@@ -233,23 +233,30 @@ class ReplicaJob:
         return os.path.join(self.logs, f"{name}.log")
 
     def start_job_log(self, toml_path: str | None) -> None:
-        """Node 0, a synchronous job: the job's one wandb run (``[metrics] enable_wandb``) and, unless verbose, a
+        """Node 0: the job's one wandb run (``[metrics] enable_wandb``) and, in a synchronous job unless verbose, a
         line per committed step and per resilience event on the console (:mod:`job_log`)."""
-        from titan_recover.recover.job_log import ConsoleLines, JobLog, run_name, WandbRun
+        from titan_recover.recover.job_log import ConsoleLines, DilocoJobLog, DilocoWandbRun, JobLog, run_name
+        from titan_recover.recover.job_log import WandbRun
 
-        if self.plan.rank != 0 or self.recover.diloco_mode:
+        if self.plan.rank != 0:
             return
+        diloco = self.recover.diloco_mode
         sinks = [ConsoleLines()] if self.logs else []
         metrics = self.metrics
         if metrics.enable_wandb:
             try:
-                sinks.append(WandbRun(run_dir=self.run_dir, project=metrics.wandb_project, mode=metrics.wandb_mode,
-                                      name=run_name(toml_path, metrics.wandb_run_name, self.run_dir),
-                                      group=metrics.wandb_group or os.path.basename(self.run_dir),
-                                      config={"resolved_toml": self.config_text}))
+                sinks.append((DilocoWandbRun if diloco else WandbRun)(
+                    run_dir=self.run_dir, project=metrics.wandb_project, mode=metrics.wandb_mode,
+                    name=run_name(toml_path, metrics.wandb_run_name, self.run_dir),
+                    group=metrics.wandb_group or os.path.basename(self.run_dir),
+                    config={"resolved_toml": self.config_text}))
             except Exception as error:  # noqa: BLE001 - the job trains without its wandb run
                 print(f"[titan_recover] warning: the job's wandb run could not start ({error}); metrics.jsonl and "
                       "events.jsonl hold everything", file=sys.stderr, flush=True)
+        if diloco:  # learners are not in lockstep: every process's output stays on the console
+            if sinks:
+                self.job_log = DilocoJobLog(self.run_dir, sinks[0]).start()
+            return
         if self.logs:
             print(f"[titan_recover] each process's full output: {self.logs}/ (replica_<i>.log, coordinator.log); "
                   "--verbose shows them here", file=sys.stderr, flush=True)

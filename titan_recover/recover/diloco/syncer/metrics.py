@@ -1,5 +1,6 @@
 """The syncer's progress and metrics (docs/diloco.md, "End of the job and metrics"): tokens merged, goodput,
-one record per merge or evaluation in ``syncer_metrics.jsonl`` and, when enabled, wandb."""
+one record per merge or evaluation in ``syncer_metrics.jsonl``, which node 0's launcher logs to the job's wandb run
+(``recover/job_log.py``)."""
 
 from __future__ import annotations
 
@@ -43,13 +44,12 @@ class Progress:
 
 
 class SyncerMetrics:
-    """``syncer_metrics.jsonl`` (step: merges so far) and the optional wandb run ``<run>-syncer``."""
+    """``syncer_metrics.jsonl`` (step: merges so far); the job's wandb run shows it as ``syncer/*``."""
 
-    def __init__(self, run_dir: str, metrics_config, start: int):
+    def __init__(self, run_dir: str):
         from titan_recover.metrics import JsonlLogger  # imports TorchTitan: after the platform is active
 
         self.jsonl = JsonlLogger(os.path.join(run_dir, "syncer_metrics.jsonl"))
-        self.wandb = _wandb(metrics_config, run_dir, start) if metrics_config.enable_wandb else None
 
     def log(self, now: float, progress: Progress, alive: int, merge: dict | None = None,
             val_loss: float | None = None) -> None:
@@ -63,26 +63,7 @@ class SyncerMetrics:
                            "staleness_mean": sum(staleness) / len(staleness) if staleness else None})
         if val_loss is not None:
             record["val_loss"] = val_loss
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=progress.merges)
         self.jsonl.log(record, step=progress.merges)
 
     def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.close()
-
-
-def _wandb(metrics, run_dir: str, start: int):
-    """TorchTitan's wandb logger, named like the learners' runs (docs/diloco.md): ``<run>-syncer``."""
-    run_name = metrics.wandb_run_name or os.path.basename(run_dir)
-    for key, value in (("WANDB_MODE", metrics.wandb_mode), ("WANDB_PROJECT", metrics.wandb_project),
-                       ("WANDB_RUN_NAME", f"{run_name}-syncer" + (f"-start{start}" if start else "")),
-                       ("WANDB_RUN_GROUP", metrics.wandb_group or run_name)):
-        os.environ.setdefault(key, value)
-    try:
-        from torchtitan.components.metrics import WandBLogger
-
-        return WandBLogger(os.path.join(run_dir, "syncer"), tag="diloco")
-    except Exception as error:  # metrics must never stop the syncer
-        logger.warning("wandb unavailable for the syncer: %s", error)
-        return None
+        pass

@@ -61,7 +61,7 @@ class Syncer:
         self.inbox = Inbox(self.store, learners=self.learners, ranks=ranks)
         self.liveness = LearnerLiveness(self.coordinator, learners=self.learners, ranks=ranks,
                                         heartbeat_timeout_s=config.recover.heartbeat_timeout_s)
-        self.metrics = SyncerMetrics(run_dir, config.metrics, start)
+        self.metrics = SyncerMetrics(run_dir)
         self.evaluator = GlobalEvaluator(config, ranks)
         self.alive: set[int] = set()
         self.done: set[int] = set()
