@@ -109,27 +109,25 @@ class Sink(Protocol):
         """The job ended; ``events``: every event of the run, routine ones included."""
 
 
-class JobLog:
-    """Follows ``<run>/metrics.jsonl`` and ``<run>/events.jsonl`` (from their ends at the start: a resumed run's
-    old lines are not logged again) and feeds the sinks, in a thread, every ``poll_s``."""
+class Follower:
+    """Follows JSONL files of a run folder (:attr:`FILES`, without ``.jsonl``) in a thread, calling :meth:`poll`
+    every ``poll_s``; from the files' ends at the start (a resumed run's old lines are not logged again) unless
+    ``from_start``."""
 
-    def __init__(self, run_dir: str, sinks: list[Sink], poll_s: float = 0.5, from_start: bool = False):
-        self.metrics = JsonlTail(os.path.join(run_dir, "metrics.jsonl"))
-        self.events = JsonlTail(os.path.join(run_dir, "events.jsonl"))
+    FILES: tuple[str, ...] = ()
+
+    def __init__(self, run_dir: str, poll_s: float = 0.5, from_start: bool = False):
+        self.tails = {name: JsonlTail(os.path.join(run_dir, f"{name}.jsonl")) for name in self.FILES}
         if not from_start:
-            for tail in (self.metrics, self.events):
+            for tail in self.tails.values():
                 tail.offset = os.path.getsize(tail.path) if os.path.exists(tail.path) else 0
-        self.sinks = sinks
         self.poll_s = poll_s
-        self.pending: dict[int, list[dict[str, Any]]] = {}
-        self.pending_events: list[dict[str, Any]] = []
         self.all_events: list[dict[str, Any]] = []
-        self.last_step = 0
-        """The last step handed to the sinks."""
+        """Every event read so far, routine ones included."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> JobLog:
+    def start(self):
         self._thread = threading.Thread(target=self._run, name="job-log", daemon=True)
         self._thread.start()
         return self
@@ -141,14 +139,37 @@ class JobLog:
             except Exception as error:  # noqa: BLE001 - the job trains on; the files keep everything
                 logger.warning("job log: reading the run's files failed: %s", error)
 
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def stop_following(self) -> None:
+        """Ends the thread (the caller then reads what is left)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+class JobLog(Follower):
+    """Follows ``<run>/metrics.jsonl`` and ``<run>/events.jsonl`` and feeds the sinks each complete step."""
+
+    FILES = ("metrics", "events")
+
+    def __init__(self, run_dir: str, sinks: list[Sink], poll_s: float = 0.5, from_start: bool = False):
+        super().__init__(run_dir, poll_s, from_start)
+        self.sinks = sinks
+        self.pending: dict[int, list[dict[str, Any]]] = {}
+        self.pending_events: list[dict[str, Any]] = []
+        self.last_step = 0
+        """The last step handed to the sinks."""
+
     def poll(self, final: bool = False) -> None:
-        for record in self.metrics.read():
+        for record in self.tails["metrics"].read():
             if not isinstance(record.get("step"), int):
                 continue  # not a step's line
             step = record["step"]
             if step > self.last_step:
                 self.pending.setdefault(step, []).append(record)
-        for event in self.events.read():
+        for event in self.tails["events"].read():
             self.all_events.append(event)
             if is_resilience_event(event):
                 self.pending_events.append(event)
@@ -177,9 +198,7 @@ class JobLog:
 
     def close(self) -> None:
         """Stops following, hands every step left over, then closes the sinks."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self.stop_following()
         self.poll(final=True)
         if self.pending_events:  # events after the last step (the job's stop): at the step after it
             self._hand_over(self.last_step + 1, [])
@@ -341,28 +360,15 @@ class DilocoWandbRun:
         self.inner.close(events)
 
 
-class DilocoJobLog:
+class DilocoJobLog(Follower):
     """Follows a diloco job's ``metrics.jsonl`` (the learners'), ``syncer_metrics.jsonl`` and ``events.jsonl``
     and hands every line to the job's run as it appears (no step to wait for: learners are not in lockstep)."""
 
+    FILES = ("metrics", "syncer_metrics", "events")
+
     def __init__(self, run_dir: str, sink: DilocoWandbRun, poll_s: float = 0.5):
-        self.tails = {name: JsonlTail(os.path.join(run_dir, f"{name}.jsonl"))
-                      for name in ("metrics", "syncer_metrics", "events")}
-        for tail in self.tails.values():  # a resumed run's old lines are not logged again
-            tail.offset = os.path.getsize(tail.path) if os.path.exists(tail.path) else 0
-        self.sink, self.poll_s = sink, poll_s
-        self.all_events: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> DilocoJobLog:
-        self._thread = threading.Thread(target=self._run, name="job-log", daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self.poll()
+        super().__init__(run_dir, poll_s)
+        self.sink = sink
 
     def poll(self) -> None:
         try:
@@ -379,9 +385,7 @@ class DilocoJobLog:
             logger.warning("job log: %s", error)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self.stop_following()
         self.poll()
         try:
             self.sink.close(self.all_events)
