@@ -17,10 +17,14 @@ checkpoints), the base rates and the rate the last step set. ``_step_count`` is 
 warn about the order of calls, and a schedule restored from a checkpoint restarts it."""
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``tensor``, copied to the host (once, at the end of training: not on a step's path)."""
+    return local_tensor(tensor).detach().cpu().clone()
+
+
 def save_final_parameters(model_parts, folder: str, *, replica: int, rank: int) -> None:
     """Every local parameter shard of this rank, by name, to ``folder/replica{i}_rank{k}.pt``."""
-    shards = {name: local_tensor(p.data).detach().cpu().clone()
-              for m in model_parts for name, p in m.named_parameters()}
+    shards = {name: _host_copy(p.data) for m in model_parts for name, p in m.named_parameters()}
     _save(shards, folder, replica=replica, rank=rank)
 
 
@@ -38,8 +42,8 @@ def optimizer_state(model_parts, optimizers: Iterable[torch.optim.Optimizer], lr
             for p in group["params"]:
                 if id(p) not in names:
                     raise ValueError("an optimizer holds a parameter that no model part names")
-                state[names[id(p)]] = {k: local_tensor(v).detach().cpu().clone() if isinstance(v, torch.Tensor)
-                                       else v for k, v in opt.state.get(p, {}).items()}
+                state[names[id(p)]] = {k: _host_copy(v) if isinstance(v, torch.Tensor) else v
+                                       for k, v in opt.state.get(p, {}).items()}
     schedulers = [{k: s.state_dict()[k] for k in SCHEDULER_FIELDS} for s in lr_schedulers]
     return {"optimizer": state, "param_groups": groups, "lr_schedulers": schedulers}
 
