@@ -59,9 +59,7 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
         coordinator.set(GroupKeys.heartbeat(learner), encode_group_beat({0: Heartbeat(now + 60, now + 60, 1, "inner")}))
     syncer._judge_liveness()
     assert syncer.alive == {0, 1, 2}
-    # what the syncer learned before: fragment 0's period is 1 s; learner 2 sends every 3 s, last 0.5 s ago
-    syncer.rounds.period_s[0] = 1.0
-    syncer.rounds.arrivals[(2, 0)] = Arrivals(last_at=now - 0.5, interval_s=3.0, tokens=1024)
+    syncer.rounds.period_s[0] = 1.0  # what the syncer learned before: fragment 0's period is 1 s
 
     deltas = {0: torch.tensor([1.0, -2.0, 0.5, 0.0, 4.0, 1.0]), 1: torch.tensor([3.0, 0.0, -1.0, 2.0, 0.0, 1.0])}
     tokens = {0: 3072, 1: 1024}  # learner 0 trained three times the tokens since its last send
@@ -71,7 +69,11 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
             sender.submit(Delta(0, 4, tokens[i], (syncer.generation, 0), d.clone()))
             assert sender.drain(timeout_s=10)
         _wait(lambda: syncer._receive(time.time()) >= 0 and len(syncer.rounds.open[0].deltas) == 2)
-        syncer._maybe_merge(0, time.time())
+        # learner 2 sends every 3 s and sent 0.5 s before the merge (set at the merge's own time, so that how
+        # long the deliveries took on a loaded machine does not move its next delivery)
+        merge_at = time.time()
+        syncer.rounds.arrivals[(2, 0)] = Arrivals(last_at=merge_at - 0.5, interval_s=3.0, tokens=1024)
+        syncer._maybe_merge(0, merge_at)
     finally:
         for sender in senders:
             sender.stop()
