@@ -9,12 +9,16 @@ same global batch). Step time is TorchTitan's per-step ``time_metrics/end_to_end
 the same data from the same initialisation, so their losses are also compared.
 
     python benchmarks/failure_free_overhead.py [--rounds 2] [--steps 20] [--flavor debugmodel] [--seq-len 256]
-        [--local-batch 2]
+        [--local-batch 2] [--abort-recovery backup[,recompute]]
+
+``--abort-recovery``: the replica run's ``[recover.step] abort_recovery`` values, each a run of its own in every
+round (docs/invariant.md, "After an aborted reduction"); the rounds rotate the order of the runs.
 
 ``reduction_share`` is the median share of a step the replica run spends in the committed reduction and its
 commit barrier (``recover/wait_s`` over the step time, replica 0): small batches make it large.
 
-Last line: ``ratio=<FTPG / native median step time> ...``. Target: ratio <= 1.05 on CPU.
+Last line: ``ratio=<FTPG / native median step time> ...`` for the first ``--abort-recovery`` value, then
+``ratio_<value>=`` for the others. Target: ratio <= 1.05 on CPU.
 """
 
 from __future__ import annotations
@@ -34,31 +38,33 @@ from titan_recover.compare import load_curve, LOSS  # noqa: E402
 
 STEP_TIME = "time_metrics/end_to_end(s)"
 REDUCTION = "recover/wait_s"
-SHARES: list[float] = []
+SHARES: dict[str, list[float]] = {}
 
 
 def run(kind: str, args, folder: str) -> tuple[list[float], dict[int, float]]:
+    """One run: ``native``, or ``ftpg-<abort_recovery>``."""
     common = ["--model.flavor", args.flavor, "--training.steps", str(args.steps), "--metrics.no_enable_wandb",
               "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.local_batch),
               "--parallelism.data_parallel_shard_degree", str(args.shards), "--dump_folder", folder]
-    if kind == "ftpg":
-        cmd = ["train_configs/replicas.toml", "--recover.replicas", str(args.replicas), *common]
+    if kind != "native":
+        cmd = ["train_configs/replicas.toml", "--recover.replicas", str(args.replicas),
+               "--recover.step.abort_recovery", kind.removeprefix("ftpg-"), *common]
     else:
         cmd = ["train_configs/hsdp.toml", "--parallelism.data_parallel_replicate_degree", str(args.replicas), *common]
     proc = subprocess.run([sys.executable, "-m", "titan_recover.launch", *cmd], cwd=ROOT, capture_output=True,
                           text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    replica = 0 if kind == "ftpg" else None
+    replica = None if kind == "native" else 0
     times = load_curve(folder, STEP_TIME, replica=replica)
     losses = load_curve(folder, LOSS, replica=replica)
     if sorted(times) != list(range(1, args.steps + 1)):
         raise RuntimeError(f"{kind} run logged steps {sorted(times)}")
-    if kind == "ftpg":  # the share of the step spent in the cross-replica reduction (and its commit)
+    if kind != "native":  # the share of the step spent in the cross-replica reduction (and its commit)
         waits = load_curve(folder, REDUCTION, replica=0)
         shares = [waits[s] / times[s] for s in sorted(times)][args.warmup:]
         print(f"  reduction share of the step: median {statistics.median(shares):.3f}", flush=True)
-        SHARES.extend(shares)
+        SHARES.setdefault(kind, []).extend(shares)
     return [times[s] for s in sorted(times)][args.warmup:], losses
 
 
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--local-batch", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--abort-recovery", default="backup",
+                        help="comma-separated [recover.step] abort_recovery values, one replica run each a round")
     add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
     with recorded(__file__, argv, args.out):
@@ -81,22 +89,32 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args) -> int:
     """Run the measurement; print its lines and the headline."""
-    times: dict[str, list[float]] = {"ftpg": [], "native": []}
+    kinds = [f"ftpg-{value}" for value in args.abort_recovery.split(",")] + ["native"]
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
     losses: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for kind in ("ftpg", "native") if r % 2 == 0 else ("native", "ftpg"):
+            for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
                 step_times, curve = run(kind, args, f"{tmp}/{kind}{r}")
                 times[kind] += step_times
                 losses.setdefault(kind, curve)
-                print(f"round {r} {kind:6s}: median step {statistics.median(step_times):.3f} s", flush=True)
-    ftpg, native = statistics.median(times["ftpg"]), statistics.median(times["native"])
-    diff = max(abs(losses["ftpg"][s] - losses["native"][s]) / abs(losses["native"][s]) for s in losses["native"])
-    print(f"{args.replicas} replicas x {args.shards} shards, {args.flavor}: fault-tolerant groups {ftpg:.4f} s, "
-          f"native HSDP {native:.4f} s per step; largest relative loss difference {diff:.1e}")
-    share = statistics.median(SHARES)
-    print(f"ratio={ftpg / native:.4f} ftpg_step_s={ftpg:.4f} native_step_s={native:.4f} loss_max_rel_diff={diff:.1e} "
-          f"reduction_share={share:.3f}")
+                print(f"round {r} {kind:15s}: median step {statistics.median(step_times):.3f} s", flush=True)
+    median = {kind: statistics.median(times[kind]) for kind in kinds}
+    native = median["native"]
+    headline = []
+    for n, kind in enumerate(kinds[:-1]):
+        diff = max(abs(losses[kind][s] - losses["native"][s]) / abs(losses["native"][s]) for s in losses["native"])
+        share = statistics.median(SHARES[kind])
+        print(f"{args.replicas} replicas x {args.shards} shards, {args.flavor}, {kind}: fault-tolerant groups "
+              f"{median[kind]:.4f} s, native HSDP {native:.4f} s per step (ratio {median[kind] / native:.4f}); "
+              f"reduction share {share:.3f}; largest relative loss difference {diff:.1e}")
+        if n == 0:
+            headline.append(f"ratio={median[kind] / native:.4f} ftpg_step_s={median[kind]:.4f} "
+                            f"native_step_s={native:.4f} loss_max_rel_diff={diff:.1e} reduction_share={share:.3f}")
+        else:
+            value = kind.removeprefix("ftpg-")
+            headline.append(f"ratio_{value}={median[kind] / native:.4f} reduction_share_{value}={share:.3f}")
+    print(" ".join(headline))
     return 0
 
 

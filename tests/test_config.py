@@ -111,6 +111,8 @@ def test_component_sections_name_their_registered_choices(tmp_path):
                                                  r"registered; registered: recompute",
         ("--recover.quota.policy", "fastest"): r"\[recover\.quota\] quota policy 'fastest' is not registered",
         ("--recover.step.max_epochs_per_step", "0"): r"recover\.step\.max_epochs_per_step must be >= 1",
+        ("--recover.step.abort_recovery", "copy"): r"recover\.step\.abort_recovery must be one of 'backup', "
+                                                     r"'recompute', got 'copy'",
     }
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=message):

@@ -501,12 +501,15 @@ def test_nccl_without_progress_for_the_timeout_aborts_and_raises_the_flag(monkey
 def test_small_whole_tensors_share_a_batch_and_large_ones_are_split():
     tensors = [torch.zeros(2), torch.zeros(3), torch.zeros(10), torch.zeros(1), torch.zeros(1), torch.zeros(4)]
     pieces = pieces_of(tensors, chunk_bytes=16)  # 4 floats a piece
-    batches = batches_of(pieces, tensors, chunk_bytes=16)
+    batches = batches_of(pieces, tensors, chunk_bytes=16, small_bytes=64)
     shapes = [[(index, start, view.numel()) for _, (index, start, view) in batch] for batch in batches]
     # 2 + 3 floats exceed a piece; the 10 are split; 1 + 1 fit together; a whole tensor of 4 is a piece on its own
     assert shapes == [[(0, 0, 2)], [(1, 0, 3)], [(2, 0, 4)], [(2, 4, 4)], [(2, 8, 2)], [(3, 0, 1), (4, 0, 1)],
                       [(5, 0, 4)]]
     assert [n for batch in batches for n, _ in batch] == list(range(len(pieces)))
+    # only tensors below small_bytes are coalesced: 1 + 1 floats (4 bytes each) are not below 4 bytes
+    batches = batches_of(pieces, tensors, chunk_bytes=16, small_bytes=4)
+    assert all(len(batch) == 1 for batch in batches)
 
 
 def test_many_small_gradients_are_reduced_together_and_right(monkeypatch):

@@ -106,15 +106,19 @@ def test_drop_mode_leaves_the_reference_trajectory(tmp_path, reference):
     assert trajectory_deviation(ref, tmp_path, replica=1) > 1e-5
 
 
-def test_fsdp_inside_replicas_kill_during_reduction(tmp_path, reference):
+def test_fsdp_inside_replicas_kill_during_reduction_without_a_backup(tmp_path, reference):
+    # no backup of the gradient (recover.step.abort_recovery = "recompute"): the survivor computes its own
+    # microbatches again after the aborted reduction, then the lost replica's; exact mode, so bitwise
     lost = {1: 3}
-    ref = reference("fsdp", replicas=2, ranks=2)
-    proc, events = run_replicas(tmp_path, replicas=2, ranks=2, steps=STEPS,
-                                faults=[kill(1, 3, "reduction", rank=1)])
+    ref = reference("fsdp-exact", replicas=2, ranks=2, extra=EXACT)
+    proc, events = run_replicas(tmp_path, replicas=2, ranks=2, steps=STEPS, faults=[kill(1, 3, "reduction", rank=1)],
+                                extra=(*EXACT, "--recover.step.abort_recovery", "recompute"))
     assert_survived(tmp_path, proc, events, replicas=2, ranks=2, steps=STEPS, lost=lost)
     redone = [e for e in events if e["event"] == "step_committed" and e["step"] == 3 and e["attempts"] > 1]
     assert redone, "the step's reduction was not redone in the new epoch"
-    assert_same_trajectory(ref, tmp_path, survivors=[0], ranks=2, bitwise=False)
+    again = [e for e in events if e["event"] == "accumulation_recomputed"]
+    assert again and {(e["replica"], e["step"]) for e in again} == {(0, 3)}, again
+    assert_same_trajectory(ref, tmp_path, survivors=[0], ranks=2, bitwise=True)
 
 
 def test_tensor_parallel_inside_replicas_kill_in_backward(tmp_path, reference):

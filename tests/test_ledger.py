@@ -96,8 +96,10 @@ class SimulatedReplicas:
     publishes the next epoch without the dead replica; an epoch's reduction commits once every member packed in
     it, and aborts (the rank moves to the newest epoch) when a newer epoch appears first."""
 
-    def __init__(self, replicas: int, per_step: int, policy: str = "even", dies: dict[int, str] | None = None):
+    def __init__(self, replicas: int, per_step: int, policy: str = "even", dies: dict[int, str] | None = None,
+                 abort_recovery: str = "backup"):
         self.replicas, self.per_step, self.policy = replicas, per_step, policy
+        self.abort_recovery = abort_recovery
         self.dies = dict(dies or {})
         self.epochs = {0: tuple(range(replicas))}
         self.packed: dict[int, dict[int, torch.Tensor]] = {}
@@ -139,7 +141,8 @@ class SimulatedReplicas:
                     sim.lose(replica)
                     raise SystemExit
                 for i, t in enumerate(tensors):  # the collective is about to write each tensor
-                    before_piece(i, 0, t.view(-1))
+                    if before_piece is not None:
+                        before_piece(i, 0, t.view(-1))
                 with sim.changed:
                     packed = sim.packed.setdefault(self.epoch, {})
                     packed[replica] = [t.clone() for t in tensors]
@@ -189,8 +192,12 @@ class SimulatedReplicas:
                 def replace_gradient(self, parts):
                     (self.local,) = parts
 
+                def discard(self):
+                    self.local = torch.zeros(3, dtype=torch.float64)
+
             manager = StepRecovery(QuotaConfig(policy=self.policy), replica=r, groups=self.replicas,
-                                   per_step=self.per_step, sync=self.sync(r), worker=Worker(), dtype=torch.float64)
+                                   per_step=self.per_step, sync=self.sync(r), worker=Worker(), dtype=torch.float64,
+                                   config=StepConfig(abort_recovery=self.abort_recovery))
             try:
                 outcomes[r] = manager.run(step)
             except SystemExit:
@@ -228,6 +235,23 @@ def test_manager_a_replica_lost_in_reduction_keeps_the_survivors_accumulation():
         assert torch.equal(outcomes[r].reduced.gradient[0], sum(sim.value(g) for g in range(6)))
     # replica 2's two ids were recomputed by the survivors on top of what they had
     assert sorted(sim.computed[0] + sim.computed[1]) == list(range(6))
+
+
+def test_manager_without_a_backup_computes_its_own_ids_again_after_an_aborted_reduction():
+    # the abandoned reduction leaves garbage in the survivors' gradients (the simulated sync adds 1000): without a
+    # backup each survivor starts again from nothing, computes its own ids in their first order, then replica 2's
+    sim = SimulatedReplicas(replicas=3, per_step=6, dies={2: "reduction"}, abort_recovery="recompute")
+    outcomes = sim.run_step(step=1)
+    assert outcomes[2] == "dead"
+    for r in (0, 1):
+        assert outcomes[r].committed == 6 and outcomes[r].attempts == 2
+        assert torch.equal(outcomes[r].reduced.gradient[0], sum(sim.value(g) for g in range(6)))
+        own, again, taken = sim.computed[r][:2], sim.computed[r][2:4], sim.computed[r][4:]
+        assert again == own, "the own ids were not computed again, in their first order"
+        assert len(taken) == 1
+    # every id accumulated once in what was committed: each survivor's own two, and one of replica 2's each
+    assert sorted(sim.computed[0][:2] + sim.computed[0][4:] + sim.computed[1][:2] + sim.computed[1][4:]) == \
+        list(range(6))
 
 
 def test_manager_drop_discards_the_failed_step_and_commits_fewer():

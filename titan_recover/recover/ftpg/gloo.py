@@ -4,8 +4,9 @@ gloo gives no error to ring peers of a dead rank that are not its neighbours, an
 a pending operation. So every collective here is issued asynchronously, in pieces (:mod:`.polled`), and polled:
 each piece completes, or it fails (gloo error, no progress for the timeout), or the epoch's fault flag in the
 coordinator's store appears. At most ``[recover.ftpg] in_flight`` pieces are issued at once; gloo's own timeout
-applies to one piece. Consecutive whole host tensors smaller than a piece are reduced together, as one coalesced
-operation (a model's many small gradients are not one round trip each). A group is never reused after a fault: the next epoch builds a new one from a new store
+applies to one piece. Consecutive whole host tensors smaller than ``COALESCE_BELOW_BYTES`` are reduced together, as
+one coalesced operation (a model's many small gradients are not one round trip each; gloo copies a coalesced
+operation's tensors into one buffer and back, so larger tensors go on their own). A group is never reused after a fault: the next epoch builds a new one from a new store
 prefix. A failed group is never destroyed during the run either: gloo's destructor joins threads that may still
 be blocked on a dead peer (observed: a survivor stuck for minutes), so the owner keeps it until the process exits.
 
@@ -33,6 +34,12 @@ from titan_recover.recover.ftpg.base import register_backend
 from titan_recover.recover.ftpg.polled import batches_of, check_contiguous, Piece, pieces_of, PolledGroup, Progress
 from titan_recover.recover.ftpg.staging import discard_staging, HostStaging, staging_for
 from titan_recover.recover.groups.keys import GroupKeys
+
+
+COALESCE_BELOW_BYTES = 1 << 20
+"""Whole host tensors below this size share a coalesced operation (up to a piece in all). On this project's CPU host
+(``benchmarks/reduction_path.py``), coalescing 32 MiB gradients in pairs made the reduction of 512 MiB 2.3x slower
+than one operation per tensor, from gloo's copies into and out of its flat buffer."""
 
 
 @register_backend("gloo")
@@ -74,7 +81,7 @@ class PolledGlooGroup(PolledGroup):
         pieces = pieces_of(tensors, self.config.chunk_bytes)
         staging = self._staging_for(tensors)
         if root is None and staging is None:  # small host tensors go together (allreduce_coalesced)
-            batches = batches_of(pieces, tensors, self.config.chunk_bytes)
+            batches = batches_of(pieces, tensors, self.config.chunk_bytes, COALESCE_BELOW_BYTES)
         else:
             batches = [[(n, piece)] for n, piece in enumerate(pieces)]
         through = _InOrder(len(tensors), on_each if staging is None else None)

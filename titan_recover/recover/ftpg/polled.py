@@ -43,16 +43,18 @@ def pieces_of(tensors: list[torch.Tensor], chunk_bytes: int) -> list[Piece]:
     return out
 
 
-def batches_of(pieces: list[Piece], tensors: list[torch.Tensor], chunk_bytes: int) -> list[list[tuple[int, Piece]]]:
+def batches_of(pieces: list[Piece], tensors: list[torch.Tensor], chunk_bytes: int,
+               small_bytes: int) -> list[list[tuple[int, Piece]]]:
     """The pieces, numbered, in batches issued as one operation each: consecutive whole tensors smaller than
-    ``chunk_bytes`` share a batch up to ``chunk_bytes`` in all (one coalesced operation instead of one per small
-    tensor, such as a model's many norm weights); every other piece is a batch of its own."""
+    ``small_bytes`` share a batch up to ``chunk_bytes`` in all (one coalesced operation instead of one per small
+    tensor, such as a model's many norm weights); every other piece is a batch of its own (a coalesced operation
+    copies its tensors into one buffer and back, which costs more than it saves for larger tensors)."""
     batches: list[list[tuple[int, Piece]]] = []
     room = 0
     for n, piece in enumerate(pieces):
         index, start, view = piece
         nbytes = view.numel() * view.element_size()
-        whole = start == 0 and view.numel() == tensors[index].numel() and nbytes < chunk_bytes
+        whole = start == 0 and view.numel() == tensors[index].numel() and nbytes < min(small_bytes, chunk_bytes)
         if whole and batches and room >= nbytes:
             batches[-1].append((n, piece))
             room -= nbytes

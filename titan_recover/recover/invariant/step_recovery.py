@@ -14,7 +14,8 @@ microbatch ``g``, accumulating locally, and this rank's contribution to the redu
 ``recoveries``, ``events``: a :class:`~titan_recover.recover.groups.replica_sync.ReplicaSync`), which tests replace
 with fakes. It reduces the local accumulation in place, with a tail of small sections laid out by
 :class:`~titan_recover.recover.invariant.reduction.ReductionLayout`, behind a
-:class:`~titan_recover.recover.invariant.reduction.Backup` that an aborted reduction restores from.
+:class:`~titan_recover.recover.invariant.reduction.Backup` that an aborted reduction restores from, or, with
+``[recover.step] abort_recovery = "recompute"``, computing its microbatches again after an abort.
 With a :class:`~titan_recover.recover.scout.localize.Localizer` the tail carries the witnesses' signatures too and
 the sync judges them before the commit (docs/scout.md).
 
@@ -38,6 +39,9 @@ from titan_recover.registry import Registry
 STEP_MANAGERS: Registry[type] = Registry("step recovery manager")
 """``[recover.step] manager`` name -> manager class."""
 
+ABORT_RECOVERIES = ("backup", "recompute")
+"""``[recover.step] abort_recovery`` values."""
+
 
 @dataclass(kw_only=True, slots=True)
 class StepConfig:
@@ -51,8 +55,18 @@ class StepConfig:
     """Bound on membership changes within one step (and one admission), so an endless failure loop becomes a clear
     error."""
 
+    abort_recovery: str = "backup"
+    """How a replica gets its own accumulation back after an aborted reduction (docs/invariant.md, "After an
+    aborted reduction"). ``backup``: each piece of the local gradient is copied just before the collective first
+    writes it and restored from the copy (a gradient-sized buffer per rank and a copy per step; the fastest
+    recovery). ``recompute``: no copy; the replica computes its step's microbatches again (no extra memory and no
+    copy on a failure-free step; an aborted reduction costs this replica's quota of compute once more)."""
+
     def __post_init__(self) -> None:
         STEP_MANAGERS.get(self.manager)  # raises, naming the registered managers
+        if self.abort_recovery not in ABORT_RECOVERIES:
+            raise ValueError(f"recover.step.abort_recovery must be one of {', '.join(map(repr, ABORT_RECOVERIES))}, "
+                             f"got {self.abort_recovery!r}")
         if self.max_epochs_per_step < 1:
             raise ValueError(f"recover.step.max_epochs_per_step must be >= 1, got {self.max_epochs_per_step}")
 
@@ -79,6 +93,10 @@ class MicrobatchWorker(Protocol):
     def replace_gradient(self, parts: list[torch.Tensor]) -> None:
         """After an aborted reduction: make ``parts`` (fresh tensors holding the values before it) the local
         accumulation, in place of the tensors the abandoned collective may still write into."""
+
+    def discard(self) -> None:
+        """After an aborted reduction without a backup: forget the step's accumulation (gradient and loss), leaving
+        its storage to the abandoned collective, so that the microbatches can be computed again from nothing."""
 
 
 @dataclass
@@ -144,7 +162,7 @@ class StepRecovery:
         """Capacity was lost (a replica lost, or fewer than ``active`` replicas holding quota) and has not come
         back."""
         self._holding: tuple[int, ...] = ()
-        self._backup = Backup()
+        self._backup = Backup() if self.config.abort_recovery == "backup" else None
         """The local accumulation as it was before the reduction being tried (docs/invariant.md)."""
 
     # the speed estimates travel with a replica's state (state transfer), as TorchTitan's Stateful components do
@@ -177,11 +195,10 @@ class StepRecovery:
             parts, tail = self._pack(progress)
             reducing = time.perf_counter()
             if self.sync.reduce_once(step, [*parts, tail], attempt, verify=self._verifier(step),
-                                     before_piece=self._backup.save):
+                                     before_piece=self._backup.save if self._backup is not None else None):
                 return self._committed(step, progress, parts, tail, quotas, attempt, compute_s,
                                        wait_s=time.perf_counter() - reducing)
-            # the local accumulation as it was, in storage no abandoned collective writes into
-            self.worker.replace_gradient(self._backup.restored(parts))
+            self._restore(step, progress, parts)
             progress.recovery_s += time.perf_counter() - reducing
         raise RuntimeError(
             f"step {step}: the reduction failed in {self.config.max_epochs_per_step + 1} consecutive epochs "
@@ -239,12 +256,26 @@ class StepRecovery:
             self.worker.synchronize()  # the microbatches taken over are done
             progress.recovery_s += time.perf_counter() - recovering
 
+    def _restore(self, step: int, progress: _Progress, parts: list[torch.Tensor]) -> None:
+        """The local accumulation as it was before the aborted reduction, in storage no abandoned collective writes
+        into: from the backup, or computed again in the order it was first computed (so the same bits)."""
+        if self._backup is not None:
+            self.worker.replace_gradient(self._backup.restored(parts))
+            return
+        self.worker.discard()
+        self.sync.events.emit("accumulation_recomputed", step=step, epoch=self.sync.epoch,
+                              microbatches=list(progress.done))
+        for g in progress.done:
+            self.worker.compute(g)
+        self.worker.synchronize()
+
     def _pack(self, progress: _Progress) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The gradient parts (reduced where they lie) and the tail of small sections beside them."""
         gradient, loss, mean_loss = self.worker.contribution()
         parts = [gradient] if isinstance(gradient, torch.Tensor) else list(gradient)
         self.layout.check(parts)
-        self._backup.begin(parts)
+        if self._backup is not None:
+            self._backup.begin(parts)
         losses = [0.0] * self.groups
         losses[self.replica] = mean_loss
         evidence = []

@@ -82,6 +82,8 @@ class ReplicaWorker:
         self._loss = torch.zeros((), dtype=torch.float64, device=parts.device)
         self._computed = 0
         self._loaded = False
+        self._recording = True
+        """Whether fetched batches count in TorchTitan's throughput metrics (not when computed again)."""
         self._accumulator: torch.Tensor | None = None
 
     def begin_step(self, step: int) -> None:
@@ -89,6 +91,7 @@ class ReplicaWorker:
         self._loss.zero_()
         self._computed = 0
         self._loaded = False
+        self._recording = True
         if self.exact:
             if self._accumulator is None:
                 self._accumulator = torch.zeros(self.numel, dtype=torch.float64, device=self.parts.device)
@@ -101,7 +104,7 @@ class ReplicaWorker:
         gradient shards and loss. ``"holder"`` keeps the gradient, ``"replay"`` drops it (docs/scout.md)."""
         self.hooks.before(self.step)
         replay = witness == "replay"
-        inputs, targets, loaded = self._fetch(g, record=not replay)
+        inputs, targets, loaded = self._fetch(g, record=self._recording and not replay)
         pp = self.parts.parallel_dims.pp_enabled
         loss = self.parts.forward_backward(input_dict=inputs if pp else inputs[0],
                                            labels=targets if pp else targets[0],
@@ -180,6 +183,17 @@ class ReplicaWorker:
             return
         for p, part in zip(self.params, parts):
             _set_grad(p, part)
+
+    def discard(self) -> None:
+        """After an aborted reduction without a backup: drop the step's accumulation (new storage from here on; the
+        abandoned collective keeps the old) so that its microbatches are computed again from nothing."""
+        self._loss = torch.zeros_like(self._loss)
+        self._computed = 0
+        self._recording = False
+        if self.exact:
+            self._accumulator = torch.zeros_like(self._accumulator)
+        for p in self.params:
+            p.grad = None
 
     def write_gradient(self, summed: list[torch.Tensor], scale: float) -> None:
         """The committed gradient in the parameters' ``.grad`` (``scale``: 1 unless ``drop`` lost microbatches):
