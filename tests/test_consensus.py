@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from titan_recover.recover.scout.consensus import (
+    _EVEN_WEIGHT,
+    _PRIME,
     fingerprint,
     join_signature,
     replay_plan,
@@ -19,21 +21,34 @@ from titan_recover.recover.scout.consensus import (
 
 
 def flip(t: torch.Tensor, index: int, bit: int) -> None:
-    words = t.view(torch.int32 if t.element_size() == 4 else torch.int64).reshape(-1)
+    words = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).reshape(-1)
     words[index] ^= (1 << bit) if bit < 8 * t.element_size() - 1 else -(1 << bit)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_every_single_bit_flip_changes_the_signature(dtype):
     torch.manual_seed(0)
-    tensors = [torch.randn(17, 5, dtype=dtype), torch.randn(64, dtype=dtype)]
+    # 85 elements: int64 words and, for 2- and 4-byte elements, a tail that fills no word; a view that starts
+    # inside an int64 word of its storage
+    storage = torch.randn(90, dtype=dtype)
+    tensors = [torch.randn(17, 5, dtype=dtype), torch.randn(64, dtype=dtype), storage[1:86]]
     clean = fingerprint(tensors)
     assert fingerprint([t.clone() for t in tensors]) == clean  # a function of the bits only
-    for bit in range(8 * tensors[0].element_size()):
-        for index in (0, 33):
+    for which, index in ((0, 0), (0, 33), (0, 84), (2, 0), (2, 84)):
+        for bit in range(8 * dtype.itemsize):
             corrupt = [t.clone() for t in tensors]
-            flip(corrupt[0], index, bit)
-            assert fingerprint(corrupt) != clean, (bit, index)
+            flip(corrupt[which], index, bit)
+            assert fingerprint(corrupt) != clean, (which, index, bit)
+
+
+def test_no_single_bit_change_of_the_wrapping_sums_is_a_multiple_of_the_prime():
+    # a flip of bit k of an int64 word changes each wrapped sum it is in by +-2**k or +-(2**k - 2**64), and the
+    # even sum only if the word is even-indexed: the signature's change (all + weight * even) is never 0 mod prime
+    for k in range(64):
+        for every in (2**k, 2**k - 2**64):
+            for even in (0, 2**k, 2**k - 2**64):
+                for sign in (1, -1):
+                    assert sign * (every + _EVEN_WEIGHT * even) % _PRIME != 0, (k, every, even)
 
 
 def test_signature_covers_extra_scalars_and_order_of_tensors_only_through_values():

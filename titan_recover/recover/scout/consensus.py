@@ -22,27 +22,45 @@ import torch
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PRIME = 2**32 - 5
-"""Signatures are residues modulo this prime: a flipped bit changes a word sum by +-2**k, never a multiple of it."""
+"""Signatures are residues modulo this prime: a flipped bit changes a word sum by +-2**k (modulo 2**64), never a
+multiple of it."""
 _EVEN_WEIGHT = 2**16 + 1
+
+
+def _word_sums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of all words, sum of the even-indexed words)`` of ``t``'s bytes, in int64 on its device: the bulk read
+    as int64 words (eight bytes at a time: a plain integer reduction, as fast as reading the memory), the few
+    trailing elements that do not fill a word as words of their own size."""
+    flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1)
+    per = 8 // t.element_size()
+    bulk = flat.numel() // per * per
+    body = flat[:bulk]
+    if body.storage_offset() % per:
+        body = body.clone()  # int64 words start at element 0, wherever the tensor lies in its storage
+    words = body.view(torch.int64)
+    tail = flat[bulk:].view(_WORDS[t.element_size()]).to(torch.int64)
+    return words.sum() + tail.sum(), words[::2].sum() + tail.sum()
 
 
 def fingerprint(tensors: Iterable[torch.Tensor], extra: Iterable[float] = ()) -> int:
     """A 32-bit signature of ``tensors`` (and of the float64 bit patterns of ``extra``, e.g. a loss).
 
-    Each tensor's bytes are read as integer words of its element size and summed (all of them, and every other
-    one) in int64 on the tensor's device: a flipped bit ``k`` changes a sum by ``+-2**k`` (modulo ``2**64``),
-    which no residue modulo a prime near ``2**32`` loses. Copies nothing but two scalars per device."""
+    Each tensor's bytes are read as int64 words and summed (all of them, and the even-indexed ones) in int64 on
+    the tensor's device, wrapping modulo ``2**64``: a flipped bit ``k`` changes a sum by ``+-2**k`` modulo
+    ``2**64``, and no such change of the two sums is a multiple of the prime near ``2**32`` the signature is a
+    residue of (``tests/test_consensus.py`` checks every bit and wrap). Copies nothing but two scalars per
+    device."""
     sums: dict[torch.device, torch.Tensor] = {}
     for t in tensors:
         t = t.detach()
         if t.numel() == 0:
             continue
-        words = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(_WORDS[t.element_size()])
         acc = sums.get(t.device)
         if acc is None:
             acc = sums[t.device] = torch.zeros(2, dtype=torch.int64, device=t.device)
-        acc[0] += words.sum(dtype=torch.int64)
-        acc[1] += words[::2].sum(dtype=torch.int64)
+        every, even = _word_sums(t)
+        acc[0] += every
+        acc[1] += even
     total_all, total_even = 0, 0
     for acc in sums.values():
         a, b = acc.tolist()
