@@ -41,6 +41,30 @@ def test_every_single_bit_flip_changes_the_signature(dtype):
             assert fingerprint(corrupt) != clean, (which, index, bit)
 
 
+def _signature_by_definition(tensors: list[torch.Tensor]) -> int:
+    """docs/scout.md's definition, in Python integers: int64 words (trailing elements as words of their size), the
+    sum of all and of the even-indexed ones, each wrapped to int64, combined modulo the prime."""
+    every = even = 0
+    for t in tensors:
+        flat = t.reshape(-1)
+        per = 8 // t.element_size()
+        bulk = flat.numel() // per * per
+        words = flat[:bulk].clone().view(torch.int64).tolist()
+        tail = flat[bulk:].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).tolist()
+        every += sum(words) + sum(tail)
+        even += sum(words[::2]) + sum(tail)
+    wrap = lambda v: (v + 2**63) % 2**64 - 2**63  # noqa: E731
+    return (wrap(every) + _EVEN_WEIGHT * wrap(even)) % _PRIME
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_signature_is_its_documented_definition(dtype):
+    torch.manual_seed(1)
+    for sizes in ((1,), (7,), (16,), (33, 100), (1001, 3), (4099,)):
+        tensors = [torch.randn(n, dtype=dtype) * 1e30 for n in sizes]  # large values: the int64 sums wrap
+        assert fingerprint(tensors) == _signature_by_definition(tensors), sizes
+
+
 def test_no_single_bit_change_of_the_wrapping_sums_is_a_multiple_of_the_prime():
     # a flip of bit k of an int64 word changes each wrapped sum it is in by +-2**k or +-(2**k - 2**64), and the
     # even sum only if the word is even-indexed: the signature's change (all + weight * even) is never 0 mod prime

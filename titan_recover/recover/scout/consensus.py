@@ -25,12 +25,15 @@ _PRIME = 2**32 - 5
 """Signatures are residues modulo this prime: a flipped bit changes a word sum by +-2**k (modulo 2**64), never a
 multiple of it."""
 _EVEN_WEIGHT = 2**16 + 1
+_COLUMNS = 16
+"""Words per row when summing by column (even)."""
 
 
 def _word_sums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of all words, sum of the even-indexed words)`` of ``t``'s bytes, in int64 on its device: the bulk read
     as int64 words (eight bytes at a time: a plain integer reduction, as fast as reading the memory), the few
-    trailing elements that do not fill a word as words of their own size."""
+    trailing elements that do not fill a word as words of their own size. One pass: the words in rows of
+    ``_COLUMNS``, summed by column (an even column holds only even-indexed words)."""
     flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1)
     per = 8 // t.element_size()
     bulk = flat.numel() // per * per
@@ -38,8 +41,11 @@ def _word_sums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if body.storage_offset() % per:
         body = body.clone()  # int64 words start at element 0, wherever the tensor lies in its storage
     words = body.view(torch.int64)
+    rows = words.numel() // _COLUMNS * _COLUMNS
+    columns = words[:rows].view(-1, _COLUMNS).sum(0)
+    rest = words[rows:]  # starts at an even index, as do the trailing elements' words
     tail = flat[bulk:].view(_WORDS[t.element_size()]).to(torch.int64)
-    return words.sum() + tail.sum(), words[::2].sum() + tail.sum()
+    return columns.sum() + rest.sum() + tail.sum(), columns[::2].sum() + rest[::2].sum() + tail.sum()
 
 
 def fingerprint(tensors: Iterable[torch.Tensor], extra: Iterable[float] = ()) -> int:
