@@ -51,8 +51,12 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
     syncer.publish_address()
     weights = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4)]
     offer_parameters(syncer.store, 0, 0, ["a", "b"], weights, [(0, 1), (1, 2)])
+    offer_parameters(syncer.store, 1, 0, ["a", "b"], [w + 1 for w in weights], [(0, 1), (1, 2)])
     syncer.initialize(timeout_s=10)
     assert syncer.versions == [0, 0] and decode_versions(syncer.store.get(DilocoKeys.VERSIONS))[1] == [0, 0]
+    for learner in (0, 1):  # both offers deleted once the global model is built (learner 0's was taken)
+        prefix = DilocoKeys.init(learner, 0)
+        assert not syncer.store.check([DilocoKeys.meta(prefix)]) and not syncer.store.check([f"{prefix}/0"])
 
     now = time.time()
     for learner in range(3):  # every learner is alive
@@ -96,6 +100,24 @@ def test_syncer_merges_a_quorum_token_weighted_without_waiting_for_a_late_learne
         assert torch.equal(puller.newest()[1][1], weights[1])  # fragment 1 untouched, version 0
     finally:
         puller.stop()
+
+
+def test_a_learner_withdraws_its_offer_even_one_whose_mark_was_never_written():
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.diloco.messages import offer_parameters, withdraw_offer
+    from titan_recover.recover.groups.blobs import pieces_of, put_blob
+
+    store = HashStore()
+    prefix = DilocoKeys.init(2, 0)
+    nbytes = put_blob(store, prefix, torch.zeros(5 * 2**20, dtype=torch.uint8))  # 2 pieces, no mark (cut short)
+    withdraw_offer(store, 2, 0)  # without a mark nobody else knows the size: nothing deleted
+    assert store.check([f"{prefix}/0"])
+    withdraw_offer(store, 2, 0, nbytes)  # the offerer knows it
+    assert pieces_of(nbytes) == 2 and not any(store.check([f"{prefix}/{i}"]) for i in range(2))
+    nbytes = offer_parameters(store, 2, 0, ["a"], [torch.ones(3)], [(0, 1)])
+    withdraw_offer(store, 2, 0)  # a complete offer: its size from its mark
+    assert nbytes == 12 and store.num_keys() == 0
 
 
 def test_a_delta_queued_while_the_syncer_is_away_absorbs_the_next_one():

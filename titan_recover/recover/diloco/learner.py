@@ -15,15 +15,19 @@ the same rank of every learner holds the same shards):
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
+from torch.distributed import DistError
 
 from titan_recover.recover.diloco import blocks
 from titan_recover.recover.diloco.fragments import LocalFragments
-from titan_recover.recover.diloco.messages import offer_parameters
+from titan_recover.recover.diloco.messages import offer_parameters, withdraw_offer
 from titan_recover.recover.diloco.rules import DilocoKeys, due_fragments, schedule_step, total_blocks, Version
 from titan_recover.recover.diloco.transport import Delta, DeltaSender, GlobalPuller, POLL_S, SyncerLink
+
+logger = logging.getLogger(__name__)
 
 
 def parameter_names(model_parts) -> list[str]:
@@ -87,13 +91,19 @@ class Learner:
         link = SyncerLink(self.coordinator_address)
         while (store := link.current()) is None:
             self._wait(deadline, "the syncer to publish its address")
+        offered = None
         if not store.check([DilocoKeys.VERSIONS]):
-            offer_parameters(store, self.learner, self.rank, self.names, self.local.locals(), self.local.ranges,
-                             global_shapes=[list(p.shape) for p in self.params])
+            offered = offer_parameters(store, self.learner, self.rank, self.names, self.local.locals(),
+                                       self.local.ranges, global_shapes=[list(p.shape) for p in self.params])
         while not all(v[1] >= 0 for v in self.adopted):
             self.adopt_ready()
             if not all(v[1] >= 0 for v in self.adopted):
                 self._wait(deadline, "the global model from the syncer")
+        if offered is not None:  # the global model exists: the offer is never read (one written late included)
+            try:
+                withdraw_offer(store, self.learner, self.rank, offered)
+            except DistError as error:  # that syncer is gone, and its store with it
+                logger.info("learner %d rank %d: offer not withdrawn (%s)", self.learner, self.rank, error)
         given_back = None
         step = blocks.last_step(self.coordinator, self.learner)
         if step is not None:  # a restart: continue the step count

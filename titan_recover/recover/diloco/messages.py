@@ -1,7 +1,8 @@
 """What learners and the syncer exchange through the syncer's store (docs/diloco.md), both sides of each message.
 
 * a parameter offer ``init/{learner}/{rank}``: a rank's local shards as one float32 payload, with names,
-  shapes and fragment ranges (the initial global model);
+  shapes and fragment ranges (the initial global model), deleted by the syncer once it built the global model and by
+  its learner once it adopted it;
 * a hello ``hello/{learner}/{rank}``: the incarnation sending from this rank (it numbers its deltas from
   0 in every syncer store);
 * a delta ``delta/{learner}/{incarnation}/{rank}/{number}``: one fragment's progress, its tokens, inner step
@@ -26,9 +27,10 @@ from titan_recover.recover.phoenix.state_transfer import bytes_view
 
 
 def offer_parameters(store, learner: int, rank: int, names: list[str], tensors: list[torch.Tensor],
-                     ranges: list[tuple[int, int]], global_shapes: list[list[int]] | None = None) -> None:
+                     ranges: list[tuple[int, int]], global_shapes: list[list[int]] | None = None) -> int:
     """Offer this rank's parameters (its local shards) as the initial global model (the syncer takes the first
-    learner whose every rank offered). ``global_shapes``: the whole parameters' shapes, if sharded."""
+    learner whose every rank offered). ``global_shapes``: the whole parameters' shapes, if sharded. Returns the
+    payload's size in bytes (what :func:`withdraw_offer` needs)."""
     payload = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
     prefix = DilocoKeys.init(learner, rank)
     nbytes = put_blob(store, prefix, bytes_view(payload))
@@ -36,6 +38,23 @@ def offer_parameters(store, learner: int, rank: int, names: list[str], tensors: 
     store.set(DilocoKeys.meta(prefix), json.dumps({
         "bytes": nbytes, "names": names, "shapes": shapes, "ranges": ranges,
         "global_shapes": global_shapes or shapes}))
+    return nbytes
+
+
+def withdraw_offer(store, learner: int, rank: int, nbytes: int | None = None) -> None:
+    """Delete a rank's offer (a whole model's float32 bytes per learner): the syncer once it built the global model
+    from the offers, a learner once the global model exists (its offer is then never read; it may have been
+    written after the syncer's deletions). ``nbytes``: the payload's size, which the offerer knows even when its
+    completion mark was never written; otherwise read from the mark (no mark: nothing to delete). The mark goes
+    first, so that no reader takes a half-deleted offer for a complete one."""
+    prefix = DilocoKeys.init(learner, rank)
+    mark = DilocoKeys.meta(prefix)
+    if nbytes is None:
+        if not store.check([mark]):
+            return
+        nbytes = json.loads(store.get(mark))["bytes"]
+    store.delete_key(mark)
+    delete_blob(store, prefix, nbytes)
 
 
 def read_offer(store, learner: int, ranks: int) -> tuple[list[dict], list[torch.Tensor]] | None:

@@ -29,11 +29,11 @@ _COLUMNS = 16
 """Words per row when summing by column (even)."""
 
 
-def _word_sums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum of all words, sum of the even-indexed words)`` of ``t``'s bytes, in int64 on its device: the bulk read
-    as int64 words (eight bytes at a time: a plain integer reduction, as fast as reading the memory), the few
-    trailing elements that do not fill a word as words of their own size. One pass: the words in rows of
-    ``_COLUMNS``, summed by column (an even column holds only even-indexed words)."""
+def _add_word_columns(acc: torch.Tensor, t: torch.Tensor) -> None:
+    """Add ``t``'s bytes, read as int64 words in rows of ``_COLUMNS``, to ``acc`` column by column (int64 on its
+    device, wrapping): an even column holds only even-indexed words. The last words that fill no row go into the
+    first columns (they start at an even index); the few trailing elements that fill no word, as words of their
+    own size, into column 0. One reduction and one addition for most tensors: cheap for many small tensors too."""
     flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1)
     per = 8 // t.element_size()
     bulk = flat.numel() // per * per
@@ -42,10 +42,17 @@ def _word_sums(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         body = body.clone()  # int64 words start at element 0, wherever the tensor lies in its storage
     words = body.view(torch.int64)
     rows = words.numel() // _COLUMNS * _COLUMNS
-    columns = words[:rows].view(-1, _COLUMNS).sum(0)
-    rest = words[rows:]  # starts at an even index, as do the trailing elements' words
-    tail = flat[bulk:].view(_WORDS[t.element_size()]).to(torch.int64)
-    return columns.sum() + rest.sum() + tail.sum(), columns[::2].sum() + rest[::2].sum() + tail.sum()
+    if rows:
+        acc += words[:rows].view(-1, _COLUMNS).sum(0)
+    if rows < words.numel():
+        acc[: words.numel() - rows] += words[rows:]
+    if bulk < flat.numel():
+        acc[0] += flat[bulk:].view(_WORDS[t.element_size()]).to(torch.int64).sum()
+
+
+def _wrap(value: int) -> int:
+    """``value`` as int64 wraps it (two's complement)."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def fingerprint(tensors: Iterable[torch.Tensor], extra: Iterable[float] = ()) -> int:
@@ -54,23 +61,21 @@ def fingerprint(tensors: Iterable[torch.Tensor], extra: Iterable[float] = ()) ->
     Each tensor's bytes are read as int64 words and summed (all of them, and the even-indexed ones) in int64 on
     the tensor's device, wrapping modulo ``2**64``: a flipped bit ``k`` changes a sum by ``+-2**k`` modulo
     ``2**64``, and no such change of the two sums is a multiple of the prime near ``2**32`` the signature is a
-    residue of (``tests/test_consensus.py`` checks every bit and wrap). Copies nothing but two scalars per
-    device."""
-    sums: dict[torch.device, torch.Tensor] = {}
+    residue of (``tests/test_consensus.py`` checks every bit and wrap). Copies nothing but ``_COLUMNS`` integers
+    per device."""
+    columns: dict[torch.device, torch.Tensor] = {}
     for t in tensors:
         t = t.detach()
         if t.numel() == 0:
             continue
-        acc = sums.get(t.device)
+        acc = columns.get(t.device)
         if acc is None:
-            acc = sums[t.device] = torch.zeros(2, dtype=torch.int64, device=t.device)
-        every, even = _word_sums(t)
-        acc[0] += every
-        acc[1] += even
+            acc = columns[t.device] = torch.zeros(_COLUMNS, dtype=torch.int64, device=t.device)
+        _add_word_columns(acc, t)
     total_all, total_even = 0, 0
-    for acc in sums.values():
-        a, b = acc.tolist()
-        total_all, total_even = total_all + a, total_even + b
+    for acc in columns.values():
+        values = acc.tolist()
+        total_all, total_even = total_all + _wrap(sum(values)), total_even + _wrap(sum(values[::2]))
     for value in extra:
         word = torch.tensor([float(value)], dtype=torch.float64).view(torch.int64).item()
         total_all, total_even = total_all + word, total_even + word

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 from titan_recover.recover.chaos.process import ProcessFaults
 from titan_recover.recover.diloco.blocks import blocks_trained, requeue_block
-from titan_recover.recover.diloco.messages import read_offer
+from titan_recover.recover.diloco.messages import read_offer, withdraw_offer
 from titan_recover.recover.diloco.rules import DilocoKeys, total_blocks
 from titan_recover.recover.diloco.syncer.checkpoint import (checkpoint_path, global_model_path, load_checkpoint,
                                                             save_atomically)
@@ -105,6 +105,9 @@ class Syncer:
                     self.model.build(*offer)
                     self.events.emit("initial_model", from_learner=learner,
                                      parameters=sum(f.numel() for f in offer[1]))
+                    for other in range(self.learners):  # never read again: a model's bytes per learner
+                        for rank in range(self.ranks):
+                            withdraw_offer(self.store, other, rank)
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError("no learner offered its parameters within recover.startup_timeout_s")
