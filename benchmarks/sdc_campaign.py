@@ -30,7 +30,7 @@ after ``--window`` steps and no vote saw it). A false attribution is a refusal b
 computed from a corrupted input (base runs, clean draws, the parameter vote of a gradient or activation flip's
 step, and its replay vote when another microbatch was replayed).
 
-    nice -n 19 python benchmarks/sdc_campaign.py [--injections 200] [--quick]
+    python benchmarks/sdc_campaign.py [--injections 200] [--quick]
 
 Writes docs/results/sdc_campaign.txt (the table) and docs/results/sdc_campaign.png (detection rate per replay
 interval). Last line: ``param_detect=... grad_detect_at_1=... false=... overhead_at_1=...``.
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import datetime
 import pathlib
 import random
 import statistics
@@ -53,6 +54,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import commit, write_result  # noqa: E402
 from titan_recover import platform  # noqa: E402
 
 platform.activate("cpu")
@@ -723,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(microbatches=args.microbatches, steps=args.steps or (12 if args.quick else 50),
                   window=args.window, seed=args.seed, replay_seed=args.replay_seed)
     tokens = AddressableTokens(prepare(str(ROOT / DEFAULT_DATA_DIR)), setup.seq_len)
+    started_at, at_commit = datetime.datetime.now(datetime.timezone.utc), commit()
     started = time.perf_counter()
     base = run_base(setup, tokens)
     results = campaign(base, args.injections, args.clean)
@@ -731,8 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     last = " ".join(f"{k}={v}" for k, v in headline.items())
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "nice -n 19 python benchmarks/sdc_campaign.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "sdc_campaign.txt").write_text(f"$ {command.strip()}\n" + "\n".join(lines) + "\n" + last + "\n")
+    write_result(out / "sdc_campaign.txt", __file__, argv if argv is not None else sys.argv[1:],
+                 "\n".join(lines) + "\n" + last, started_at, wall_s, at_commit)
     plot(results, setup, out / "sdc_campaign.png")
     print("\n".join(lines))
     print(last)

@@ -26,7 +26,7 @@ _PRIME = 2**32 - 5
 multiple of it."""
 _EVEN_WEIGHT = 2**16 + 1
 _COLUMNS = 16
-"""Words per row when summing by column (even)."""
+"""Words per row of the column sums: even, so that each column holds only even- or only odd-indexed words."""
 
 
 def _add_word_columns(acc: torch.Tensor, t: torch.Tensor) -> None:
@@ -51,7 +51,7 @@ def _add_word_columns(acc: torch.Tensor, t: torch.Tensor) -> None:
 
 
 def _wrap(value: int) -> int:
-    """``value`` as int64 wraps it (two's complement)."""
+    """``value`` wrapped to int64 (two's complement), as the device's int64 sums wrap."""
     return (value + 2**63) % 2**64 - 2**63
 
 
