@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class Sink(Protocol):
         """The job ended; ``events``: every event of the run, routine ones included."""
 
 
-class Follower:
+class Follower(ABC):
     """Follows JSONL files of a run folder (:attr:`FILES`, without ``.jsonl``) in a thread, calling :meth:`poll`
     every ``poll_s``; from the files' ends at the start (a resumed run's old lines are not logged again) unless
     ``from_start``."""
@@ -139,8 +140,9 @@ class Follower:
             except Exception as error:  # noqa: BLE001 - the job trains on; the files keep everything
                 logger.warning("job log: reading the run's files failed: %s", error)
 
+    @abstractmethod
     def poll(self) -> None:
-        raise NotImplementedError
+        """Read what the files gained since the last call and hand it on (each follower its own way)."""
 
     def stop_following(self) -> None:
         """Ends the thread (the caller then reads what is left)."""

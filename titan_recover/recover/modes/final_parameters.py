@@ -19,7 +19,7 @@ warn about the order of calls, and a schedule restored from a checkpoint restart
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``tensor``, copied to the host (once, at the end of training: not on a step's path)."""
-    return local_tensor(tensor).detach().cpu().clone()
+    return local_tensor(tensor).detach().to("cpu", copy=True)  # one copy, from a device or on the host
 
 
 def save_final_parameters(model_parts, folder: str, *, replica: int, rank: int) -> None:
