@@ -9,16 +9,20 @@ same global batch). Step time is TorchTitan's per-step ``time_metrics/end_to_end
 the same data from the same initialisation, so their losses are also compared.
 
     python benchmarks/failure_free_overhead.py [--rounds 2] [--steps 20] [--flavor debugmodel] [--seq-len 256]
-        [--local-batch 2] [--abort-recovery backup[,recompute]]
+        [--local-batch 2] [--abort-recovery backup[,recompute]] [--overlap on[,off]]
 
 ``--abort-recovery``: the replica run's ``[recover.step] abort_recovery`` values, each a run of its own in every
-round (docs/invariant.md, "After an aborted reduction"); the rounds rotate the order of the runs.
+round (docs/invariant.md, "After an aborted reduction"); ``--overlap``: with ``off`` too, each of them also runs
+with ``[recover.step] overlap_reduction = false`` (the reduction issued after the last microbatch, not during its
+backward: docs/invariant.md, "Overlapping"). The rounds rotate the order of the runs.
 
 ``reduction_share`` is the median share of a step the replica run spends in the committed reduction and its
-commit barrier (``recover/wait_s`` over the step time, replica 0): small batches make it large.
+commit barrier after its last microbatch (``recover/wait_s`` over the step time, replica 0): small batches make it
+large. With overlap this is only the part the backward did not hide; the ``off`` runs give the whole of it.
 
-Last line: ``ratio=<FTPG / native median step time> ...`` for the first ``--abort-recovery`` value, then
-``ratio_<value>=`` for the others. Target: ratio <= 1.05 on CPU.
+Last line: ``ratio=<FTPG / native median step time> ...`` for the first ``--abort-recovery`` value (with the
+first ``--overlap`` value), then ``ratio_<value>=`` for the others (``<value>_after`` without overlap). Target:
+ratio <= 1.05 on CPU.
 """
 
 from __future__ import annotations
@@ -42,13 +46,16 @@ SHARES: dict[str, list[float]] = {}
 
 
 def run(kind: str, args, folder: str) -> tuple[list[float], dict[int, float]]:
-    """One run: ``native``, or ``ftpg-<abort_recovery>``."""
+    """One run: ``native``, or ``ftpg-<abort_recovery>[-after]``."""
     common = ["--model.flavor", args.flavor, "--training.steps", str(args.steps), "--metrics.no_enable_wandb",
               "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.local_batch),
               "--parallelism.data_parallel_shard_degree", str(args.shards), "--dump_folder", folder]
     if kind != "native":
+        value, _, after = kind.removeprefix("ftpg-").partition("-")
         cmd = ["train_configs/replicas.toml", "--recover.replicas", str(args.replicas),
-               "--recover.step.abort_recovery", kind.removeprefix("ftpg-"), *common]
+               "--recover.step.abort_recovery", value, *common]
+        if after:
+            cmd.append("--recover.step.no_overlap_reduction")
     else:
         cmd = ["train_configs/hsdp.toml", "--parallelism.data_parallel_replicate_degree", str(args.replicas), *common]
     proc = subprocess.run([sys.executable, "-m", "titan_recover.launch", *cmd], cwd=ROOT, capture_output=True,
@@ -81,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--abort-recovery", default="backup",
                         help="comma-separated [recover.step] abort_recovery values, one replica run each a round")
+    parser.add_argument("--overlap", default="on",
+                        help="comma-separated on/off: [recover.step] overlap_reduction of the replica runs")
     add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
     with recorded(__file__, argv, args.out):
@@ -89,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args) -> int:
     """Run the measurement; print its lines and the headline."""
-    kinds = [f"ftpg-{value}" for value in args.abort_recovery.split(",")] + ["native"]
+    suffix = {"on": "", "off": "-after"}
+    overlaps = args.overlap.split(",")
+    if not overlaps or any(o not in suffix for o in overlaps):
+        raise SystemExit(f"--overlap takes a comma-separated list of on and off, got {args.overlap!r}")
+    kinds = [f"ftpg-{value}{suffix[o]}" for o in overlaps for value in args.abort_recovery.split(",")] + ["native"]
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     losses: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +125,7 @@ def measure(args) -> int:
             headline.append(f"ratio={median[kind] / native:.4f} ftpg_step_s={median[kind]:.4f} "
                             f"native_step_s={native:.4f} loss_max_rel_diff={diff:.1e} reduction_share={share:.3f}")
         else:
-            value = kind.removeprefix("ftpg-")
+            value = kind.removeprefix("ftpg-").replace("-", "_")
             headline.append(f"ratio_{value}={median[kind] / native:.4f} reduction_share_{value}={share:.3f}")
     print(" ".join(headline))
     return 0

@@ -54,6 +54,9 @@ class AsyncWorker:
     def contribution(self):
         return torch.zeros(1), torch.zeros(()), 0.0
 
+    def gradient_parts(self):
+        return None
+
 
 class CommitsAtOnce:
     """A sync with one member that commits its first reduction (the buffer is its own)."""
@@ -64,7 +67,7 @@ class CommitsAtOnce:
     def catch_up(self, _step):
         pass
 
-    def reduce_once(self, _step, _tensors, _attempt=1, verify=None, before_piece=None):
+    def reduce_once(self, _step, _tensors, _attempt=1, verify=None, before_piece=None, pending=None):
         return True
 
 

@@ -27,6 +27,8 @@ from titan_recover.recover.ftpg.nccl import NcclGroup
 from titan_recover.recover.ftpg.polled import batches_of, pieces_of, Progress
 from titan_recover.recover.ftpg.staging import HostStaging
 from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
+from titan_recover.recover.invariant.overlap import OverlappedReduction
+from titan_recover.recover.invariant.reduction import Backup
 
 
 class _Room:
@@ -455,6 +457,29 @@ def test_a_fault_flag_aborts_the_nccl_communicator_and_releases_the_wait():
     assert group.pg.aborted and group.failed
     with pytest.raises(FaultDetected, match="failed group"):  # never used again
         group.allreduce_sum_(torch.ones(4))
+
+
+def test_a_fault_during_an_overlapped_reduction_ends_it_at_the_join_and_the_backup_holds_the_parts():
+    """An overlapped reduction (docs/invariant.md) whose peer died in its backward: the parts are issued as they
+    become final, none completes, the epoch's flag goes up: the join raises FaultDetected, the communicator is
+    aborted, and the backup gives back every part as it was when issued, whatever the abandoned collective left."""
+    group = _fake_nccl(auto=False, timeout_s=30.0)
+    backup = Backup()
+    parts = [torch.zeros(n) for n in (12, 3, 8)]
+    tail = torch.zeros(2)
+    reduction = OverlappedReduction(parts, tail, group.allreduce_many_, epoch=0, backup=backup).start()
+    for index in (2, 1, 0):
+        parts[index].fill_(index + 1.0)
+        reduction.part_ready(index)
+    reduction.release()
+    reduction.tail_ready()
+    threading.Timer(0.2, lambda: raise_fault_flag(group.store, 0, "replica 1 lost in backward")).start()
+    with pytest.raises(FaultDetected, match="replica 1 lost in backward"):
+        reduction.join()
+    assert group.pg.aborted and backup.saved == [48, 12, 32]  # every part issued, so saved whole
+    for part in parts:
+        part.add_(1000.0)  # partial sums an abandoned collective may leave
+    assert [r.tolist() for r in backup.restored(parts)] == [[1.0] * 12, [2.0] * 3, [3.0] * 8]
 
 
 def test_nccl_without_progress_for_the_timeout_aborts_and_raises_the_flag(monkeypatch):

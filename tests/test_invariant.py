@@ -131,3 +131,17 @@ def test_tensor_parallel_inside_replicas_kill_in_backward(tmp_path, reference):
     check_recovery_steps = [e for e in events if e["event"] == "microbatches_reassigned" and e["step"] == 2]
     assert check_recovery_steps, "replica 1's microbatches were not taken over in step 2"
     assert_same_trajectory(ref, tmp_path, survivors=[0], ranks=2, bitwise=False)
+
+
+def test_the_overlapped_reduction_changes_no_bit(tmp_path, reference):
+    """Failure-free, the reduction issued during the last microbatch's backward (the default: the reference) and
+    issued after it: the same losses, parameters and optimizer state, bit for bit; and the reference did overlap."""
+    ref = reference("replicas", replicas=REPLICAS, ranks=1)
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
+                                extra=("--recover.step.no_overlap_reduction",))
+    assert_survived(tmp_path, proc, events, replicas=REPLICAS, ranks=1, steps=STEPS, lost={})
+    for replica in range(REPLICAS):
+        overlapped = metrics_by_replica(ref)[replica], metrics_by_replica(tmp_path)[replica]
+        assert [overlapped[0][s]["recover/overlapped"] for s in range(1, STEPS + 1)] == [1] * STEPS
+        assert [overlapped[1][s]["recover/overlapped"] for s in range(1, STEPS + 1)] == [0] * STEPS
+    assert_same_trajectory(ref, tmp_path, survivors=list(range(REPLICAS)), ranks=1, bitwise=True)

@@ -97,9 +97,11 @@ class SimulatedReplicas:
     it, and aborts (the rank moves to the newest epoch) when a newer epoch appears first."""
 
     def __init__(self, replicas: int, per_step: int, policy: str = "even", dies: dict[int, str] | None = None,
-                 abort_recovery: str = "backup"):
+                 abort_recovery: str = "backup", overlap: bool = False):
         self.replicas, self.per_step, self.policy = replicas, per_step, policy
-        self.abort_recovery = abort_recovery
+        self.abort_recovery, self.overlap = abort_recovery, overlap
+        self.issued: dict[int, list[str]] = {r: [] for r in range(replicas)}
+        """Per replica: "issue" when the collective issued a tensor, "final" when the worker reported its part."""
         self.dies = dict(dies or {})
         self.epochs = {0: tuple(range(replicas))}
         self.packed: dict[int, dict[int, torch.Tensor]] = {}
@@ -133,7 +135,17 @@ class SimulatedReplicas:
             def members_of(self, epoch):
                 return sim.epochs[epoch]
 
-            def reduce_once(self, _step, tensors, attempt=1, verify=None, before_piece=None):
+            def collective(self):
+                def issue(tensors, before_piece):  # the pieces go out as the gates open; the sums come in join
+                    for i, t in enumerate(tensors):
+                        before_piece(i, 0, t.view(-1))
+                        sim.issued[replica].append("issue")
+                return self.epoch, issue
+
+            def reduce_once(self, _step, tensors, attempt=1, verify=None, before_piece=None, pending=None):
+                if pending is not None:
+                    assert pending.epoch == self.epoch
+                    pending.join()
                 if sim.dies.get(replica) == "reduction":
                     with sim.changed:  # lost in the reduction: once the others are in it too (not before they plan)
                         others = len(self.members) - 1
@@ -176,12 +188,18 @@ class SimulatedReplicas:
                 def __init__(self):
                     self.local = torch.zeros(3, dtype=torch.float64)
 
-                def compute(self, g, witness=None):
+                def compute(self, g, witness=None, on_final=None):
                     if sim.dies.get(r) == "forward":
                         sim.lose(r)
                         raise SystemExit
                     sim.computed[r].append(g)
                     self.local.add_(sim.value(g))
+                    if on_final is not None:
+                        sim.issued[r].append("final")
+                        on_final(0)
+
+                def gradient_parts(self):
+                    return [self.local] if sim.overlap else None
 
                 def synchronize(self):
                     pass
@@ -212,8 +230,13 @@ class SimulatedReplicas:
         return outcomes
 
 
-def test_manager_a_replica_lost_in_forward_has_its_ids_computed_by_survivors():
-    sim = SimulatedReplicas(replicas=3, per_step=6, dies={1: "forward"})
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["after", "overlapped"])
+"""The reduction issued after the last microbatch, or during its backward (tests/test_overlap.py)."""
+
+
+@OVERLAP
+def test_manager_a_replica_lost_in_forward_has_its_ids_computed_by_survivors(overlap):
+    sim = SimulatedReplicas(replicas=3, per_step=6, dies={1: "forward"}, overlap=overlap)
     outcomes = sim.run_step(step=1)
     assert outcomes[1] == "dead"
     survivors = [outcomes[0], outcomes[2]]
@@ -226,8 +249,9 @@ def test_manager_a_replica_lost_in_forward_has_its_ids_computed_by_survivors():
         assert o.recomputed == 2 and o.quotas == {0: 2, 1: 2, 2: 2}
 
 
-def test_manager_a_replica_lost_in_reduction_keeps_the_survivors_accumulation():
-    sim = SimulatedReplicas(replicas=3, per_step=6, dies={2: "reduction"})
+@OVERLAP
+def test_manager_a_replica_lost_in_reduction_keeps_the_survivors_accumulation(overlap):
+    sim = SimulatedReplicas(replicas=3, per_step=6, dies={2: "reduction"}, overlap=overlap)
     outcomes = sim.run_step(step=1)
     assert outcomes[2] == "dead"
     for r in (0, 1):
@@ -237,10 +261,12 @@ def test_manager_a_replica_lost_in_reduction_keeps_the_survivors_accumulation():
     assert sorted(sim.computed[0] + sim.computed[1]) == list(range(6))
 
 
-def test_manager_without_a_backup_computes_its_own_ids_again_after_an_aborted_reduction():
+@OVERLAP
+def test_manager_without_a_backup_computes_its_own_ids_again_after_an_aborted_reduction(overlap):
     # the abandoned reduction leaves garbage in the survivors' gradients (the simulated sync adds 1000): without a
     # backup each survivor starts again from nothing, computes its own ids in their first order, then replica 2's
-    sim = SimulatedReplicas(replicas=3, per_step=6, dies={2: "reduction"}, abort_recovery="recompute")
+    sim = SimulatedReplicas(replicas=3, per_step=6, dies={2: "reduction"}, abort_recovery="recompute",
+                            overlap=overlap)
     outcomes = sim.run_step(step=1)
     assert outcomes[2] == "dead"
     for r in (0, 1):
@@ -252,6 +278,16 @@ def test_manager_without_a_backup_computes_its_own_ids_again_after_an_aborted_re
     # every id accumulated once in what was committed: each survivor's own two, and one of replica 2's each
     assert sorted(sim.computed[0][:2] + sim.computed[0][4:] + sim.computed[1][:2] + sim.computed[1][4:]) == \
         list(range(6))
+
+
+def test_manager_overlaps_the_reduction_with_the_last_microbatch_and_commits_it():
+    sim = SimulatedReplicas(replicas=3, per_step=6, overlap=True)
+    outcomes = sim.run_step(step=1)
+    for r in range(3):
+        assert outcomes[r].overlapped and outcomes[r].attempts == 1 and outcomes[r].committed == 6
+        assert torch.equal(outcomes[r].reduced.gradient[0], sum(sim.value(g) for g in range(6)))
+        # only the last of its two microbatches reports final parts; the gradient and the tail go out after it
+        assert sim.issued[r] == ["final", "issue", "issue"]
 
 
 def test_manager_drop_discards_the_failed_step_and_commits_fewer():
@@ -278,6 +314,9 @@ class IdleWorker:
     def replace_gradient(self, parts):
         pass
 
+    def gradient_parts(self):
+        return None
+
 
 def test_manager_gives_up_after_the_epoch_bound():
     class NeverCommits:
@@ -287,7 +326,7 @@ def test_manager_gives_up_after_the_epoch_bound():
         def catch_up(self, _step):
             pass
 
-        def reduce_once(self, *_args, verify=None, before_piece=None):
+        def reduce_once(self, *_args, verify=None, before_piece=None, pending=None):
             return False
 
     manager = StepRecovery(QuotaConfig(), replica=0, groups=2, per_step=2, sync=NeverCommits(), worker=IdleWorker(),

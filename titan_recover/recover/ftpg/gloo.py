@@ -93,8 +93,10 @@ class PolledGlooGroup(PolledGroup):
             staging.begin()
         for i, batch in enumerate(batches):
             if before_piece is not None:
+                holding = progress.clock()
                 for _, piece in batch:
                     before_piece(*piece)
+                progress.held(holding)
             window.append((i, batch, *self._issue(i, batch, root, staging)))
             if len(window) >= self.config.in_flight:
                 through.mark(self._finish(name, window.popleft(), root, staging, progress, last_piece))

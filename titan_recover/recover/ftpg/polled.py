@@ -3,7 +3,8 @@
 A collective is split into *pieces* (contiguous 1-D views of at most ``[recover.ftpg] chunk_mb``, in tensor order).
 While a piece is in flight the caller's thread wakes every ``poll_s`` to look at the epoch's fault flag and at
 the deadline, which is ``timeout_s`` after the *last piece completed* (or the collective started): a big tensor
-on a slow link takes as long as it takes, a collective that stops moving fails after ``timeout_s``. Whatever ends
+on a slow link takes as long as it takes, a collective that stops moving fails after ``timeout_s`` (time the caller
+holds a piece back, ``before_piece`` waiting for it to be final, is not counted). Whatever ends
 it (the flag, the deadline, the backend's own error) is reported as :class:`FaultDetected`; a failure seen here
 raises the flag, so every other member stops waiting too, and the backend's ``_abort`` releases what is pending.
 """
@@ -75,6 +76,11 @@ class Progress:
     def advanced(self) -> None:
         self.last = self.clock()
         self.pieces += 1
+
+    def held(self, since: float) -> None:
+        """The caller held the next piece back from ``since`` (this clock) until now (a piece not final yet: an
+        overlapped reduction): that time is not the collective's, the deadline moves by it."""
+        self.last += max(0.0, self.clock() - since)
 
     def expired(self) -> bool:
         return self.clock() - self.last > self.timeout_s

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, TYPE_CHECKING
 
 import torch
 
@@ -170,10 +170,17 @@ class ReplicaSync:
     def mark_committed(self) -> None:
         self.committed_epoch, self.committed_members = self.epoch, self.members
 
+    def collective(self) -> tuple[int, Callable]:
+        """The current epoch and its group's ``allreduce_many_``: what an overlapped reduction issues on its own
+        thread (:mod:`~titan_recover.recover.invariant.overlap`), to be finished by :meth:`reduce_once`."""
+        return self.epoch, self.group.allreduce_many_
+
     def reduce_once(self, step: int, tensors: list[torch.Tensor], attempt: int = 1, verify=None,
-                    before_piece=None) -> bool:
+                    before_piece=None, pending=None) -> bool:
         """Sum ``tensors`` in place over the current epoch's members (one collective; ``before_piece``: see
         :meth:`~titan_recover.recover.ftpg.base.FaultTolerantGroup.allreduce_many_`) and run the commit barrier.
+        ``pending``: that collective is already under way (an overlapped reduction of this epoch's
+        :meth:`collective`): wait for it instead of issuing one.
 
         ``verify(reduced_tensors) -> Refusal | None``: the witnesses' votes, judged between the reduction and the
         commit barrier (docs/scout.md).
@@ -185,7 +192,13 @@ class ReplicaSync:
         try:
             if self.chaos is not None:
                 self.chaos.maybe_inject(step, "reduction")
-            self.group.allreduce_many_(tensors, before_piece)
+            if pending is None:
+                self.group.allreduce_many_(tensors, before_piece)
+            elif pending.epoch != self.epoch:
+                raise RuntimeError(f"step {step}: an overlapped reduction of epoch {pending.epoch} was finished "
+                                   f"in epoch {self.epoch}")
+            else:
+                pending.join()
             self.member.progress(phase="commit")
             if self.chaos is not None:
                 self.chaos.maybe_inject(step, "commit")

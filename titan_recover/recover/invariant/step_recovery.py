@@ -24,6 +24,7 @@ Managers are registered by name (``[recover.step] manager``); ``recompute`` is t
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -32,9 +33,12 @@ import torch
 
 from titan_recover.recover.groups.protocol import active_replicas
 from titan_recover.recover.invariant.ledger import StepLedger
+from titan_recover.recover.invariant.overlap import OverlappedReduction
 from titan_recover.recover.invariant.quota import get_policy, QuotaConfig
-from titan_recover.recover.invariant.reduction import Backup, Reduced, ReductionLayout
+from titan_recover.recover.invariant.reduction import Backup, issue_order, part_of, Reduced, ReductionLayout
 from titan_recover.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 STEP_MANAGERS: Registry[type] = Registry("step recovery manager")
 """``[recover.step] manager`` name -> manager class."""
@@ -62,6 +66,12 @@ class StepConfig:
     recovery). ``recompute``: no copy; the replica computes its step's microbatches again (no extra memory and no
     copy on a failure-free step; an aborted reduction costs this replica's quota of compute once more)."""
 
+    overlap_reduction: bool = True
+    """Start the step's reduction during the backward of the replica's last planned microbatch, each gradient part
+    as soon as it is final (docs/invariant.md, "Overlapping the reduction with the last backward"). Where the
+    worker cannot say when a part is final (``[recover.quota] exact``, pipeline parallelism) the reduction starts
+    after the last microbatch, as with ``false``."""
+
     def __post_init__(self) -> None:
         STEP_MANAGERS.get(self.manager)  # raises, naming the registered managers
         if self.abort_recovery not in ABORT_RECOVERIES:
@@ -77,9 +87,15 @@ class MicrobatchWorker(Protocol):
     numel: int
     """Elements of this rank's local gradient accumulation."""
 
-    def compute(self, g: int, witness: str | None = None) -> int | None:
+    def compute(self, g: int, witness: str | None = None, on_final: Callable[[int], None] | None = None) -> int | None:
         """Forward and backward of microbatch ``g``, accumulated locally. ``witness``: also return the signature of
-        ``g``'s gradient and loss; ``"replay"`` leaves nothing accumulated (docs/scout.md)."""
+        ``g``'s gradient and loss; ``"replay"`` leaves nothing accumulated (docs/scout.md). ``on_final(i)``: called
+        during the backward as soon as part ``i`` of :meth:`gradient_parts` holds its final value."""
+
+    def gradient_parts(self) -> list[torch.Tensor] | None:
+        """The local accumulation's parts, in the order :meth:`contribution` gives them, made to exist before the
+        step's last microbatch (its backward accumulates into them in place and reports each one to ``on_final``);
+        None where this worker cannot report them (the reduction then starts after the last microbatch)."""
 
     def synchronize(self) -> None:
         """Wait until the device has finished the work issued so far (a GPU runs kernels after their launch): the
@@ -123,6 +139,8 @@ class StepOutcome:
     """Time in the committed reduction (all-reduce + commit barrier, waiting for the slowest member included)."""
     recovery_s: float = 0.0
     """Time in failed reductions, epoch changes and microbatches taken over."""
+    overlapped: bool = False
+    """The committed reduction was issued during the last microbatch's backward."""
 
 
 @dataclass
@@ -135,6 +153,8 @@ class _Progress:
     replay_signature: int | None = None
     failed: bool = False
     recovery_s: float = 0.0
+    overlapped: OverlappedReduction | None = None
+    """The reduction started during the last planned microbatch's backward (the first attempt's)."""
 
 
 @STEP_MANAGERS.register("recompute")
@@ -164,6 +184,7 @@ class StepRecovery:
         self._holding: tuple[int, ...] = ()
         self._backup = Backup() if self.config.abort_recovery == "backup" else None
         """The local accumulation as it was before the reduction being tried (docs/invariant.md)."""
+        self._overlap_logged = False
 
     # the speed estimates travel with a replica's state (state transfer), as TorchTitan's Stateful components do
     def state_dict(self) -> dict:
@@ -191,13 +212,20 @@ class StepRecovery:
         self._note_capacity(step, ledger)
         progress, compute_s = self._compute_quota(step, ledger)
         for attempt in range(1, self.config.max_epochs_per_step + 2):
-            self._take_over(step, progress, attempt)
-            parts, tail = self._pack(progress)
+            overlapped, progress.overlapped = progress.overlapped, None
+            if overlapped is None:
+                self._take_over(step, progress, attempt)
+            # an overlapped reduction is already issued in the epoch the step was planned in: a failure since then
+            # aborts it (the epoch's fault flag), and the next attempt takes over the lost replicas' ids
+            parts, tail = self._pack(progress, overlapped)
             reducing = time.perf_counter()
-            if self.sync.reduce_once(step, [*parts, tail], attempt, verify=self._verifier(step),
-                                     before_piece=self._backup.save if self._backup is not None else None):
+            before_piece = None
+            if self._backup is not None and overlapped is None:
+                before_piece = self._saver(len(parts))
+            if self.sync.reduce_once(step, issue_order(parts, tail), attempt, verify=self._verifier(step),
+                                     before_piece=before_piece, pending=overlapped):
                 return self._committed(step, progress, parts, tail, quotas, attempt, compute_s,
-                                       wait_s=time.perf_counter() - reducing)
+                                       wait_s=time.perf_counter() - reducing, overlapped=overlapped is not None)
             self._restore(step, progress, parts)
             progress.recovery_s += time.perf_counter() - reducing
         raise RuntimeError(
@@ -223,8 +251,18 @@ class StepRecovery:
             own.remove(plan.microbatch)
             progress.replay_signature = self.worker.compute(plan.microbatch, witness="holder")
             progress.done.append(plan.microbatch)
-        for g in own:
-            self.worker.compute(g)
+        for n, g in enumerate(own):
+            if n == len(own) - 1:
+                progress.overlapped = self._begin_overlap(progress)
+            if progress.overlapped is None:
+                self.worker.compute(g)
+            else:
+                try:
+                    self.worker.compute(g, on_final=progress.overlapped.part_ready)
+                except BaseException as error:
+                    progress.overlapped.abandon(f"{type(error).__name__}: {error}")
+                    raise
+                progress.overlapped.release()
             progress.done.append(g)
         self.worker.synchronize()
         compute_s = time.perf_counter() - start
@@ -233,6 +271,28 @@ class StepRecovery:
             speed = self.agree_speed(speed)
         progress.speeds[self.replica] = speed
         return progress, compute_s
+
+    def _saver(self, parts: int):
+        """The backup's ``before_piece`` for a reduction issued in :func:`issue_order`."""
+        save = self._backup.save
+        return lambda index, start, view: save(part_of(index, parts), start, view)
+
+    def _begin_overlap(self, progress: _Progress) -> OverlappedReduction | None:
+        """The step's reduction, started before its last planned microbatch (None: it starts after it)."""
+        parts = self.worker.gradient_parts() if self.config.overlap_reduction else None
+        if not self._overlap_logged:
+            self._overlap_logged = True
+            logger.info("the cross-replica reduction %s", "overlaps the last microbatch's backward" if parts else
+                        "starts after the last microbatch (recover.step.overlap_reduction is off, or the worker "
+                        "cannot report final gradients: exact mode, pipeline parallelism)")
+        if not parts:
+            return None
+        epoch, collective = self.sync.collective()
+        if epoch != progress.ledger.epoch:
+            return None  # the step was planned in an older epoch: its reduction waits for the take-over
+        self.layout.check(parts)
+        tail = self.layout.empty_tail(self.dtype, parts[0].device)
+        return OverlappedReduction(parts, tail, collective, epoch=epoch, backup=self._backup).start()
 
     def _take_over(self, step: int, progress: _Progress, attempt: int) -> None:
         """Move to the coordinator's newest epoch, computing the ids of replicas lost on the way."""
@@ -269,12 +329,28 @@ class StepRecovery:
             self.worker.compute(g)
         self.worker.synchronize()
 
-    def _pack(self, progress: _Progress) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The gradient parts (reduced where they lie) and the tail of small sections beside them."""
+    def _pack(self, progress: _Progress, overlapped: OverlappedReduction | None = None
+              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The gradient parts (reduced where they lie) and the tail of small sections beside them; with an
+        ``overlapped`` reduction, the tail is filled into the one it holds and released to it."""
+        try:
+            return self._pack_sections(progress, overlapped)
+        except BaseException as error:
+            if overlapped is not None:
+                overlapped.abandon(f"{type(error).__name__}: {error}")
+            raise
+
+    def _pack_sections(self, progress: _Progress, overlapped: OverlappedReduction | None
+                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
         gradient, loss, mean_loss = self.worker.contribution()
         parts = [gradient] if isinstance(gradient, torch.Tensor) else list(gradient)
         self.layout.check(parts)
-        if self._backup is not None:
+        if overlapped is not None:
+            if [p.data_ptr() for p in parts] != [p.data_ptr() for p in overlapped.parts]:
+                raise RuntimeError("the local accumulation moved during the overlapped reduction (a backward "
+                                   "replaced a gradient instead of accumulating into it)")
+            parts = overlapped.parts
+        elif self._backup is not None:
             self._backup.begin(parts)
         losses = [0.0] * self.groups
         losses[self.replica] = mean_loss
@@ -284,7 +360,10 @@ class StepRecovery:
                                                progress.replay_signature)
         tail = self.layout.tail(loss=loss, ledger=progress.ledger.vector(progress.done), speeds=progress.speeds,
                                 losses=losses, evidence=evidence, failed=progress.failed, dtype=self.dtype,
-                                device=parts[0].device if parts else loss.device)
+                                device=parts[0].device if parts else loss.device,
+                                out=overlapped.tail if overlapped is not None else None)
+        if overlapped is not None:
+            overlapped.tail_ready()
         return parts, tail
 
     def _verifier(self, step: int):
@@ -295,7 +374,8 @@ class StepRecovery:
                                                     self.layout.read(tensors[:-1], tensors[-1]).evidence)
 
     def _committed(self, step: int, progress: _Progress, parts: list[torch.Tensor], tail: torch.Tensor,
-                   quotas: dict[int, int], attempt: int, compute_s: float, wait_s: float) -> StepOutcome:
+                   quotas: dict[int, int], attempt: int, compute_s: float, wait_s: float,
+                   overlapped: bool = False) -> StepOutcome:
         sync, ledger = self.sync, progress.ledger
         reduced = self.layout.read(parts, tail)
         count = ledger.check(reduced.ledger)
@@ -313,7 +393,7 @@ class StepRecovery:
             step=step, reduced=reduced, committed=count, participants=len(sync.members), quotas=quotas,
             recomputed=ledger.recomputed, mine=len(progress.done), attempts=attempt,
             discarded=reduced.failed and not self.policy.redistributes,
-            compute_s=compute_s, wait_s=wait_s, recovery_s=progress.recovery_s,
+            compute_s=compute_s, wait_s=wait_s, recovery_s=progress.recovery_s, overlapped=overlapped,
         )
 
     def _note_capacity(self, step: int, ledger: StepLedger) -> None:

@@ -5,6 +5,9 @@ runs TorchTitan's own forward and backward on it, with the loss scaled by the co
 batch`` (never by the live replicas), so the summed gradient of any assignment of ids is the failure-free one.
 FSDP2 reduces over the replica's own ranks as usual. With ``[recover.quota] exact`` every microbatch's gradient is
 moved into a float64 accumulator right away (the committed gradient then does not depend on who computed what).
+Otherwise the gradients accumulate in the parameters' ``.grad``, and a post-accumulate-grad hook on every parameter
+(autograd's, or FSDP2's after its reduce-scatter) tells an overlapped reduction when the last microbatch's backward
+has finished each one (:meth:`ReplicaWorker.gradient_parts`).
 """
 
 from __future__ import annotations
@@ -85,6 +88,16 @@ class ReplicaWorker:
         self._recording = True
         """Whether fetched batches count in TorchTitan's throughput metrics (not when computed again)."""
         self._accumulator: torch.Tensor | None = None
+        self._on_final: Callable[[int], None] | None = None
+        """Set while a microbatch runs whose backward reports final gradient parts (:meth:`compute`)."""
+        for index, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(self._final_hook(index))
+
+    def _final_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def final(_param: torch.Tensor) -> None:
+            if self._on_final is not None:
+                self._on_final(index)
+        return final
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -97,18 +110,24 @@ class ReplicaWorker:
                 self._accumulator = torch.zeros(self.numel, dtype=torch.float64, device=self.parts.device)
             self._accumulator.zero_()
 
-    def compute(self, g: int, witness: str | None = None) -> int | None:
+    def compute(self, g: int, witness: str | None = None, on_final: Callable[[int], None] | None = None) -> int | None:
         """Forward and backward of replica microbatch ``g`` (this rank's shard of it), accumulated locally.
 
         ``witness``: called before anything was accumulated in this step; returns the signature of ``g``'s
-        gradient shards and loss. ``"holder"`` keeps the gradient, ``"replay"`` drops it (docs/scout.md)."""
+        gradient shards and loss. ``"holder"`` keeps the gradient, ``"replay"`` drops it (docs/scout.md).
+        ``on_final(i)``: called from the backward as soon as parameter ``i``'s gradient has its final value (after
+        :meth:`gradient_parts`)."""
         self.hooks.before(self.step)
         replay = witness == "replay"
         inputs, targets, loaded = self._fetch(g, record=self._recording and not replay)
         pp = self.parts.parallel_dims.pp_enabled
-        loss = self.parts.forward_backward(input_dict=inputs if pp else inputs[0],
-                                           labels=targets if pp else targets[0],
-                                           global_valid_tokens=self.global_tokens)
+        self._on_final = on_final
+        try:
+            loss = self.parts.forward_backward(input_dict=inputs if pp else inputs[0],
+                                               labels=targets if pp else targets[0],
+                                               global_valid_tokens=self.global_tokens)
+        finally:
+            self._on_final = None
         self.hooks.after_backward()
         last_stage = not pp or self.parts.pp_has_last_stage
         signature = None
@@ -161,6 +180,20 @@ class ReplicaWorker:
                     self._accumulator[offset : offset + n].add_(g.reshape(-1))
                     g.zero_()
                 offset += n
+
+    def gradient_parts(self) -> list[torch.Tensor] | None:
+        """Every parameter's local gradient, which the step reduces in place, made to exist (zeros where none yet:
+        the next backward accumulates into them in place, as into any existing gradient) for an overlapped
+        reduction. None in exact mode (the gradients reach the float64 accumulator only after the backward) and
+        with pipeline parallelism (a stage's backward runs once per pipeline chunk, so a hook does not mean final)."""
+        if self.exact or self.parts.parallel_dims.pp_enabled:
+            return None
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        parts = [local_tensor(p.grad) for p in self.params]
+        return parts if all(t.is_contiguous() for t in parts) else None
 
     def contribution(self) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor, float]:
         """``(gradient, loss, mean_loss)``: the local accumulation (the float64 accumulator in exact mode, else

@@ -300,6 +300,7 @@ class SyncMode(Mode):
             "recover/recomputed": outcome.recomputed,
             "recover/computed_here": outcome.mine,
             "recover/attempts": outcome.attempts,
+            "recover/overlapped": int(outcome.overlapped),
             "recover/discarded": int(outcome.discarded),
             "recover/compute_s": outcome.compute_s,
             "recover/wait_s": outcome.wait_s,

@@ -1,0 +1,156 @@
+"""The reduction overlapped with the last microbatch's backward (docs/invariant.md, "Overlapping the reduction with
+the last backward"): the gate that issues each part only once it is final, in one fixed order; the backup taken
+piece by piece in that order; two real gloo members (threads of this process) whose parts become final in
+different orders and over longer than the progress deadline. A fault during an overlapped reduction:
+tests/test_ftpg.py (the fake NCCL communicator, whose pieces never complete)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed import HashStore
+
+from titan_recover.recover.ftpg.base import FTPGConfig
+from titan_recover.recover.ftpg.gloo import PolledGlooGroup
+from titan_recover.recover.invariant.overlap import Abandoned, OverlappedReduction
+from titan_recover.recover.invariant.reduction import Backup
+
+
+class Recording:
+    """A collective that issues each tensor whole and records the order and what it read at the issue."""
+
+    def __init__(self):
+        self.issued: list[tuple[int, torch.Tensor]] = []
+
+    def __call__(self, tensors, before_piece):
+        for index, tensor in enumerate(tensors):
+            before_piece(index, 0, tensor.view(-1))
+            self.issued.append((index, tensor.clone()))
+
+
+def _finish_in(order, parts, reduction, pause_s=0.002):
+    """A backward: give each part its final value (part index + 1) in ``order``, reporting it."""
+    for index in order:
+        parts[index].fill_(index + 1.0)
+        reduction.part_ready(index)
+        time.sleep(pause_s)
+
+
+def test_parts_are_issued_in_one_fixed_order_and_only_once_final():
+    parts = [torch.zeros(3) for _ in range(6)]
+    tail = torch.zeros(2)
+    collective = Recording()
+    reduction = OverlappedReduction(parts, tail, collective, epoch=0).start()
+    order = list(range(6))
+    random.Random(3).shuffle(order)
+    _finish_in(order, parts, reduction)
+    reduction.release()
+    tail.fill_(9.0)
+    reduction.tail_ready()
+    reduction.join()
+    # the parts reversed, then the tail, whatever order the backward finished them in
+    assert [i for i, _ in collective.issued] == list(range(7))
+    assert reduction.order[:6] == list(reversed(parts)) and reduction.order[6] is tail
+    for position, (_, seen) in enumerate(collective.issued[:6]):
+        assert torch.equal(seen, torch.full((3,), 6.0 - position)), "a part was issued before it was final"
+    assert torch.equal(collective.issued[6][1], torch.full((2,), 9.0))
+
+
+def test_release_issues_parts_whose_hook_never_fired():
+    parts = [torch.ones(2), torch.ones(2)]
+    collective = Recording()
+    reduction = OverlappedReduction(parts, torch.zeros(1), collective, epoch=0).start()
+    reduction.part_ready(1)  # part 0's parameter got no gradient in this backward
+    time.sleep(0.05)
+    assert len(collective.issued) == 1
+    reduction.release()
+    reduction.tail_ready()
+    reduction.join()
+    assert len(collective.issued) == 3
+
+
+def test_a_failed_computation_abandons_the_collective_with_a_reason():
+    reduction = OverlappedReduction([torch.zeros(2)], torch.zeros(1), Recording(), epoch=0).start()
+    reduction.abandon("RuntimeError: out of memory")
+    with pytest.raises(Abandoned, match="out of memory"):
+        reduction.join()
+
+
+def test_the_backup_restores_parts_saved_in_reverse_order_and_those_never_issued():
+    originals = [torch.arange(5, dtype=torch.float32) + 10 * i for i in range(4)]
+    parts = [t.clone() for t in originals]
+    backup = Backup()
+    backup.begin(parts)
+    # parts 3 and 2 issued (3 in two pieces), then the collective abandoned: it wrote partial sums into them
+    backup.save(3, 0, parts[3].view(-1)[:2])
+    backup.save(3, 2, parts[3].view(-1)[2:])
+    backup.save(2, 0, parts[2].view(-1))
+    parts[3].add_(1000.0)
+    parts[2].add_(1000.0)
+    restored = backup.restored(parts)
+    assert all(torch.equal(r, o) for r, o in zip(restored, originals))
+    assert all(r.data_ptr() != p.data_ptr() for r, p in zip(restored, parts))
+
+
+def _gloo_members(store, timeout_s):
+    config = FTPGConfig(chunk_mb=1)
+    return [PolledGlooGroup(store, config=config, epoch=0, members=(0, 1), replica=r, rank=0, timeout_s=timeout_s)
+            for r in (0, 1)]
+
+
+SIZES = (300_000, 7, 40_000, 1)
+
+
+def _run_member(group, values, order, hold_s, backup=None, parts=None):
+    """One member's last backward: its parts become final in ``order``, ``hold_s`` apart, while the reduction
+    runs; returns the parts and tail after the reduction (or raises what the reduction raised)."""
+    parts = parts if parts is not None else [torch.zeros(n) for n in SIZES]
+    tail = torch.zeros(3)
+    reduction = OverlappedReduction(parts, tail, group.allreduce_many_, epoch=0, backup=backup).start()
+    for index in order:
+        parts[index].fill_(values[index])
+        reduction.part_ready(index)
+        time.sleep(hold_s)
+    reduction.release()
+    tail.fill_(1.0)
+    reduction.tail_ready()
+    reduction.join()
+    return parts, tail
+
+
+def _both(fn_0, fn_1):
+    results = {}
+
+    def run(key, fn):
+        try:
+            results[key] = fn()
+        except Exception as error:  # handed to the test
+            results[key] = error
+
+    threads = [threading.Thread(target=run, args=(k, f)) for k, f in ((0, fn_0), (1, fn_1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+def test_gloo_members_finishing_parts_in_different_orders_reduce_the_same_sums(monkeypatch):
+    """The members' backwards finish the parts in different orders and take 4 x 0.3 s, longer than the 0.5 s
+    progress deadline: the time a part is held back is not the collective's, and the sums are right."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    members = _gloo_members(HashStore(), timeout_s=0.5)
+    values = {0: [1.0, 2.0, 3.0, 4.0], 1: [10.0, 20.0, 30.0, 40.0]}
+    results = _both(lambda: _run_member(members[0], values[0], [3, 2, 1, 0], 0.3),
+                    lambda: _run_member(members[1], values[1], [0, 2, 3, 1], 0.3))
+    for r in (0, 1):
+        assert not isinstance(results[r], Exception), results[r]
+        parts, tail = results[r]
+        assert [float(p[0]) for p in parts] == [11.0, 22.0, 33.0, 44.0]
+        assert all(bool((p == p[0]).all()) for p in parts)
+        assert torch.equal(tail, torch.full((3,), 2.0))
