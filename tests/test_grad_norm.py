@@ -172,3 +172,15 @@ def test_equals_torchtitans_clip_on_fsdp_tp_and_pipeline_tp_ranks(tmp_path):
         for layout, result in results.items():
             assert result["norm"] == pytest.approx(result["torchtitan_norm"], rel=1e-6), (layout, rank)
             assert result["max_grad_rel_diff"] <= 1e-6, (layout, rank)
+
+
+def test_each_tensors_norm_is_taken_in_its_dtype_at_least_float32_and_the_squares_added_in_float64():
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(1000, generator=generator, dtype=dtype) * 3 for dtype in
+             (torch.float32, torch.bfloat16, torch.float64, torch.float32)]
+    partial = owned_square_sum(grads)
+    assert partial.dtype == torch.float64
+    # bfloat16 widened to float32 before the norm (a bfloat16 norm would be off in the third digit)
+    expected = [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
+    assert float(partial) == pytest.approx(math.fsum(float(n) ** 2 for n in expected), rel=1e-15)
+    assert float(partial) != pytest.approx(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in grads), rel=1e-4)

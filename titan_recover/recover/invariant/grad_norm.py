@@ -11,16 +11,19 @@ the total formed so that it is a function of the gradient shards only:
   summand) is settled first (:func:`settle_partials`): its summands are all-gathered and added in rank order, the
   rank at coordinate 0 keeps the sum and the others hold zeros, so that the reduction the optimizer later does on
   it adds exact zeros and gives the same bits whatever its algorithm;
-* each rank takes the float64 norm of the elements it *owns*, squared: its shards, and a tensor replicated (or
-  settled) over a mesh dimension only at coordinate 0 of that dimension (:func:`owns`), so that every element
-  counts once (a plain tensor is the rank's own: a pipeline stage's; replica groups keep
-  ``data_parallel_replicate_degree = 1``, so none is replicated inside a replica);
+* each rank takes the norm of every tensor it *owns* (its shards, and a tensor replicated (or settled) over a mesh
+  dimension only at coordinate 0 of that dimension (:func:`owns`), so that every element counts once; a plain
+  tensor is the rank's own: a pipeline stage's; replica groups keep ``data_parallel_replicate_degree = 1``, so
+  none is replicated inside a replica), as torch's clip does (``_foreach_norm``, in the gradient's dtype, float32
+  at least), and adds their squares in float64: its partial, a function of its shards alone;
 * the ranks' partials are all-gathered (bytes moved, no arithmetic) over the replica's world, pipeline stages
   included;
 * every rank adds them with :func:`math.fsum`, which rounds the exact sum once, whatever the order.
 
-Only the 2-norm is provided (TorchTitan's default). Partials are float64: the sum would overflow only for
-float64 gradients whose norm exceeds about 1e154 (then the norm is ``inf``).
+Only the 2-norm is provided (TorchTitan's default). A tensor's norm overflows where torch's does (a float32
+gradient whose norm exceeds about 3e38); the float64 partials overflow only beyond about 1e154 (then the norm is
+``inf``). The per-tensor norms are not taken in float64: on a CPU that widening costs 8x the float32 norm (0.09 s
+against 0.011 s for 60 M elements on one core), a few percent of a large model's step.
 """
 
 from __future__ import annotations
@@ -82,13 +85,21 @@ def owned(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def owned_square_sum(grads: Sequence[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
-    """This rank's partial: the sum of the squared float64 norms of the tensors it owns (a float64 scalar on the
-    gradients' device, or on ``device`` when it holds none)."""
+    """This rank's partial: the squares of the norms of the tensors it owns, each taken in the tensor's dtype (at
+    least float32), added in float64 in the tensors' order (a float64 scalar on the gradients' device, or on
+    ``device`` when it holds none)."""
     mine = owned(grads)
     if not mine:
         return torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else device)
-    norms = torch._foreach_norm(mine, 2, dtype=torch.float64)
-    return torch.stack([n.to(mine[0].device) for n in norms]).square().sum()
+    norms: list[torch.Tensor | None] = [None] * len(mine)
+    for dtype in dict.fromkeys(torch.promote_types(t.dtype, torch.float32) for t in mine):
+        at = [i for i, t in enumerate(mine) if torch.promote_types(t.dtype, torch.float32) == dtype]
+        group = [mine[i] for i in at]
+        found = torch._foreach_norm(group, 2) if all(t.dtype == dtype for t in group) else \
+            torch._foreach_norm(group, 2, dtype=dtype)
+        for i, n in zip(at, found):
+            norms[i] = n
+    return torch.stack([n.to(device=mine[0].device, dtype=torch.float64) for n in norms]).square().sum()
 
 
 def all_gather_partials(partial: torch.Tensor) -> list[float]:
