@@ -154,3 +154,40 @@ def test_gloo_members_finishing_parts_in_different_orders_reduce_the_same_sums(m
         assert [float(p[0]) for p in parts] == [11.0, 22.0, 33.0, 44.0]
         assert all(bool((p == p[0]).all()) for p in parts)
         assert torch.equal(tail, torch.full((3,), 2.0))
+
+
+def test_a_part_reported_final_twice_in_one_backward_is_an_error_naming_the_setting():
+    parts = [torch.zeros(2), torch.zeros(2)]
+    reduction = OverlappedReduction(parts, torch.zeros(1), Recording(), epoch=0).start()
+    reduction.part_ready(1)
+    reduction.part_ready(0)
+    reduction.part_ready(1)  # accumulated again after it may have been issued
+    reduction.release()
+    with pytest.raises(RuntimeError, match=r"parameter\(s\) \[1\].*overlap_reduction = false"):
+        reduction.check()
+    reduction.abandon("the check failed")
+    with pytest.raises(Abandoned):
+        reduction.join()
+
+
+def test_autograd_reports_each_parameter_once_after_its_last_accumulation():
+    """The premise of the worker's hooks (torch's post-accumulate-grad hook): each parameter is reported once per
+    backward, when its gradient already holds the whole backward's contribution, also for a module used twice in
+    the forward (its gradients are added before the one accumulation)."""
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(4, 4)
+    head = torch.nn.Linear(4, 1)
+    params = [*shared.parameters(), *head.parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    seen: dict[int, torch.Tensor] = {}
+    reported: list[int] = []
+    for index, p in enumerate(params):
+        def final(param, index=index):
+            reported.append(index)
+            seen[index] = param.grad.clone()
+        p.register_post_accumulate_grad_hook(final)
+    x = torch.randn(3, 4)
+    head(shared(shared(x))).sum().backward()  # ``shared`` used twice
+    assert sorted(reported) == [0, 1, 2, 3]
+    assert all(torch.equal(seen[i], p.grad) for i, p in enumerate(params))

@@ -52,6 +52,10 @@ class OverlappedReduction:
         self._thread = threading.Thread(target=self._run, name="overlapped-reduction", daemon=True)
         self.issued: list[int] = []
         """Indices (in :attr:`order`) in the order their first piece passed the gate."""
+        self.reported_twice: list[int] = []
+        """Parts (parameter order) whose hook fired again after they were reported final: the collective may have
+        issued them with an earlier value (:meth:`check`)."""
+        self._released = False
 
     def start(self) -> "OverlappedReduction":
         if self.backup is not None:
@@ -66,6 +70,8 @@ class OverlappedReduction:
         backward's): the collective's first read waits for an event recorded there."""
         at = part_of(index, len(self.parts))
         if self._ready[at].is_set():
+            if not self._released:
+                self.reported_twice.append(index)
             return
         part = self.parts[index]
         if part.device.type == "cuda":
@@ -74,8 +80,19 @@ class OverlappedReduction:
 
     def release(self) -> None:
         """The last microbatch is computed: every part is final (a parameter that got no gradient has its zeros)."""
+        self._released = True
         for index in range(len(self.parts)):
             self.part_ready(index)
+
+    def check(self) -> None:
+        """Raise if a part was reported final twice in the backward (a parameter whose gradient a backward
+        accumulates more than once, as a reentrant activation checkpoint of a segment sharing it would): its first
+        value may be what the collective summed."""
+        if self.reported_twice:
+            raise RuntimeError(
+                f"the gradients of parameter(s) {sorted(set(self.reported_twice))} were accumulated more than once in "
+                f"one backward, so the reduction overlapped with it may have sent an unfinished value; set "
+                f"[recover.step] overlap_reduction = false for this model")
 
     def tail_ready(self) -> None:
         """The tail is filled in (after :meth:`release`)."""

@@ -259,10 +259,11 @@ class StepRecovery:
             else:
                 try:
                     self.worker.compute(g, on_final=progress.overlapped.part_ready)
+                    progress.overlapped.release()
+                    progress.overlapped.check()
                 except BaseException as error:
                     progress.overlapped.abandon(f"{type(error).__name__}: {error}")
                     raise
-                progress.overlapped.release()
             progress.done.append(g)
         self.worker.synchronize()
         compute_s = time.perf_counter() - start
