@@ -12,9 +12,10 @@ the same data from the same initialisation, so their losses are also compared.
         [--local-batch 2] [--abort-recovery backup[,recompute]] [--overlap on[,off]]
 
 ``--abort-recovery``: the replica run's ``[recover.step] abort_recovery`` values, each a run of its own in every
-round (docs/invariant.md, "After an aborted reduction"); ``--overlap``: with ``off`` too, each of them also runs
-with ``[recover.step] overlap_reduction = false`` (the reduction issued after the last microbatch, not during its
-backward: docs/invariant.md, "Overlapping"). The rounds rotate the order of the runs.
+round (docs/invariant.md, "After an aborted reduction"); ``--overlap``: each of them runs with ``[recover.step]
+overlap_reduction = true`` (``on``: the reduction issued during the last microbatch's backward, the default on GPUs)
+and / or ``false`` (``off``: after it, the default on CPU; docs/invariant.md, "Overlapping"). The rounds rotate the
+order of the runs.
 
 ``reduction_share`` is the median share of a step the replica run spends in the committed reduction and its
 commit barrier after its last microbatch (``recover/wait_s`` over the step time, replica 0): small batches make it
@@ -54,8 +55,7 @@ def run(kind: str, args, folder: str) -> tuple[list[float], dict[int, float]]:
         value, _, after = kind.removeprefix("ftpg-").partition("-")
         cmd = ["train_configs/replicas.toml", "--recover.replicas", str(args.replicas),
                "--recover.step.abort_recovery", value, *common]
-        if after:
-            cmd.append("--recover.step.no_overlap_reduction")
+        cmd.append("--recover.step.no_overlap_reduction" if after else "--recover.step.overlap_reduction")
     else:
         cmd = ["train_configs/hsdp.toml", "--parallelism.data_parallel_replicate_degree", str(args.replicas), *common]
     proc = subprocess.run([sys.executable, "-m", "titan_recover.launch", *cmd], cwd=ROOT, capture_output=True,

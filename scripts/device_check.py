@@ -13,7 +13,11 @@ Sections (each one's failure is recorded in the JSON and does not stop the other
 - ``signature``: the parameter signature of CUDA tensors equals that of the same bytes on the host, and a flipped
   sign, exponent or mantissa bit changes it; its time for ``--mb`` MiB;
 - ``snapshot_overlap``: a snapshot-sized device -> pinned-host copy on the snapshots' side stream while a matmul
-  loop runs, against the loop alone and the copy on the compute stream.
+  loop runs, against the loop alone and the copy on the compute stream;
+- ``overlap_events``: the reduction overlapped with the backward (``invariant/overlap.py``) reads each gradient
+  part on its own thread after the event its hook recorded on the producing stream (FSDP2's reduce-scatter
+  stream): parts written on a side stream behind a matmul chain are read final, and the same reads without the
+  event (the control) are counted stale or not.
 
     python scripts/device_check.py [--out device_check.json] [--mb 256] [--members 3]
     python scripts/device_check.py --allow-cpu --mb 16   # the sections that run without a GPU (a smoke test)
@@ -263,6 +267,45 @@ def snapshot_overlap(device: torch.device, mb: int, iters: int = 40) -> dict:
             "copy_hidden_fraction": hidden, "asynchronous": copies.asynchronous, "mb": mb}
 
 
+# ---- the overlapped reduction's reads of parts produced on another stream -----------------------------------------
+def overlap_events(device: torch.device, parts: int = 8, chain: int = 30) -> dict:
+    from titan_recover.recover.invariant.overlap import OverlappedReduction
+
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    producer = torch.cuda.Stream(device)
+
+    def run(with_event: bool) -> int:
+        """Parts written on ``producer`` behind ``chain`` matmuls each, reported from that stream; the collective
+        copies each to the host at its gate. Returns the number of parts read before their final value."""
+        tensors = [torch.zeros(2**20, device=device) for _ in range(parts)]
+        tail = torch.zeros(4, device=device)
+        seen: list[torch.Tensor] = []
+
+        def collective(order, before_piece):
+            for index, t in enumerate(order):
+                before_piece(index, 0, t.view(-1))
+                seen.append(t.to("cpu"))  # on this thread's stream, which waited for the part's event
+        reduction = OverlappedReduction(tensors, tail, collective, epoch=0).start()
+        torch.cuda.synchronize(device)
+        for index in reversed(range(parts)):
+            with torch.cuda.stream(producer):
+                for _ in range(chain):
+                    torch.mm(a, a)
+                tensors[index].fill_(index + 1.0)
+                if with_event:
+                    reduction.part_ready(index)
+                else:  # the control: released without an event, as a hook that forgot the stream would
+                    reduction._ready[len(tensors) - 1 - index].set()
+        reduction.release()
+        reduction.tail_ready()
+        reduction.join()
+        torch.cuda.synchronize(device)
+        return sum(1 for i, t in enumerate(seen[:parts]) if not bool((t == parts - i).all()))
+
+    return {"stale_with_event": run(True), "stale_without_event_control": run(False), "parts": parts,
+            "matmuls_per_part": chain}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "device_check.json"))
@@ -282,9 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                 "ftpg_gloo": lambda: ftpg_gloo(device, args.mb, args.members),
                 "ftpg_nccl": lambda: ftpg_nccl(device, args.mb),
                 "signature": lambda: signature(device, args.mb),
-                "snapshot_overlap": lambda: snapshot_overlap(device, args.mb)}
+                "snapshot_overlap": lambda: snapshot_overlap(device, args.mb),
+                "overlap_events": lambda: overlap_events(device)}
     for name, run in sections.items():
-        if not cuda and name in ("staging", "ftpg_nccl", "snapshot_overlap"):
+        if not cuda and name in ("staging", "ftpg_nccl", "snapshot_overlap", "overlap_events"):
             report[name] = {"skipped": "no CUDA device"}
             continue
         start = time.perf_counter()

@@ -51,20 +51,23 @@ def test_toml_overrides_model_config_and_cli_overrides_toml(tmp_path):
 
 
 def test_cpu_platform_defaults_and_model_adaptation():
+    config = build_config(None, ["--model.flavor", "tiny"])  # first: it activates the platform before TorchTitan
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
-    config = build_config(None, ["--model.flavor", "tiny"])
     assert config.training.mixed_precision_param == "float32"
     inner = [layer.attention.inner_attention for layer in config.model_spec.model.layers]
     assert all(isinstance(a, ScaledDotProductAttention.Config) for a in inner)
     assert hasattr(config.model_spec.parallelize_fn, "__wrapped__")  # sum-only FSDP reductions for gloo
     assert config.dataloader.document_positions is False  # SDPA takes no document masks
+    assert config.recover.step.overlap_reduction is False  # the collective would share the cores with the backward
 
     kept = build_config(None, ["--model.flavor", "tiny", "--platform.attention", "model",
-                               "--platform.sum_only_reductions", "off", "--training.mixed_precision_param", "bfloat16"])
+                               "--platform.sum_only_reductions", "off", "--training.mixed_precision_param", "bfloat16",
+                               "--recover.step.overlap_reduction"])
     assert all(isinstance(l.attention.inner_attention, FlexAttention.Config) for l in kept.model_spec.model.layers)
     assert not hasattr(kept.model_spec.parallelize_fn, "__wrapped__")
     assert kept.training.mixed_precision_param == "bfloat16"  # user's value beats the platform default
+    assert kept.recover.step.overlap_reduction is True
     assert kept.dataloader.document_positions is True  # FlexAttention builds block-causal masks from them
 
 

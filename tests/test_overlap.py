@@ -191,3 +191,61 @@ def test_autograd_reports_each_parameter_once_after_its_last_accumulation():
     head(shared(shared(x))).sum().backward()  # ``shared`` used twice
     assert sorted(reported) == [0, 1, 2, 3]
     assert all(torch.equal(seen[i], p.grad) for i, p in enumerate(params))
+
+
+def _worker(exact: bool = False, pp: bool = False):
+    """The project's worker on a two-layer model (TorchTitan's parts faked as tests/test_device_timing.py does)."""
+    from types import SimpleNamespace
+
+    from titan_recover.recover.modes.replica_worker import ReplicaWorker
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+
+    def forward_backward(input_dict, labels, global_valid_tokens):
+        loss = (model(input_dict["input"]).squeeze(-1) - labels).pow(2).sum() / global_valid_tokens
+        loss.backward()
+        return loss
+
+    def microbatch(g, shard_rank, shard_degree, batch_size):
+        return {"input": torch.full((batch_size, 4), float(g + 1))}, torch.zeros(batch_size)
+
+    parts = SimpleNamespace(
+        config=SimpleNamespace(training=SimpleNamespace(local_batch_size=2, seq_len=4)), model_parts=[model],
+        device=torch.device("cpu"), pp_microbatches=1, pp_has_last_stage=True,
+        parallel_dims=SimpleNamespace(pp_enabled=pp), batch_layout=lambda: (1, 0),
+        dataloader=SimpleNamespace(microbatch=microbatch), forward_backward=forward_backward,
+        metrics_processor=SimpleNamespace(record_batch=lambda *_: None))
+    return ReplicaWorker(parts, per_step=4, exact=exact), model
+
+
+def test_the_worker_reports_each_gradient_final_in_the_last_backward_and_reduces_it_where_it_lies():
+    worker, model = _worker()
+    worker.begin_step(1)
+    worker.compute(0)  # an earlier microbatch: accumulated locally, nothing reported
+    parts = worker.gradient_parts()
+    assert [p.data_ptr() for p in parts] == [p.grad.data_ptr() for p in model.parameters()]
+    reported: dict[int, torch.Tensor] = {}
+    worker.compute(1, on_final=lambda i: reported.setdefault(i, parts[i].clone()))
+    assert sorted(reported) == [0, 1, 2, 3]  # every parameter once, in the last backward
+    # what was reported is the final accumulation (both microbatches), still in the parameters' own gradients
+    assert all(torch.equal(reported[i], p.grad) for i, p in enumerate(model.parameters()))
+    gradient, _, _ = worker.contribution()
+    assert [g.data_ptr() for g in gradient] == [p.data_ptr() for p in parts]
+
+
+def test_the_first_microbatch_as_the_last_accumulates_into_gradients_made_for_it():
+    worker, model = _worker()
+    worker.begin_step(1)
+    for p in model.parameters():
+        p.grad = None  # as TorchTitan's zero_grad(set_to_none=True) leaves them
+    parts = worker.gradient_parts()
+    assert all(bool((p == 0).all()) for p in parts)
+    worker.compute(2, on_final=lambda i: None)
+    assert [p.data_ptr() for p in parts] == [p.grad.data_ptr() for p in model.parameters()]
+    assert any(bool((p != 0).any()) for p in parts)
+
+
+def test_no_overlap_where_a_hook_cannot_mean_final():
+    assert _worker(exact=True)[0].gradient_parts() is None  # moved into the float64 accumulator after the backward
+    assert _worker(pp=True)[0].gradient_parts() is None  # a stage's backward runs once per pipeline chunk

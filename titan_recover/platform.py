@@ -151,7 +151,10 @@ def _cpu_device_module() -> types.ModuleType:
 def platform_defaults(device: str) -> dict[str, dict[str, Any]]:
     """Config values that differ per platform, as TOML-shaped overrides applied *before* the user's TOML."""
     if device == "cpu":
-        return {"training": {"mixed_precision_param": "float32", "disable_cuda_graphs": True}}
+        # the cross-replica reduction overlapped with the backward competes for the same cores on a CPU host, where
+        # it measured no gain and a loss with the backup (docs/benchmarks.md): it starts after the backward there
+        return {"training": {"mixed_precision_param": "float32", "disable_cuda_graphs": True},
+                "recover": {"step": {"overlap_reduction": False}}}
     return {}
 
 

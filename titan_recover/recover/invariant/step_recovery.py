@@ -70,7 +70,8 @@ class StepConfig:
     """Start the step's reduction during the backward of the replica's last planned microbatch, each gradient part
     as soon as it is final (docs/invariant.md, "Overlapping the reduction with the last backward"). Where the
     worker cannot say when a part is final (``[recover.quota] exact``, pipeline parallelism) the reduction starts
-    after the last microbatch, as with ``false``."""
+    after the last microbatch, as with ``false``. On CPU the platform default is ``false`` (docs/platform.md: the
+    collective and the backward share the cores there)."""
 
     def __post_init__(self) -> None:
         STEP_MANAGERS.get(self.manager)  # raises, naming the registered managers
