@@ -29,6 +29,7 @@ from titan_recover.recover.ftpg.staging import HostStaging
 from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
 from titan_recover.recover.invariant.overlap import OverlappedReduction
 from titan_recover.recover.invariant.reduction import Backup
+from two_members import run_both
 
 
 class _Room:
@@ -293,25 +294,6 @@ def _gloo_pair(store, config, timeout_s, cls=PolledGlooGroup):
             for r in (0, 1)]
 
 
-def _both(fn_0, fn_1):
-    """Run the two members' calls in threads; their results (or errors) and the wall time of the slower."""
-    results = {}
-    start = time.monotonic()
-
-    def run(key, fn):
-        try:
-            results[key] = fn()
-        except Exception as error:  # handed to the test
-            results[key] = error
-
-    threads = [threading.Thread(target=run, args=(k, f)) for k, f in ((0, fn_0), (1, fn_1))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results, time.monotonic() - start
-
-
 class _SlowLink(PolledGlooGroup):
     """A member behind a slow link: each piece leaves after ``bytes / rate`` seconds (80 MiB/s)."""
 
@@ -332,7 +314,7 @@ def test_a_big_reduction_on_a_slow_link_outlasts_the_timeout_while_it_makes_prog
         fast = PolledGlooGroup(store, config=config, epoch=0, members=(0, 1), replica=0, rank=0, timeout_s=timeout_s)
         slow = _SlowLink(store, config=config, epoch=0, members=(0, 1), replica=1, rank=0, timeout_s=60.0)
         tensors = [torch.full((n,), 1.0), torch.full((n,), 2.0)]
-        results, elapsed = _both(lambda: fast.allreduce_sum_(tensors[0]), lambda: slow.allreduce_sum_(tensors[1]))
+        results, elapsed = run_both(lambda: fast.allreduce_sum_(tensors[0]), lambda: slow.allreduce_sum_(tensors[1]))
         return results, elapsed, tensors
 
     results, _, _ = reduce(chunk_mb=1024)
@@ -358,13 +340,13 @@ def test_staged_pieces_go_through_a_bounded_ring_and_come_back_whole(monkeypatch
     config = FTPGConfig(chunk_mb=64 / 2**20, in_flight=2)  # 64-byte pieces: 16 floats
     members = _gloo_pair(HashStore(), config, 10.0, cls=_StagedGloo)
     grads = [torch.arange(100.0) + r for r in (0, 1)]
-    results, _ = _both(lambda: members[0].allreduce_sum_(grads[0]), lambda: members[1].allreduce_sum_(grads[1]))
+    results, _ = run_both(lambda: members[0].allreduce_sum_(grads[0]), lambda: members[1].allreduce_sum_(grads[1]))
     assert results == {0: None, 1: None}
     assert grads[0].tolist() == grads[1].tolist() == (2 * torch.arange(100.0) + 1).tolist()
     assert sum(b is not None for b in members[0]._staging._buffers) == 3  # in_flight + 1 slots, reused
     states = [[torch.full((40,), float(r)), torch.arange(5, dtype=torch.float64) * (r + 1)] for r in (0, 1)]
     seen = {0: [], 1: []}
-    results, _ = _both(lambda: members[0].broadcast_many_(states[0], 1, seen[0].append),
+    results, _ = run_both(lambda: members[0].broadcast_many_(states[0], 1, seen[0].append),
                        lambda: members[1].broadcast_many_(states[1], 1, seen[1].append))
     assert results == {0: None, 1: None} and seen == {0: [0, 1], 1: [0, 1]}
     assert states[0][0].tolist() == [1.0] * 40 and states[0][1].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
@@ -542,7 +524,7 @@ def test_many_small_gradients_are_reduced_together_and_right(monkeypatch):
     members = _gloo_pair(HashStore(), FTPGConfig(chunk_mb=1), 10.0)
     grads = [[torch.full((n,), float(r + 1)) for n in (3, 1000, 7, 300_000, 5)] for r in (0, 1)]
     saved = {0: [], 1: []}
-    results, _ = _both(lambda: members[0].allreduce_many_(grads[0], lambda *p: saved[0].append(p[:2])),
+    results, _ = run_both(lambda: members[0].allreduce_many_(grads[0], lambda *p: saved[0].append(p[:2])),
                        lambda: members[1].allreduce_many_(grads[1], lambda *p: saved[1].append(p[:2])))
     assert results == {0: None, 1: None}
     assert all(bool((g == 3.0).all()) for g in grads[0] + grads[1])

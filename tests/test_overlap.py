@@ -7,7 +7,6 @@ tests/test_ftpg.py (the fake NCCL communicator, whose pieces never complete)."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from titan_recover.recover.ftpg.base import FTPGConfig
 from titan_recover.recover.ftpg.gloo import PolledGlooGroup
 from titan_recover.recover.invariant.overlap import Abandoned, OverlappedReduction
 from titan_recover.recover.invariant.reduction import Backup
+from two_members import run_both
 
 
 class Recording:
@@ -122,32 +122,14 @@ def _run_member(group, values, order, hold_s, backup=None, parts=None):
     return parts, tail
 
 
-def _both(fn_0, fn_1):
-    results = {}
-
-    def run(key, fn):
-        try:
-            results[key] = fn()
-        except Exception as error:  # handed to the test
-            results[key] = error
-
-    threads = [threading.Thread(target=run, args=(k, f)) for k, f in ((0, fn_0), (1, fn_1))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
-    return results
-
-
 def test_gloo_members_finishing_parts_in_different_orders_reduce_the_same_sums(monkeypatch):
     """The members' backwards finish the parts in different orders and take 4 x 0.3 s, longer than the 0.5 s
     progress deadline: the time a part is held back is not the collective's, and the sums are right."""
     monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
     members = _gloo_members(HashStore(), timeout_s=0.5)
     values = {0: [1.0, 2.0, 3.0, 4.0], 1: [10.0, 20.0, 30.0, 40.0]}
-    results = _both(lambda: _run_member(members[0], values[0], [3, 2, 1, 0], 0.3),
-                    lambda: _run_member(members[1], values[1], [0, 2, 3, 1], 0.3))
+    results, _ = run_both(lambda: _run_member(members[0], values[0], [3, 2, 1, 0], 0.3),
+                          lambda: _run_member(members[1], values[1], [0, 2, 3, 1], 0.3), timeout_s=60)
     for r in (0, 1):
         assert not isinstance(results[r], Exception), results[r]
         parts, tail = results[r]
