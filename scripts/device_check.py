@@ -16,8 +16,9 @@ Sections (each one's failure is recorded in the JSON and does not stop the other
   loop runs, against the loop alone and the copy on the compute stream;
 - ``overlap_events``: the reduction overlapped with the backward (``invariant/overlap.py``) reads each gradient
   part on its own thread after the event its hook recorded on the producing stream (FSDP2's reduce-scatter
-  stream): parts written on a side stream behind a matmul chain are read final, and the same reads without the
-  event (the control) are counted stale or not.
+  stream): parts written on a side stream behind a matmul chain are read final, and the same parts reported from
+  the default stream instead (the control: an event on a stream that never waited for the producer) are counted
+  stale or not.
 
     python scripts/device_check.py [--out device_check.json] [--mb 256] [--members 3]
     python scripts/device_check.py --allow-cpu --mb 16   # the sections that run without a GPU (a smoke test)
@@ -292,17 +293,17 @@ def overlap_events(device: torch.device, parts: int = 8, chain: int = 30) -> dic
                 for _ in range(chain):
                     torch.mm(a, a)
                 tensors[index].fill_(index + 1.0)
-                if with_event:
+                if with_event:  # as FSDP2 calls the hook: inside the stream that produced the gradient
                     reduction.part_ready(index)
-                else:  # the control: released without an event, as a hook that forgot the stream would
-                    reduction._ready[len(tensors) - 1 - index].set()
+            if not with_event:  # the control: reported from the default stream, which never waited for producer
+                reduction.part_ready(index)
         reduction.release()
         reduction.tail_ready()
         reduction.join()
         torch.cuda.synchronize(device)
         return sum(1 for i, t in enumerate(seen[:parts]) if not bool((t == parts - i).all()))
 
-    return {"stale_with_event": run(True), "stale_without_event_control": run(False), "parts": parts,
+    return {"stale_with_event": run(True), "stale_event_on_default_stream_control": run(False), "parts": parts,
             "matmuls_per_part": chain}
 
 

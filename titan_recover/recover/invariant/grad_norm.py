@@ -22,8 +22,10 @@ the total formed so that it is a function of the gradient shards only:
 
 Only the 2-norm is provided (TorchTitan's default). A tensor's norm overflows where torch's does (a float32
 gradient whose norm exceeds about 3e38); the float64 partials overflow only beyond about 1e154 (then the norm is
-``inf``). The per-tensor norms are not taken in float64: on a CPU that widening costs 8x the float32 norm (0.09 s
-against 0.011 s for 60 M elements on one core), a few percent of a large model's step.
+``inf``). The per-tensor norms are not taken in float64: on a CPU that widening costs ~5x the float32 norm
+(``benchmarks/clip_norm.py``), a few percent of a large model's step. They are then as accurate as torch's own
+(float32 accumulation: 5.6e-5 relative in the squared total of 60 M random elements, printed by that benchmark),
+and still the same bits on every replica.
 """
 
 from __future__ import annotations

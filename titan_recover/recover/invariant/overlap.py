@@ -50,8 +50,6 @@ class OverlappedReduction:
         self._abandoned: str | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="overlapped-reduction", daemon=True)
-        self.issued: list[int] = []
-        """Indices (in :attr:`order`) in the order their first piece passed the gate."""
         self.reported_twice: list[int] = []
         """Parts (parameter order) whose hook fired again after they were reported final: the collective may have
         issued them with an earlier value (:meth:`check`)."""
@@ -128,6 +126,5 @@ class OverlappedReduction:
                 raise Abandoned(f"the step's computation failed before its reduction was issued: {self._abandoned}")
             if self._events[index] is not None:
                 torch.cuda.current_stream(view.device).wait_event(self._events[index])
-            self.issued.append(index)
         if self.backup is not None:
-            self.backup.save(part_of(index, len(self.parts)), start, view)
+            self.backup.save_issued(index, start, view)

@@ -140,6 +140,11 @@ class Backup:
         self.flat[base + at : base + at + data.numel()].copy_(data)
         self.saved[index] = at + data.numel()
 
+    def save_issued(self, index: int, start: int, view: torch.Tensor) -> None:
+        """:meth:`save` for tensor ``index`` of :func:`issue_order` (the group's ``before_piece`` of a step's
+        reduction)."""
+        self.save(part_of(index, len(self.saved)), start, view)
+
     def restored(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """New tensors with the parts' values before the reduction: each part's saved prefix from the backup, the
         rest (never issued, so never written) from the part itself."""

@@ -35,7 +35,7 @@ from titan_recover.recover.groups.protocol import active_replicas
 from titan_recover.recover.invariant.ledger import StepLedger
 from titan_recover.recover.invariant.overlap import OverlappedReduction
 from titan_recover.recover.invariant.quota import get_policy, QuotaConfig
-from titan_recover.recover.invariant.reduction import Backup, issue_order, part_of, Reduced, ReductionLayout
+from titan_recover.recover.invariant.reduction import Backup, issue_order, Reduced, ReductionLayout
 from titan_recover.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -220,9 +220,7 @@ class StepRecovery:
             # aborts it (the epoch's fault flag), and the next attempt takes over the lost replicas' ids
             parts, tail = self._pack(progress, overlapped)
             reducing = time.perf_counter()
-            before_piece = None
-            if self._backup is not None and overlapped is None:
-                before_piece = self._saver(len(parts))
+            before_piece = self._backup.save_issued if self._backup is not None and overlapped is None else None
             if self.sync.reduce_once(step, issue_order(parts, tail), attempt, verify=self._verifier(step),
                                      before_piece=before_piece, pending=overlapped):
                 return self._committed(step, progress, parts, tail, quotas, attempt, compute_s,
@@ -273,11 +271,6 @@ class StepRecovery:
             speed = self.agree_speed(speed)
         progress.speeds[self.replica] = speed
         return progress, compute_s
-
-    def _saver(self, parts: int):
-        """The backup's ``before_piece`` for a reduction issued in :func:`issue_order`."""
-        save = self._backup.save
-        return lambda index, start, view: save(part_of(index, parts), start, view)
 
     def _begin_overlap(self, progress: _Progress) -> OverlappedReduction | None:
         """The step's reduction, started before its last planned microbatch (None: it starts after it)."""
