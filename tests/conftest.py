@@ -123,14 +123,18 @@ GLOBAL_BATCH = 4
 
 def same_training(seed_checkpoint: pathlib.Path, data_parallel: int) -> tuple[str, ...]:
     """Overrides that make a layout with ``data_parallel`` data-parallel ranks train what the FSDP reference
-    trains: the tiny model from the seed checkpoint's weights, the same global batch (local batch
-    ``GLOBAL_BATCH / data_parallel``; a pipeline cuts it into microbatches of 1), ``LAYOUT_STEPS`` steps. Data
-    rank ``r`` of ``d`` reads rows ``[(c * d + r) * b, ... + b)`` at its ``c``-th batch (data/loader.py), so every
-    layout's step reads the same rows."""
+    trains: the tiny model, ``LAYOUT_STEPS`` steps, and :func:`same_batches_and_weights`."""
+    return ("--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps", str(LAYOUT_STEPS),
+            *same_batches_and_weights(seed_checkpoint, data_parallel))
+
+
+def same_batches_and_weights(seed_checkpoint: pathlib.Path, data_parallel: int) -> tuple[str, ...]:
+    """The seed checkpoint's weights and the same global batch (local batch ``GLOBAL_BATCH / data_parallel``; a
+    pipeline cuts it into microbatches of 1). Data rank ``r`` of ``d`` reads rows ``[(c * d + r) * b, ... + b)`` at
+    its ``c``-th batch (data/loader.py), so every layout's step reads the same rows."""
     if GLOBAL_BATCH % data_parallel:
         raise ValueError(f"{data_parallel} data-parallel ranks cannot share a global batch of {GLOBAL_BATCH}")
-    return ("--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps", str(LAYOUT_STEPS),
-            "--training.local_batch_size", str(GLOBAL_BATCH // data_parallel),
+    return ("--training.local_batch_size", str(GLOBAL_BATCH // data_parallel),
             "--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.initial_load_path", str(seed_checkpoint))
 
 
