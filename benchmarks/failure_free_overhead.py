@@ -9,7 +9,9 @@ same global batch). Step time is TorchTitan's per-step ``time_metrics/end_to_end
 the same data from the same initialisation, so their losses are also compared.
 
     python benchmarks/failure_free_overhead.py [--rounds 2] [--steps 20] [--flavor debugmodel] [--seq-len 256]
-        [--local-batch 2] [--abort-recovery backup[,recompute]] [--overlap on[,off]]
+        [--local-batch 2] [--abort-recovery recompute[,backup]] [--overlap off[,on]]
+
+The defaults are the CPU platform's (docs/platform.md): ``recompute``, not overlapped.
 
 ``--abort-recovery``: the replica run's ``[recover.step] abort_recovery`` values, each a run of its own in every
 round (docs/invariant.md, "After an aborted reduction"); ``--overlap``: each of them runs with ``[recover.step]
@@ -86,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--local-batch", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--abort-recovery", default="backup",
+    parser.add_argument("--abort-recovery", default="recompute",
                         help="comma-separated [recover.step] abort_recovery values, one replica run each a round")
-    parser.add_argument("--overlap", default="on",
+    parser.add_argument("--overlap", default="off",
                         help="comma-separated on/off: [recover.step] overlap_reduction of the replica runs")
     add_out_argument(parser, __file__)
     args = parser.parse_args(argv)

@@ -4,12 +4,12 @@
 
 - ``native``: what TorchTitan's HSDP does across its replicate dimension: an in-place gloo all-reduce of each
   gradient shard (one per FSDP module), no copies;
-- ``new``: this project's path with the default ``[recover.step] abort_recovery = "backup"``: the gradient shards
-  reduced in place with the step's small sections beside them, as one collective of the fault-tolerant group (gloo,
-  pieces of ``chunk_mb``, polled for the fault flag), each piece copied into the backup just before it is issued
-  (while the pieces before it are reduced);
-- ``recompute``: the same collective without the backup (``abort_recovery = "recompute"``: an aborted reduction
-  computes the replica's microbatches again instead, docs/invariant.md);
+- ``new``: this project's path as it runs on CPU (``[recover.step] abort_recovery = "recompute"``, the CPU
+  platform's default: an aborted reduction computes the replica's microbatches again): the gradient shards reduced
+  in place with the step's small sections beside them, as one collective of the fault-tolerant group (gloo, pieces
+  of ``chunk_mb``, polled for the fault flag);
+- ``backup``: the same collective with ``abort_recovery = "backup"`` (the default on GPUs): each piece copied into
+  the backup just before it is issued (while the pieces before it are reduced), docs/invariant.md;
 - ``old``: the data movement of the path before the FTPG backends (commit 8b7a5a7): the shards concatenated, copied
   to a new host tensor and concatenated again with the small sections, one gloo all-reduce of the whole buffer
   waited on through its future, written back parameter by parameter.
@@ -21,7 +21,7 @@ order; a round's time is the slowest rank's.
 
     python benchmarks/reduction_path.py [--total-mb 1024] [--replicas 2] [--shards 2] [--rounds 5]
 
-Last line: ``new_vs_native=... old_vs_native=... recompute_vs_native=...`` (ratios of median times; the table adds
+Last line: ``new_vs_native=... old_vs_native=... backup_vs_native=...`` (ratios of median times; the table adds
 the spread of the per-round ratios). Target on CPU: within 1.1x of native (docs/benchmarks.md, "Reduction path").
 On this 2-core host the S groups' R*S processes share two cores, so absolute times are the host's, not a cluster's.
 """
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from report import add_out_argument, recorded  # noqa: E402
 
-PATHS = ("old", "new", "recompute", "native")
+PATHS = ("old", "new", "backup", "native")
 
 
 def _old_path(pg, grads: list, tail: list[float]) -> None:
@@ -111,8 +111,8 @@ def _member(port: int, replica: int, position: int, args, results) -> None:
                                args.replicas * args.shards, timeout)
     backup = Backup()
     run = {"old": lambda: _old_path(raw, grads, tail),
-           "new": lambda: _new_path(group, layout, grads, tail, backup),
-           "recompute": lambda: _new_path(group, layout, grads, tail, None),
+           "new": lambda: _new_path(group, layout, grads, tail, None),
+           "backup": lambda: _new_path(group, layout, grads, tail, backup),
            "native": lambda: _native_path(raw, grads)}
     for r in range(args.rounds + 1):  # round 0 warms up (connections, first-touch of the buffers)
         order = PATHS[r % len(PATHS):] + PATHS[: r % len(PATHS)]
@@ -178,8 +178,8 @@ def measure(args) -> int:
     median = {path: statistics.median(times[path]) for path in PATHS}
     native = median["native"]
     print(f"new_vs_native={median['new'] / native:.3f} old_vs_native={median['old'] / native:.3f} "
-          f"recompute_vs_native={median['recompute'] / native:.3f} new_s={median['new']:.3f} "
-          f"recompute_s={median['recompute']:.3f} old_s={median['old']:.3f} native_s={native:.3f} "
+          f"backup_vs_native={median['backup'] / native:.3f} new_s={median['new']:.3f} "
+          f"backup_s={median['backup']:.3f} old_s={median['old']:.3f} native_s={native:.3f} "
           f"rank_mb={per_rank_mb:.0f}")
     return 0
 

@@ -60,14 +60,16 @@ def test_cpu_platform_defaults_and_model_adaptation():
     assert hasattr(config.model_spec.parallelize_fn, "__wrapped__")  # sum-only FSDP reductions for gloo
     assert config.dataloader.document_positions is False  # SDPA takes no document masks
     assert config.recover.step.overlap_reduction is False  # the collective would share the cores with the backward
+    assert config.recover.step.abort_recovery == "recompute"  # the backup's copy would too
 
     kept = build_config(None, ["--model.flavor", "tiny", "--platform.attention", "model",
                                "--platform.sum_only_reductions", "off", "--training.mixed_precision_param", "bfloat16",
-                               "--recover.step.overlap_reduction"])
+                               "--recover.step.overlap_reduction", "--recover.step.abort_recovery", "backup"])
     assert all(isinstance(l.attention.inner_attention, FlexAttention.Config) for l in kept.model_spec.model.layers)
     assert not hasattr(kept.model_spec.parallelize_fn, "__wrapped__")
     assert kept.training.mixed_precision_param == "bfloat16"  # user's value beats the platform default
     assert kept.recover.step.overlap_reduction is True
+    assert kept.recover.step.abort_recovery == "backup"
     assert kept.dataloader.document_positions is True  # FlexAttention builds block-causal masks from them
 
 

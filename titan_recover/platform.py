@@ -152,9 +152,11 @@ def platform_defaults(device: str) -> dict[str, dict[str, Any]]:
     """Config values that differ per platform, as TOML-shaped overrides applied *before* the user's TOML."""
     if device == "cpu":
         # the cross-replica reduction overlapped with the backward competes for the same cores on a CPU host, where
-        # it measured no gain and a loss with the backup (docs/benchmarks.md): it starts after the backward there
+        # it measured no gain and a loss with the backup (docs/benchmarks.md): it starts after the backward there.
+        # The backup's copy of every piece is memory traffic on those cores too, a third of the reduction's time
+        # (benchmarks/reduction_path.py): an aborted reduction computes the replica's microbatches again instead
         return {"training": {"mixed_precision_param": "float32", "disable_cuda_graphs": True},
-                "recover": {"step": {"overlap_reduction": False}}}
+                "recover": {"step": {"overlap_reduction": False, "abort_recovery": "recompute"}}}
     return {}
 
 

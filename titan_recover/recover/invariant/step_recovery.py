@@ -64,7 +64,8 @@ class StepConfig:
     aborted reduction"). ``backup``: each piece of the local gradient is copied just before the collective first
     writes it and restored from the copy (a gradient-sized buffer per rank and a copy per step; the fastest
     recovery). ``recompute``: no copy; the replica computes its step's microbatches again (no extra memory and no
-    copy on a failure-free step; an aborted reduction costs this replica's quota of compute once more)."""
+    copy on a failure-free step; an aborted reduction costs this replica's quota of compute once more). On CPU the
+    platform default is ``recompute`` (docs/platform.md: the copy is a third of the reduction's time there)."""
 
     overlap_reduction: bool = True
     """Start the step's reduction during the backward of the replica's last planned microbatch, each gradient part
