@@ -127,3 +127,19 @@ def test_keys_stay_bounded_over_many_steps_and_epochs_on_etcd(etcd_server):
     for step in range(62, 70):  # the next commits in epoch 2 delete one step each, nothing else
         commit(syncs, step)
     assert etcd_keys(store) == {GroupKeys.EPOCH} | kept | {GroupKeys.reduced(2, 69), GroupKeys.decision(2, 69)}
+
+
+def test_a_diloco_learner_keeps_two_claims_in_the_store():
+    """Rank 0 shares each block it claims with the learner's other ranks (diloco/blocks.py); the claim two before
+    goes, so a long job does not grow a key per inner step."""
+    from torch.distributed import TCPStore
+
+    from titan_recover.recover.diloco import blocks
+    from titan_recover.recover.diloco.rules import DilocoKeys
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    for count in range(10):
+        blocks.share_claim(store, learner=1, incarnation=0, count=count, block=3 * count + 1)
+        assert blocks.read_claim(store, learner=1, incarnation=0, count=count) == 3 * count + 1
+    held = [count for count in range(10) if store.check([DilocoKeys.claim(1, 0, count)])]
+    assert held == [8, 9]

@@ -175,7 +175,7 @@ def test_autograd_reports_each_parameter_once_after_its_last_accumulation():
     assert all(torch.equal(seen[i], p.grad) for i, p in enumerate(params))
 
 
-def _worker(exact: bool = False, pp: bool = False):
+def _worker(exact: bool = False, pp: bool = False, reports_final: bool = True):
     """The project's worker on a two-layer model (TorchTitan's parts faked as tests/test_device_timing.py does)."""
     from types import SimpleNamespace
 
@@ -198,7 +198,7 @@ def _worker(exact: bool = False, pp: bool = False):
         parallel_dims=SimpleNamespace(pp_enabled=pp), batch_layout=lambda: (1, 0),
         dataloader=SimpleNamespace(microbatch=microbatch), forward_backward=forward_backward,
         metrics_processor=SimpleNamespace(record_batch=lambda *_: None))
-    return ReplicaWorker(parts, per_step=4, exact=exact), model
+    return ReplicaWorker(parts, per_step=4, exact=exact, reports_final=reports_final), model
 
 
 def test_the_worker_reports_each_gradient_final_in_the_last_backward_and_reduces_it_where_it_lies():
@@ -231,3 +231,12 @@ def test_the_first_microbatch_as_the_last_accumulates_into_gradients_made_for_it
 def test_no_overlap_where_a_hook_cannot_mean_final():
     assert _worker(exact=True)[0].gradient_parts() is None  # moved into the float64 accumulator after the backward
     assert _worker(pp=True)[0].gradient_parts() is None  # a stage's backward runs once per pipeline chunk
+
+
+def test_a_worker_not_asked_to_report_final_gradients_hooks_nothing():
+    """With ``overlap_reduction`` off (the CPU default) the backward runs without a hook per parameter."""
+    worker, model = _worker(reports_final=False)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert worker.gradient_parts() is None
+    hooked, _ = _worker()
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in hooked.params)

@@ -54,8 +54,12 @@ def last_step(coordinator, learner: int) -> int | None:
 
 
 def share_claim(coordinator, learner: int, incarnation: int, count: int, block: int) -> None:
-    """Rank 0's ``count``-th claim, for the learner's other ranks (:func:`read_claim`)."""
+    """Rank 0's ``count``-th claim, for the learner's other ranks (:func:`read_claim`). The claim two before is
+    deleted: every rank read it before the inner step it names, whose collectives rank 0 has been through since,
+    so the keys of a learner's claims stay two however long the job runs."""
     coordinator.set(DilocoKeys.claim(learner, incarnation, count), str(block))
+    if count >= 2:
+        coordinator.delete_key(DilocoKeys.claim(learner, incarnation, count - 2))
 
 
 def read_claim(coordinator, learner: int, incarnation: int, count: int) -> int:

@@ -67,8 +67,11 @@ class ComputeHooks:
 
 
 class ReplicaWorker:
-    def __init__(self, parts: TrainerParts, *, per_step: int, exact: bool, hooks: ComputeHooks = ComputeHooks()):
-        """``per_step``: M, microbatches of the global batch."""
+    def __init__(self, parts: TrainerParts, *, per_step: int, exact: bool, hooks: ComputeHooks = ComputeHooks(),
+                 reports_final: bool = True):
+        """``per_step``: M, microbatches of the global batch. ``reports_final``: whether the backward can report
+        each gradient final (a hook on every parameter) for an overlapped reduction (:meth:`gradient_parts`);
+        without it no hook is registered."""
         self.parts = parts
         config = parts.config
         self.exact = exact
@@ -90,8 +93,10 @@ class ReplicaWorker:
         self._accumulator: torch.Tensor | None = None
         self._on_final: Callable[[int], None] | None = None
         """Set while a microbatch runs whose backward reports final gradient parts (:meth:`compute`)."""
-        for index, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(self._final_hook(index))
+        self.reports_final = reports_final
+        if reports_final:
+            for index, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(self._final_hook(index))
 
     def _final_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def final(_param: torch.Tensor) -> None:
@@ -184,9 +189,10 @@ class ReplicaWorker:
     def gradient_parts(self) -> list[torch.Tensor] | None:
         """Every parameter's local gradient, which the step reduces in place, made to exist (zeros where none yet:
         the next backward accumulates into them in place, as into any existing gradient) for an overlapped
-        reduction. None in exact mode (the gradients reach the float64 accumulator only after the backward) and
-        with pipeline parallelism (a stage's backward runs once per pipeline chunk, so a hook does not mean final)."""
-        if self.exact or self.parts.parallel_dims.pp_enabled:
+        reduction. None in exact mode (the gradients reach the float64 accumulator only after the backward), with
+        pipeline parallelism (a stage's backward runs once per pipeline chunk, so a hook does not mean final) and
+        when built without ``reports_final``."""
+        if not self.reports_final or self.exact or self.parts.parallel_dims.pp_enabled:
             return None
         with torch.no_grad():
             for p in self.params:

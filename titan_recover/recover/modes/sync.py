@@ -123,7 +123,8 @@ class SyncMode(Mode):
                              after_backward=chaos.after_backward,
                              after=lambda _step, seconds: chaos.after_compute(seconds),
                              timed=lambda: chaos.slowed)
-        self.worker = ReplicaWorker(parts, per_step=self.per_step, exact=recover.quota.exact, hooks=hooks)
+        self.worker = ReplicaWorker(parts, per_step=self.per_step, exact=recover.quota.exact, hooks=hooks,
+                                    reports_final=recover.step.overlap_reduction)
         self.localizer = None
         if recover.localize.witnesses:
             self.localizer = Localizer(recover.localize, replica=self.replica, rank=self.rank,
