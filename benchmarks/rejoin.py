@@ -3,7 +3,7 @@
 the job trains at full strength again, with a warm spare and with a restart.
 
     transfer_ratio           raw gloo broadcast time / state-transfer time of the same bytes, two processes over
-                             loopback (benchmarks/state_transfer.py, run here as a subprocess: 1.1 GiB of state,
+                             loopback (benchmarks/state_transfer.py, run here as a subprocess: 2.3 GiB of state,
                              ``--rounds`` interleaved rounds, the median of the rounds' ratios;
                              ``transfer_ratio_min`` / ``_max`` their spread)
     spare_full_strength_s    3 replicas + 1 spare, replica 1 killed in step ``--kill-step``: fault injected ->
@@ -15,7 +15,7 @@ the job trains at full strength again, with a warm spare and with a restart.
 Both jobs use the ``--flavor`` model (tiny) with 1 process per replica; the restart time includes starting Python,
 importing torch and TorchTitan and building the model on this machine while the other replicas train.
 
-    python benchmarks/rejoin.py [--flavor tiny] [--steps 150] [--rounds 5] [--out FILE]
+    python benchmarks/rejoin.py [--flavor tiny] [--steps 150] [--rounds 11] [--out FILE]
 
 Last line: ``transfer_ratio=... transfer_ratio_min=... transfer_ratio_max=... spare_full_strength_s=...
 restart_full_strength_s=...``. Target: transfer_ratio >= 0.8. Output also written to docs/results/rejoin.txt
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flavor", default="tiny")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--kill-step", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the state-transfer measurement")
+    parser.add_argument("--rounds", type=int, default=11, help="rounds of the state-transfer measurement")
     parser.add_argument("--timeout", type=float, default=900)
     add_out_argument(parser, __file__)
     args = parser.parse_args(argv)

@@ -4,12 +4,13 @@ metadata; chunked, xxHash3 per chunk) to a joiner over the fault-tolerant group 
 gloo broadcast of the same number of bytes in one tensor between the same two processes.
 
 Two processes; the state is a stack of ``--layers`` square linear layers of width ``--width`` with AdamW state after
-one step (about 12 bytes per parameter: fp32 weights + two fp32 moments; the defaults make 1.1 GiB, so one raw
-broadcast lasts long enough on loopback to be timed stably). ``--rounds`` interleaved rounds: each round times one
+one step (about 12 bytes per parameter: fp32 weights + two fp32 moments; the defaults make 2.3 GiB, so one raw
+broadcast lasts long enough on loopback to be timed stably: at 1.1 GiB and 5-7 rounds the median ratio of two runs of
+the same code was 0.79 and 1.01). ``--rounds`` interleaved rounds: each round times one
 transfer and one raw broadcast back to back, the order alternating. Each round gives a ratio (raw / transfer of
 that round); printed: median, min and max of both times and of the ratio, and every round.
 
-    python benchmarks/state_transfer.py [--width 2048] [--layers 24] [--rounds 5] [--chunk-mb 64] [--out FILE]
+    python benchmarks/state_transfer.py [--width 2048] [--layers 48] [--rounds 11] [--chunk-mb 64] [--out FILE]
 
 Last line: ``transfer_mb_s=... raw_mb_s=... transfer_ratio=... transfer_ratio_min=... transfer_ratio_max=...
 transfer_s=... raw_s=... state_mb=...`` (throughputs from the median times; ``transfer_ratio``: the median of the
@@ -53,7 +54,7 @@ def _member(port: int, replica: int, args, results) -> None:
     from torch.distributed import TCPStore
 
     from titan_recover.recover.ftpg.base import build_group, FTPGConfig
-    from titan_recover.recover.phoenix.state_transfer import TrainingState, transfer
+    from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum, TrainingState, transfer
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -91,14 +92,19 @@ def _member(port: int, replica: int, args, results) -> None:
                 broadcast(raw)
             barrier()
             timings[kind].append(time.perf_counter() - start)
+    # what each side's digests cost alone: xxHash3 over every byte of the state, on this process's one thread
+    start = time.perf_counter()
+    for view in (bytes_view(t) for t in state.tensors()):
+        checksum(view)
+    timings["hash"] = [time.perf_counter() - start]
     results.put((replica, total, timings))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--chunk-mb", type=int, default=64)
     add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
@@ -142,6 +148,8 @@ def measure(args) -> None:
     for label, values in (("transfer", timings["transfer"]), ("raw broadcast", timings["raw"]),
                           ("ratio raw / transfer", ratios)):
         print(f"{label:24s} {spread(values):26s} " + " ".join(f"{v:.3f}" for v in values))
+    print(f"xxHash3 of the whole state on one thread, once: {timings['hash'][0]:.3f} s ({mb / timings['hash'][0]:.0f} "
+          f"MB/s); each side hashes every chunk as it arrives, on the cores the two processes' transfer uses")
     print(f"transfer_mb_s={mb / transfer_s:.1f} raw_mb_s={mb / raw_s:.1f} transfer_ratio={statistics.median(ratios):.3f} "
           f"transfer_ratio_min={min(ratios):.3f} transfer_ratio_max={max(ratios):.3f} transfer_s={transfer_s:.3f} "
           f"raw_s={raw_s:.3f} state_mb={mb:.1f}")
