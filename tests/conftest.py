@@ -71,6 +71,13 @@ def check_layout(output: str, folder, layout: tuple[int, ...], steps: int) -> No
     assert all(r["grad_norm"] > 0 for r in records)
 
 
+def rank_logs(folder: pathlib.Path, tail: int = 3000) -> str:
+    """The end of every rank's stderr that a one-node job without replica groups kept off the console
+    (launch.rank_log_dir), for a failing test's message."""
+    return "".join(f"\n--- {path.relative_to(folder)}:\n{path.read_text(errors='replace')[-tail:]}"
+                   for path in sorted(folder.glob("logs/ranks/*/attempt_*/*/stderr.log")))
+
+
 def launch(config: str, *overrides: str, timeout: float = 240, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
     """Run the launcher (config checks, then torchrun) as a user would, with a hard timeout.
 
@@ -160,7 +167,7 @@ def layout_run(tmp_path_factory, seed_checkpoint: pathlib.Path, config: str, dat
     folder = tmp_path_factory.mktemp(f"{config}_run")
     proc = launch(f"train_configs/{config}.toml", *same_training(seed_checkpoint, data_parallel),
                   "--dump_folder", str(folder), timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + rank_logs(folder)
     return folder, proc.stdout + proc.stderr
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import check_layout, launch, read_metrics, ROOT
+from conftest import check_layout, launch, rank_logs, read_metrics, ROOT
 from titan_recover.compare import parse_console_steps
 from wandb_offline import read_run
 
@@ -36,13 +36,17 @@ def reference(default_data, tmp_path_factory) -> tuple[pathlib.Path, str]:
         ["./run_train.sh", "--training.steps", str(STEPS), "--model.flavor", "tiny", "--dump_folder", str(folder)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + rank_logs(folder)
     return folder, proc.stdout + proc.stderr
 
 
 def test_run_train_sh_trains_default_config_with_wandb_offline(reference):
     folder, output = reference
     check_layout(output, folder, (2, 1, 2, 1, 1), steps=STEPS)  # FSDP2 over 2 processes
+    # the console shows the metrics rank; rank 1's output went to a file, which the console names
+    [rank1] = folder.glob("logs/ranks/*/attempt_0/1/stdout.log")
+    assert "titan_recover: llama3/tiny, Layout(world_size=2" in rank1.read_text()
+    assert f"every other rank's output: {folder}/logs/ranks/" in output
     runs = list(folder.glob("tb/*/wandb/offline-run-*"))
     assert len(runs) == 1, f"expected the metrics rank's one offline run, found {runs}"
     run = read_run(runs[0].parent)  # named after the TOML file and the start time, grouped by the TOML file

@@ -311,6 +311,12 @@ def replica_job(config, options: dict, toml_path: str | None, overrides: list[st
                            verbose=bool(options.get("--verbose")))
 
 
+def rank_log_dir(config) -> str:
+    """Where a one-node job without replica groups writes the output of the ranks the console does not show
+    (torchrun's ``--log-dir``: ``<run id>/attempt_<restart>/<local rank>/{stdout,stderr}.log`` under it)."""
+    return os.path.join(os.path.abspath(config.dump_folder), "logs", "ranks")
+
+
 def torchrun_command(config, options: dict, toml_path: str | None, overrides: list[str], nproc: int, nnodes: int,
                      metrics_rank: int) -> tuple[list[str], dict]:
     """The one torchrun of a job without replica groups, and its environment."""
@@ -319,6 +325,9 @@ def torchrun_command(config, options: dict, toml_path: str | None, overrides: li
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1:
         cmd += ["--standalone", f"--local-ranks-filter={metrics_rank}"]
+        others = [r for r in range(nproc) if r != metrics_rank]
+        if others:  # the ranks the console does not show write their output to files, so a rank's death is readable
+            cmd += [f"--log-dir={rank_log_dir(config)}", "--redirects=" + ",".join(f"{r}:3" for r in others)]
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={options['--rdzv-endpoint']}"]
         if "--node-rank" in options:
@@ -346,6 +355,9 @@ def torchrun_job(config, options: dict, toml_path: str | None, overrides: list[s
         print(("snapshot keeper + " if keeper_here else "") + shlex.join(cmd))
         return 0
     print(f"[titan_recover] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    if nnodes == 1 and nproc > 1:
+        print(f"[titan_recover] the console shows rank {metrics_rank}; every other rank's output: "
+              f"{rank_log_dir(config)}/<run>/attempt_<n>/<rank>/", file=sys.stderr, flush=True)
     if keeper_here:
         from titan_recover.recover.phoenix.keeper import run_with_keeper
 
