@@ -34,11 +34,38 @@ def record_training(coordinator, learner: int, block: int, step: int) -> None:
 
 
 def record_trained(coordinator, learner: int, block: int, step: int, who: str) -> None:
-    """``learner`` finished ``block`` at inner step ``step``: nothing to give back; the block counts as trained
-    once, whoever finished it first."""
-    coordinator.set(DilocoKeys.block(learner), f"done {step}")
+    """``learner`` finished ``block`` at inner step ``step``: the block counts as trained once, whoever finished it
+    first; then nothing is to be given back. In that order: whoever reads the learner's key as done finds the
+    block's done key written (:func:`collect_done` relies on it)."""
     if set_once(coordinator, DilocoKeys.done_of(block), who):
         coordinator.add(DilocoKeys.BLOCKS_DONE, 1)
+    coordinator.set(DilocoKeys.block(learner), f"done {step}")
+
+
+def collect_done(coordinator, learners: int) -> int:
+    """Delete the done keys of blocks nobody can finish again, so that they do not grow with the job; returns the
+    block below which they are collected. Called by the syncer only, in the thread that gives blocks back.
+
+    A block's done key decides who counts it when two learners may finish it, which happens only to a block given
+    back (its learner taken for dead, maybe wrongly): those keep theirs, one per failure. Any other block was trained
+    by its claimer alone; once no learner's key names it, it can no longer be given back (giving back reads the
+    learner's key, here or at a restart of a dead learner), so its done key is never read again. The watermark
+    is the lowest block a learner's key names as in training, or the claim counter read before those keys (a block
+    claimed since is above it); kept in the coordinator's store, so a restarted syncer goes on from it."""
+    start = int(coordinator.add(DilocoKeys.COLLECTED_BELOW, 0))
+    end = int(coordinator.add(DilocoKeys.NEXT_BLOCK, 0))
+    for learner in range(learners):
+        key = DilocoKeys.block(learner)
+        if coordinator.check([key]):
+            current = coordinator.get(key).decode().split()[0]
+            if current != "done":
+                end = min(end, int(current))
+    for block in range(start, end):
+        if not coordinator.check([DilocoKeys.requeued_of(block)]):
+            coordinator.delete_key(DilocoKeys.done_of(block))
+    if end > start:
+        coordinator.add(DilocoKeys.COLLECTED_BELOW, end - start)
+    return max(start, end)
 
 
 def blocks_trained(coordinator) -> int:

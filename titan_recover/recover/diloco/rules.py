@@ -169,6 +169,7 @@ class DilocoKeys:
     LEARNERS_OVER = "diloco/learners_over"  # coordinator: the launcher saw every learner end
     REQUEUED = "diloco/requeued"  # coordinator: counter of blocks given back (their learner died)
     BLOCKS_DONE = "diloco/blocks_done"  # coordinator: counter of blocks trained to the end (each counted once)
+    COLLECTED_BELOW = "diloco/collected_below"  # coordinator: done keys of blocks below it deleted (blocks.collect_done)
     VERSIONS = "global/versions"  # syncer: "GENERATION V_0 ... V_{F-1}"
 
     @staticmethod

@@ -14,7 +14,7 @@ import time
 from datetime import timedelta
 
 from titan_recover.recover.chaos.process import ProcessFaults
-from titan_recover.recover.diloco.blocks import blocks_trained, requeue_block
+from titan_recover.recover.diloco.blocks import blocks_trained, collect_done, requeue_block
 from titan_recover.recover.diloco.messages import read_offer, withdraw_offer
 from titan_recover.recover.diloco.rules import DilocoKeys, total_blocks
 from titan_recover.recover.diloco.syncer.checkpoint import (checkpoint_path, global_model_path, load_checkpoint,
@@ -198,6 +198,7 @@ class Syncer:
         """One pass of the loop: liveness, deltas, merges, and the checkpoint and evaluation when due."""
         if now - self._liveness_at > LIVENESS_EVERY_S:
             self._judge_liveness()
+            collect_done(self.coordinator, self.learners)  # here: the thread that gives blocks back
             self._liveness_at = now
         received = self._receive(now)
         for f in range(self.model.fragments):
