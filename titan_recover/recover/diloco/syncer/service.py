@@ -33,6 +33,9 @@ logger = logging.getLogger("titan_recover.syncer")
 
 POLL_S = 0.02
 FINAL_QUIET_S = 1.0
+COLLECT_EVERY_S = 5.0
+"""How often the syncer deletes the done keys of blocks nobody can finish again (``blocks.collect_done``: a read
+of every learner's key each time; the keys grow by one per inner step of each learner)."""
 
 
 class Syncer:
@@ -68,6 +71,7 @@ class Syncer:
         self.end_reason = ""
         self.val_loss: float | None = None
         self._liveness_at = 0.0
+        self._collected_at = 0.0
         self._checkpoint_at = time.monotonic()
         self._eval_at = time.monotonic()
 
@@ -198,8 +202,10 @@ class Syncer:
         """One pass of the loop: liveness, deltas, merges, and the checkpoint and evaluation when due."""
         if now - self._liveness_at > LIVENESS_EVERY_S:
             self._judge_liveness()
-            collect_done(self.coordinator, self.learners)  # here: the thread that gives blocks back
             self._liveness_at = now
+        if now - self._collected_at > COLLECT_EVERY_S:
+            collect_done(self.coordinator, self.learners)  # here: the thread that gives blocks back
+            self._collected_at = now
         received = self._receive(now)
         for f in range(self.model.fragments):
             self._maybe_merge(f, now)
