@@ -260,15 +260,47 @@ def test_a_block_given_back_is_taken_once_and_given_back_once():
     from titan_recover.recover.diloco.blocks import claim_requeued, requeue_block
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    store.set(DilocoKeys.block(1), "7 24")  # learner 1 died training block 7
+    store.set(DilocoKeys.block(1), "7 24 0")  # learner 1 died training block 7
     assert requeue_block(store, 1, "syncer.1") == 7
     assert requeue_block(store, 1, "1.1") is None  # its restart finds it given back already
     assert requeue_block(store, 1, "syncer.1") is None  # and so does the syncer, again
     assert claim_requeued(store, "0.0") == 7
     assert claim_requeued(store, "0.0") is None  # taken once, even by the same learner asking again
     assert claim_requeued(store, "2.0") is None
-    store.set(DilocoKeys.block(2), "done 40")  # a learner that died between blocks gives nothing back
+    store.set(DilocoKeys.block(2), "done 40 0")  # a learner that died between blocks gives nothing back
     assert requeue_block(store, 2, "syncer.1") is None
+
+
+def test_a_block_is_given_back_once_for_each_learner_start_that_held_it():
+    """The syncer judges a learner lost from heartbeats a moment old; by the time it reads the learner's key, the
+    learner's restart may have given back the dead start's block and claimed another. That one is the restart's:
+    given back too, it would be trained twice. And a given-back block whose new holder dies too is given back
+    again: a block given back once only would never be trained."""
+    from titan_recover.recover.diloco import blocks
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    for block in range(3):
+        assert blocks.claim_block(store, f"{block}.0") == block
+        blocks.record_training(store, block, block, step=0, incarnation=0)
+    # learner 1's start 0 dies training block 1; its restart (start 1) gives block 1 back, learner 0 takes it, and
+    # the restart claims block 3
+    assert blocks.requeue_block(store, 1, "1.1") == 1
+    assert blocks.claim_block(store, "0.0") == 1
+    blocks.record_training(store, 0, 1, step=1, incarnation=0)
+    assert blocks.claim_block(store, "1.1") == 3
+    blocks.record_training(store, 1, 3, step=1, incarnation=1)
+    # only now does the syncer, which last saw start 0 alive, judge learner 1 lost: block 3 is not start 0's
+    assert blocks.requeue_block(store, 1, "syncer.1", incarnation_at_most=0) is None
+    assert blocks.claim_block(store, "2.0") == 4
+    # learner 0 dies training the given-back block 1: it goes back again, once
+    assert blocks.requeue_block(store, 0, "syncer.1", incarnation_at_most=0) == 1
+    assert blocks.requeue_block(store, 0, "0.1") is None  # learner 0's restart finds that hold given back
+    assert blocks.claim_block(store, "2.0") == 1
+    blocks.record_training(store, 2, 1, step=2, incarnation=0)
+    blocks.record_trained(store, 2, 1, step=3, incarnation=0, who="2.0")
+    # start 1 of learner 1, seen alive and then lost, gives back block 3
+    assert blocks.requeue_block(store, 1, "syncer.1", incarnation_at_most=1) == 3
+    assert blocks.blocks_trained(store) == 1
 
 
 def test_the_global_model_is_assembled_from_row_shards_and_not_from_column_shards():

@@ -164,24 +164,24 @@ def test_a_diloco_job_keeps_done_keys_only_for_blocks_given_back():
     for block in range(6):
         learner = block % 3
         assert blocks.claim_block(store, f"{learner}.0") == block
-        blocks.record_training(store, learner, block, step=block // 3)
+        blocks.record_training(store, learner, block, step=block // 3, incarnation=0)
         if block != 4:
-            blocks.record_trained(store, learner, block, step=block // 3 + 1, who=f"{learner}.0")
+            blocks.record_trained(store, learner, block, step=block // 3 + 1, incarnation=0, who=f"{learner}.0")
     assert blocks.requeue_block(store, 1, "syncer.0") == 4
     assert blocks.claim_block(store, "0.0") == 4  # learner 0 takes the given-back block and trains it
-    blocks.record_training(store, 0, 4, step=2)
-    blocks.record_trained(store, 0, 4, step=3, who="0.0")
+    blocks.record_training(store, 0, 4, step=2, incarnation=0)
+    blocks.record_trained(store, 0, 4, step=3, incarnation=0, who="0.0")
     assert blocks.claim_block(store, "2.0") == 6
-    blocks.record_training(store, 2, 6, step=2)  # learner 2 trains block 6
+    blocks.record_training(store, 2, 6, step=2, incarnation=0)  # learner 2 trains block 6
 
     # learner 1's key still names block 4: it may be alive and finish it
     assert blocks.collect_done(store, learners=3) == 4
     assert done_keys(7) == [4, 5]
-    blocks.record_trained(store, 1, 4, step=2, who="1.0")  # it does, after all: not counted twice
+    blocks.record_trained(store, 1, 4, step=2, incarnation=0, who="1.0")  # it does, after all: not counted twice
     assert blocks.blocks_trained(store) == 6  # 0-5
     assert blocks.collect_done(store, learners=3) == 6  # block 6 is in training
     assert done_keys(7) == [4]  # the given-back block keeps its key, one per failure
-    blocks.record_trained(store, 2, 6, step=3, who="2.0")
+    blocks.record_trained(store, 2, 6, step=3, incarnation=0, who="2.0")
     assert blocks.collect_done(store, learners=3) == 7  # nothing in training: up to the claim counter
     assert done_keys(7) == [4] and blocks.blocks_trained(store) == 7
     assert blocks.collect_done(store, learners=3) == 7  # the watermark is kept in the store

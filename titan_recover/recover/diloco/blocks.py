@@ -28,18 +28,19 @@ def claim_block(coordinator, who: str) -> int:
     return block if block is not None else coordinator.add(DilocoKeys.NEXT_BLOCK, 1) - 1
 
 
-def record_training(coordinator, learner: int, block: int, step: int) -> None:
-    """``learner`` trains ``block`` at inner step ``step`` (what is given back if it dies now)."""
-    coordinator.set(DilocoKeys.block(learner), f"{block} {step}")
+def record_training(coordinator, learner: int, block: int, step: int, incarnation: int) -> None:
+    """``learner``'s start ``incarnation`` trains ``block`` at inner step ``step`` (what is given back if it dies
+    now)."""
+    coordinator.set(DilocoKeys.block(learner), f"{block} {step} {incarnation}")
 
 
-def record_trained(coordinator, learner: int, block: int, step: int, who: str) -> None:
+def record_trained(coordinator, learner: int, block: int, step: int, incarnation: int, who: str) -> None:
     """``learner`` finished ``block`` at inner step ``step``: the block counts as trained once, whoever finished it
     first; then nothing is to be given back. In that order: whoever reads the learner's key as done finds the
     block's done key written (:func:`collect_done` relies on it)."""
     if set_once(coordinator, DilocoKeys.done_of(block), who):
         coordinator.add(DilocoKeys.BLOCKS_DONE, 1)
-    coordinator.set(DilocoKeys.block(learner), f"done {step}")
+    coordinator.set(DilocoKeys.block(learner), f"done {step} {incarnation}")
 
 
 def collect_done(coordinator, learners: int) -> int:
@@ -94,14 +95,23 @@ def read_claim(coordinator, learner: int, incarnation: int, count: int) -> int:
     return int(coordinator.get(DilocoKeys.claim(learner, incarnation, count)))
 
 
-def requeue_block(coordinator, learner: int, who: str) -> int | None:
-    """Give back the block a dead learner was training, unless it finished it or someone gave it back already;
-    returns the block given back. The syncer (on losing the learner) and the learner's restart both try."""
+def requeue_block(coordinator, learner: int, who: str, *, incarnation_at_most: int | None = None) -> int | None:
+    """Give back the block a dead learner was training, unless it finished it or someone gave back that hold of it
+    already; returns the block given back. The syncer (on losing the learner) and the learner's restart both try.
+
+    ``incarnation_at_most``: the start of the learner the caller saw die. The syncer judges a learner lost from
+    heartbeats that may be a moment old; by the time it reads the learner's key a restart may have claimed a new
+    block there, which is not the dead start's to give back (it would be trained twice). The restart gave back its
+    predecessor's block before its first claim."""
     if not coordinator.check([DilocoKeys.block(learner)]):
         return None
-    block, _ = coordinator.get(DilocoKeys.block(learner)).decode().split()
-    if block == "done" or not set_once(coordinator, DilocoKeys.requeued_of(int(block)), who):
+    block, _, incarnation = coordinator.get(DilocoKeys.block(learner)).decode().split()
+    if block == "done" or incarnation_at_most is not None and int(incarnation) > incarnation_at_most:
         return None
+    # once per hold: a block given back, taken by another learner that dies too, is given back again
+    if not set_once(coordinator, DilocoKeys.give_back(int(block), learner, int(incarnation)), who):
+        return None
+    coordinator.set(DilocoKeys.requeued_of(int(block)), who)  # before the learner's key can name another block
     number = coordinator.add(DilocoKeys.REQUEUED, 1) - 1
     coordinator.set(DilocoKeys.requeue(number), block)
     return int(block)

@@ -140,7 +140,7 @@ class Learner:
         if self.rank == 0:
             block = blocks.claim_block(self.coordinator, self.who)
             if block < self.blocks:
-                blocks.record_training(self.coordinator, self.learner, block, self.step)
+                blocks.record_training(self.coordinator, self.learner, block, self.step, self.incarnation)
                 self.events.emit("block_claimed", console=False, block=block, step=self.step,
                                  incarnation=self.incarnation)
             if self.ranks > 1:
@@ -173,7 +173,7 @@ class Learner:
             self.send(f, step)
         self.adopt_ready()
         if self.rank == 0:  # the block is trained
-            blocks.record_trained(self.coordinator, self.learner, self.block, step, self.who)
+            blocks.record_trained(self.coordinator, self.learner, self.block, step, self.incarnation, self.who)
 
     def send(self, fragment: int, step: int) -> None:
         delta = self.local.take_delta(fragment)

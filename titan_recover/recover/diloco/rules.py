@@ -174,7 +174,8 @@ class DilocoKeys:
 
     @staticmethod
     def block(learner: int) -> str:
-        return f"diloco/block/{learner}"  # coordinator: "BLOCK STEP" (trained at inner step STEP) or "done STEP"
+        # coordinator: "BLOCK STEP START" (trained at inner step STEP by the learner's start START) or "done STEP START"
+        return f"diloco/block/{learner}"
 
     @staticmethod
     def requeue(number: int) -> str:
@@ -186,7 +187,12 @@ class DilocoKeys:
 
     @staticmethod
     def requeued_of(block: int) -> str:
-        return f"diloco/requeued_of/{block}"  # coordinator: who gave the block back (set once)
+        return f"diloco/requeued_of/{block}"  # coordinator: the block was given back at least once
+
+    @staticmethod
+    def give_back(block: int, learner: int, incarnation: int) -> str:
+        # coordinator: who gave back the block held by this start of this learner (set once)
+        return f"diloco/give_back/{block}/{learner}/{incarnation}"
 
     @staticmethod
     def done_of(block: int) -> str:

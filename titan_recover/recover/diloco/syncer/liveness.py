@@ -17,6 +17,8 @@ class LearnerLiveness:
     def __init__(self, coordinator, *, learners: int, ranks: int, heartbeat_timeout_s: float):
         self.coordinator, self.learners, self.ranks = coordinator, learners, ranks
         self.watch = LivenessWatch(heartbeat_timeout_s, math.inf, max_gap_s=2 * LIVENESS_EVERY_S)
+        self.incarnation: dict[int, int] = {}
+        """Each learner's start last judged alive (what the syncer gives back for, once it is lost)."""
 
     def judge(self) -> tuple[set[int], set[int]]:
         """(learners alive, learners done: every rank reported done)."""
@@ -37,4 +39,5 @@ class LearnerLiveness:
         for learner, bs in beats.items():
             if self.watch.judge(learner, range(self.ranks), bs[0].incarnation).alive:
                 alive.add(learner)
+                self.incarnation[learner] = bs[0].incarnation
         return alive, done

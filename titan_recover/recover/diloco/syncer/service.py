@@ -132,10 +132,12 @@ class Syncer:
 
     # ---- learners ----------------------------------------------------------------------------------------
     def _judge_liveness(self) -> None:
-        """A learner lost (neither alive nor done) gives back the block it was training."""
+        """A learner lost (neither alive nor done) gives back the block it was training: the block of the start
+        last seen alive, never one a restart claimed since."""
         alive, done = self.liveness.judge()
         for learner in sorted(self.alive - alive - done):
-            given_back = requeue_block(self.coordinator, learner, self.who)
+            given_back = requeue_block(self.coordinator, learner, self.who,
+                                       incarnation_at_most=self.liveness.incarnation[learner])
             self.events.emit("learner_lost", learner=learner, reason="no heartbeat", requeued_block=given_back)
         self.alive, self.done = alive, done
 
