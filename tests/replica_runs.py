@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
 
 import torch
 
-from conftest import launch, read_metrics
+from conftest import launch, read_metrics, ROOT
 from titan_recover.recover.events import read_events
 from titan_recover.recover.launcher import processes_of_run
 
@@ -183,3 +190,59 @@ def assert_all_equal_reference(reference, folder, events, replicas):
         for step, record in logged.items():
             assert record[LOSS] == ref[step][LOSS], (replica, step)
             assert record["recover/tokens"] == ref[step]["recover/tokens"], (replica, step)
+
+
+def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
+                 start_when: dict[int, Callable[[], bool]] | None = None) -> list[subprocess.CompletedProcess]:
+    """Start one launcher per node (``node_args[i]``: node ``i``'s arguments) and wait for all of them; node ``i``
+    starts at once, or once ``start_when[i]()`` is true (a node that comes up late). On timeout every launcher gets
+    SIGTERM, then SIGKILL, and every process of the run is killed. Their output goes to files, not pipes: a
+    launcher started first must not block on a full pipe while the next waits."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # as the one-node reference: bitwise results need equal threads
+    deadline = time.monotonic() + timeout
+    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in node_args]
+    procs: list[subprocess.Popen] = []
+
+    def read(i: int) -> tuple[str, str]:
+        texts = []
+        for f in outputs[i]:
+            f.seek(0)
+            texts.append(f.read())
+        return texts[0], texts[1]
+
+    try:
+        for i, args in enumerate(node_args):
+            condition = (start_when or {}).get(i)
+            while condition is not None and not condition():
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(args, timeout)
+                time.sleep(0.2)
+            procs.append(subprocess.Popen([sys.executable, "-m", "titan_recover.launch", *args], cwd=ROOT, env=env,
+                                          stdout=outputs[i][0], stderr=outputs[i][1], text=True))
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pid in processes_of_run(str(folder)):
+            os.kill(pid, signal.SIGKILL)
+        texts = [read(i) for i in range(len(procs))]
+        raise AssertionError(f"launchers timed out ({len(procs)} of {len(node_args)} started):\n" +
+                             "\n".join(out[-2000:] + err[-2000:] for out, err in texts)) from None
+    results = [subprocess.CompletedProcess(args, proc.returncode, *read(i))
+               for i, (args, proc) in enumerate(zip(node_args, procs))]
+    for out, err in outputs:
+        out.close()
+        err.close()
+    return results
+
+
+def node_options(nnodes: int, endpoint: str | None = None) -> list[tuple[str, ...]]:
+    return [("--nnodes", str(nnodes), "--node-rank", str(rank), *(("--rdzv-endpoint", endpoint) if endpoint else ()))
+            for rank in range(nnodes)]

@@ -4,53 +4,17 @@ coordinator, each node runs and restarts its own replica groups, and both exit w
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 
-from conftest import EXACT_REFERENCE, free_port, ROOT
-from replica_runs import assert_all_equal_reference, metrics_by_replica, of, replica_job_args
+from conftest import EXACT_REFERENCE, free_port
+from replica_runs import (assert_all_equal_reference, launch_nodes, metrics_by_replica, node_options, of,
+                          replica_job_args)
 from titan_recover.recover.events import read_events
 from titan_recover.recover.launcher import processes_of_run
 
 pytestmark = pytest.mark.multiprocess
 
 REPLICAS, STEPS = EXACT_REFERENCE["replicas"], EXACT_REFERENCE["steps"]
-
-
-def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280) -> list[subprocess.CompletedProcess]:
-    """Start one launcher per node (``node_args[i]``: node ``i``'s arguments) at once and wait for all of them; on
-    timeout every launcher gets SIGTERM, then SIGKILL, and every process of the run is killed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # as the one-node reference: bitwise results need equal threads
-    procs = [subprocess.Popen([sys.executable, "-m", "titan_recover.launch", *args], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in node_args]
-    results = []
-    try:
-        for args, proc in zip(node_args, procs):
-            stdout, stderr = proc.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        outputs = []
-        for proc in procs:
-            try:
-                outputs.append(proc.communicate(timeout=20))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                outputs.append(proc.communicate())
-        for pid in processes_of_run(str(folder)):
-            os.kill(pid, signal.SIGKILL)
-        raise AssertionError("launchers timed out:\n" + "\n".join(o[0][-2000:] + o[1][-2000:] for o in outputs))
-    return results
-
-
-def node_options(nnodes: int, endpoint: str | None = None) -> list[tuple[str, ...]]:
-    return [("--nnodes", str(nnodes), "--node-rank", str(rank), *(("--rdzv-endpoint", endpoint) if endpoint else ()))
-            for rank in range(nnodes)]
 
 
 def output(proc) -> str:

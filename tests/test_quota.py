@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from titan_recover.recover.invariant.quota import assign, deal, get_policy, policies, QuotaInput, reassign_orphans
+from titan_recover.recover.invariant.quota import assign, deal, get_policy, policies, reassign_orphans
 
 
 def test_even_with_all_replicas_matches_hsdp_order():

@@ -109,10 +109,10 @@ def check_replica_layout(config, layout, nnodes: int) -> None:
             "recover.diloco.checkpoint_interval_s) and a restarted learner pulls the global model: set "
             "checkpoint.enable = false"
         )
-    if nnodes != 1 and config.recover.diloco_mode:
+    if nnodes != 1 and config.recover.diloco_mode and config.recover.store:
         raise ConfigError(
-            "[recover] mode = \"diloco\" runs on one node for now (the syncer ends the job when it saw every learner "
-            "end, which only one launcher sees): use --nnodes 1, or mode = \"sync\" across nodes"
+            f"[recover] mode = \"diloco\" on many nodes runs its syncer on node 0, at --rdzv-endpoint's host: "
+            f"use the embedded store (recover.store = \"\", not {config.recover.store!r}) with --rdzv-endpoint"
         )
 
 
@@ -300,8 +300,9 @@ def replica_job(config, options: dict, toml_path: str | None, overrides: list[st
         else:
             print(f"coordinator + {recover.replicas} replica groups{spares} x {nproc} processes")
         if plan.many:
-            print(plan.describe() + ("; hosts the job's store and runs the coordinator" if plan.rank == 0 and
-                                     not recover.store else ""))
+            hosts = "; hosts the job's store and runs the coordinator" + (" and the syncer" if recover.diloco_mode
+                                                                           else "")
+            print(plan.describe() + (hosts if plan.rank == 0 and not recover.store else ""))
         if devices is not None:
             print("GPUs per group: " + "; ".join(f"{g}: {','.join(d)}" for g, d in zip(plan.groups, devices)))
         return 0

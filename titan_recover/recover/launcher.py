@@ -357,8 +357,8 @@ class ReplicaJob:
         return leader == self.coordinator_identity
 
     def start_replicas(self) -> None:
-        """The syncer (diloco mode, docs/diloco.md), then one torchrun per replica group."""
-        if self.recover.diloco_mode:
+        """The syncer (diloco mode, node 0: docs/diloco.md), then one torchrun per replica group of this node."""
+        if self.recover.diloco_mode and self.plan.rank == 0:
             self.syncer = ReplicaSlot(-1, self.recover.diloco.syncer_max_restarts)
             self.start_syncer()
         self.slots = [ReplicaSlot(i, self.recover.max_restarts) for i in self.plan.groups]
@@ -389,13 +389,15 @@ class ReplicaJob:
                 self.base_env, f"[observer {slot.index}] ", log=f"observer_{slot.index}")
 
     def start_syncer(self) -> None:
-        """The syncer's current start; a restart resumes from its checkpoint."""
+        """The syncer's current start; a restart resumes from its checkpoint. On many nodes it serves the learners
+        at the host part of ``--rdzv-endpoint`` (node 0's address every node reaches), on every interface."""
         syncer, address, run_dir, ranks_per_replica = self.syncer, self.address, self.run_dir, self.ranks
         toml_path, overrides = self.toml_path, self.overrides
+        host = self.plan.endpoint[0] if self.plan.endpoint else "127.0.0.1"
         syncer.proc = self._start(
             [sys.executable, "-m", "titan_recover.recover.diloco.syncer", "--coordinator", address, "--run-dir",
-             run_dir, "--ranks", str(ranks_per_replica), "--start", str(syncer.incarnation),
-             *([toml_path] if toml_path else []), *overrides],
+             run_dir, "--ranks", str(ranks_per_replica), "--start", str(syncer.incarnation), "--host", host,
+             "--nodes", str(self.plan.nnodes), *([toml_path] if toml_path else []), *overrides],
             dict(self.base_env, OMP_NUM_THREADS="1"), "[syncer] ", log="syncer")
 
     # ---- restarts ----------------------------------------------------------------------------------------
@@ -540,6 +542,8 @@ class ReplicaJob:
         True if a cold restart started groups again meanwhile (the job goes on)."""
         if self.syncer is not None or self.stopped_by is not None:
             return False
+        if self.recover.diloco_mode:  # another node's syncer ends the job once every node's learners ended
+            self.store.set(DilocoKeys.learners_over(self.plan.rank), "1")
         if self.plan.many:
             return self.await_job_verdict()
         deadline = time.monotonic() + self.recover.agree_timeout_s
@@ -577,19 +581,24 @@ class ReplicaJob:
     # ---- the end -----------------------------------------------------------------------------------------
     def result(self) -> int:
         """The job's exit code (once the replica groups ended): 128 + the signal that stopped it; in diloco mode
-        1 if the syncer did not save the global model; otherwise 0 only if the coordinator saw the training
-        budget committed (every member finished without a stop), else 1 with the reason."""
+        1 if the syncer did not save the global model (node 0); otherwise 0 only if the job's verdict in the store
+        is ``trained`` (the coordinator saw the training budget committed, every member finished without a stop;
+        in diloco mode the syncer counted every block of the budget trained), else 1 with the reason."""
         codes = [slot.proc.returncode for slot in self.slots]
         finished = sum(1 for c in codes if c == 0)
         print(f"[titan_recover] replica exit codes {codes}; {finished} of {len(self.slots)} ended normally",
               file=sys.stderr, flush=True)
         if self.stopped_by is not None:
             return 128 + self.stopped_by
-        if self.syncer is not None:
-            return 0 if self.finish_syncer() else 1
+        if self.syncer is not None and not self.finish_syncer():
+            return 1
         verdict = self.store.get(GroupKeys.FINISHED).decode() if self.store.check([GroupKeys.FINISHED]) else ""
         if verdict == "trained":
             return 0
+        if self.recover.diloco_mode:
+            why = f"the syncer ended the job: {verdict}" if verdict else "the syncer recorded no end"
+            print(f"[titan_recover] the job did not train its budget: {why}", file=sys.stderr, flush=True)
+            return 1
         stop = self.store.get(GroupKeys.STOP).decode() if self.store.check([GroupKeys.STOP]) else ""
         print("[titan_recover] the job did not commit its training budget: " +
               (stop or "every replica group ended before the coordinator saw the last step committed"),
@@ -614,13 +623,19 @@ class ReplicaJob:
                   file=sys.stderr, flush=True)
 
     def finish_syncer(self) -> bool:
-        """The learners are over: the syncer merges what is left and saves the global model (restarted if it
-        crashes, within ``agree_timeout_s``). True if it did."""
-        syncer = self.syncer
+        """This node's learners are over: once every node's are, the syncer merges what is left and saves the global
+        model (restarted if it crashes, within ``agree_timeout_s``); until then learners of other nodes may still
+        train, and the syncer ends the job itself if none is alive for ``startup_timeout_s``. True if it did."""
+        syncer, nodes = self.syncer, self.plan.nnodes
         if syncer.proc.poll() is None:
-            self.store.set(DilocoKeys.LEARNERS_OVER, "1")
-        deadline = time.monotonic() + self.recover.agree_timeout_s
-        while syncer.proc.poll() != 0 and time.monotonic() < deadline:
+            self.store.set(DilocoKeys.learners_over(self.plan.rank), "1")
+        deadline = None
+        while syncer.proc.poll() != 0 and self.stopped_by is None:
+            self.supervise_coordinator()
+            if deadline is None and all(self.store.check([DilocoKeys.learners_over(n)]) for n in range(nodes)):
+                deadline = time.monotonic() + self.recover.agree_timeout_s
+            if deadline is not None and time.monotonic() > deadline:
+                break
             self.restart_syncer_if_crashed()
             if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0:
                 break

@@ -166,7 +166,6 @@ class DilocoKeys:
     SYNCER = "diloco/syncer"  # coordinator: "HOST:PORT GENERATION"
     GENERATION = "diloco/generation"  # coordinator: counter of syncer starts
     NEXT_BLOCK = "diloco/next_block"  # coordinator: counter of claimed data blocks
-    LEARNERS_OVER = "diloco/learners_over"  # coordinator: the launcher saw every learner end
     REQUEUED = "diloco/requeued"  # coordinator: counter of blocks given back (their learner died)
     BLOCKS_DONE = "diloco/blocks_done"  # coordinator: counter of blocks trained to the end (each counted once)
     COLLECTED_BELOW = "diloco/collected_below"  # coordinator: done keys of blocks below it deleted (blocks.collect_done)
@@ -176,6 +175,10 @@ class DilocoKeys:
     def block(learner: int) -> str:
         # coordinator: "BLOCK STEP START" (trained at inner step STEP by the learner's start START) or "done STEP START"
         return f"diloco/block/{learner}"
+
+    @staticmethod
+    def learners_over(node: int) -> str:
+        return f"diloco/learners_over/{node}"  # coordinator: this node's launcher saw each of its learners end
 
     @staticmethod
     def requeue(number: int) -> str:

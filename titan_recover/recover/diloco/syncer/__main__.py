@@ -1,7 +1,7 @@
 """The syncer process (docs/diloco.md), started and restarted by the launcher:
 
     python -m titan_recover.recover.diloco.syncer --coordinator HOST:PORT --run-dir DIR --ranks W [--start N]
-        [CONFIG.toml] [--section.key value ...]
+        [--host HOST] [--nodes N] [CONFIG.toml] [--section.key value ...]
 
 The config file and overrides are the run's own, as the launcher received them.
 """
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, required=True, help="ranks per learner")
     parser.add_argument("--start", type=int, default=0, help="how many times the syncer was started before")
     parser.add_argument("--host", default="127.0.0.1", help="address the learners reach this node at")
+    parser.add_argument("--nodes", type=int, default=1, help="launchers that run learners")
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="[syncer] %(asctime)s %(message)s")
     from titan_recover import platform
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(toml_path, rest)
     torch.set_num_threads(1)
     syncer = Syncer(config, coordinator_address=args.coordinator, run_dir=args.run_dir, ranks=args.ranks,
-                    start=args.start, host=args.host, port=config.recover.diloco.syncer_port if args.start == 0 else 0)
+                    start=args.start, host=args.host, port=config.recover.diloco.syncer_port if args.start == 0 else 0,
+                    nodes=args.nodes)
     return syncer.run()
 
 

@@ -41,12 +41,13 @@ of every learner's key each time; the keys grow by one per inner step of each le
 class Syncer:
     """``config``: the run's config (``[recover]``, ``[recover.diloco]``, ``[training]``, ``[chaos]``,
     ``[metrics]``, and what the validation loss needs). ``ranks``: ranks per learner. ``start``: how many times
-    the syncer was started before."""
+    the syncer was started before. ``host``: the address every learner reaches this node at; ``nodes``: how many
+    launchers run learners (each reports when its learners ended)."""
 
     def __init__(self, config, *, coordinator_address: str, run_dir: str, ranks: int, start: int = 0,
-                 host: str = "127.0.0.1", port: int = 0):
+                 host: str = "127.0.0.1", port: int = 0, nodes: int = 1):
         self.config, self.options = config, config.recover.diloco
-        self.learners, self.ranks = config.recover.replicas, ranks
+        self.learners, self.ranks, self.nodes = config.recover.replicas, ranks, nodes
         self.blocks = total_blocks(config.training.steps, self.learners)
         self.run_dir = run_dir
         self.coordinator = connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
@@ -71,6 +72,8 @@ class Syncer:
         self.end_reason = ""
         self.val_loss: float | None = None
         self._liveness_at = 0.0
+        self._someone_alive_at = time.monotonic()
+        """When a learner was last alive (or the loop started): none for ``startup_timeout_s`` ends the job."""
         self._collected_at = 0.0
         self._checkpoint_at = time.monotonic()
         self._eval_at = time.monotonic()
@@ -135,6 +138,8 @@ class Syncer:
         """A learner lost (neither alive nor done) gives back the block it was training: the block of the start
         last seen alive, never one a restart claimed since."""
         alive, done = self.liveness.judge()
+        if alive:
+            self._someone_alive_at = time.monotonic()
         for learner in sorted(self.alive - alive - done):
             given_back = requeue_block(self.coordinator, learner, self.who,
                                        incarnation_at_most=self.liveness.incarnation[learner])
@@ -218,15 +223,29 @@ class Syncer:
         return received
 
     def _over(self) -> bool:
-        """Every learner ended, or the budget is trained and every live learner has sent its last deltas (a learner
-        still restarting is not waited for: the blocks it held were given back and trained by others)."""
-        if self.coordinator.check([DilocoKeys.LEARNERS_OVER]):
+        """Every node's launcher saw its learners end, or the budget is trained and every live learner has sent its
+        last deltas (a learner still restarting is not waited for: the blocks it held were given back and trained
+        by others), or no learner was alive for ``startup_timeout_s`` (a node lost with its launcher reports
+        nothing; a restart beats well within that)."""
+        if all(self.coordinator.check([DilocoKeys.learners_over(n)]) for n in range(self.nodes)):
             self.end_reason = "every learner ended"
             return True
         if blocks_trained(self.coordinator) >= self.blocks and not self.alive:
             self.end_reason = f"the budget's {self.blocks} blocks are trained and no learner is running"
             return True
+        timeout = self.config.recover.startup_timeout_s
+        if not self.alive and time.monotonic() - self._someone_alive_at > timeout:
+            self.end_reason = f"no learner was alive for {timeout} s (recover.startup_timeout_s)"
+            return True
         return False
+
+    def verdict(self) -> str:
+        """What the job's store records at the end: ``trained`` once every block of the budget was trained, else
+        why not (the launchers exit with it)."""
+        done = blocks_trained(self.coordinator)
+        if done >= self.blocks:
+            return "trained"
+        return f"{self.end_reason}, with {done} of the budget's {self.blocks} blocks trained"
 
     def finish(self) -> int:
         """Every learner ended: merge what is left, evaluate, save the global model and the checkpoint."""
@@ -243,7 +262,7 @@ class Syncer:
                          goodput_tokens_per_s=self.progress.goodput(now), elapsed_s=now - self.progress.started_at,
                          val_loss=val_loss, versions=list(self.versions))
         self.metrics.close()
-        self.coordinator.set(GroupKeys.FINISHED, "1")
+        self.coordinator.set(GroupKeys.FINISHED, self.verdict())
         return 0
 
 
