@@ -301,6 +301,15 @@ def test_the_syncer_evaluates_on_cpu_or_a_gpu_no_learner_uses():
             DilocoConfig(eval_device=bad)
 
 
+def test_the_syncer_timeout_is_checked(launcher):
+    from titan_recover.recover.diloco.config import DilocoConfig
+
+    with pytest.raises(ValueError, match=r"recover.diloco.syncer_timeout_s must be > 0, got 0"):
+        DilocoConfig(syncer_timeout_s=0)
+    code, _, err = launcher("train_configs/diloco.toml", "--recover.diloco.syncer_timeout_s", "0.05", "--dry-run")
+    assert code == 2 and "syncer_timeout_s (0.05) must be larger than recover.heartbeat_interval_s (0.1)" in err, err
+
+
 def test_the_launcher_checks_where_the_syncer_evaluates(launcher, monkeypatch):
     """On CPU a GPU cannot be named; on a (mocked) node with 4 GPUs and 3 learners of 1 process, the fourth GPU can,
     a learner's cannot."""

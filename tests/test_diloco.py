@@ -132,6 +132,50 @@ def test_the_syncer_ends_the_job_once_every_node_reported_and_records_whether_th
     assert lost._over() and lost.end_reason == "no learner was alive for 30.0 s (recover.startup_timeout_s)"
 
 
+def test_the_syncer_gives_back_the_block_of_a_learner_whose_beat_stopped_never_one_its_restart_claimed(tmp_path):
+    """Learners 0-2 beat; learner 1's beat stops while it trains block 1: once the syncer has watched it still for
+    heartbeat_timeout_s it declares learner 1 lost and gives block 1 back. Learner 2's beat stops too, and its
+    restart, before its first beat, gives back block 2 itself, trains it again and claims block 3: the syncer, which
+    saw only start 0's beat go still, declares learner 2 lost but gives back nothing (block 3 is start 1's)."""
+    from titan_recover.recover.diloco import blocks
+    from titan_recover.recover.diloco.syncer.service import Syncer
+
+    config = _config("--recover.heartbeat_timeout_s", "0.3", "--recover.join_window_s", "0.2")
+    coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    syncer = Syncer(config, coordinator_address=f"127.0.0.1:{coordinator.port}", run_dir=str(tmp_path), ranks=1)
+
+    def beat(learner: int) -> None:
+        now = time.time()
+        coordinator.set(GroupKeys.heartbeat(learner), encode_group_beat({0: Heartbeat(now, now, 1, "inner")}))
+
+    def judge_until_lost(learner: int, beating: tuple[int, ...]) -> None:
+        deadline = time.monotonic() + 5
+        while learner in syncer.alive:
+            assert time.monotonic() < deadline, f"learner {learner} was never declared lost"
+            for other in beating:
+                beat(other)
+            time.sleep(0.05)
+            syncer._judge_liveness()
+
+    for learner in range(3):
+        assert blocks.claim_block(coordinator, f"{learner}.0") == learner
+        blocks.record_training(coordinator, learner, learner, step=0, incarnation=0)
+        beat(learner)
+    syncer._judge_liveness()
+    assert syncer.alive == {0, 1, 2}
+    judge_until_lost(1, beating=(0, 2))
+    assert syncer.alive == {0, 2}
+    assert blocks.claim_block(coordinator, "0.0") == 1  # given back, and taken
+    # learner 2 dies; before it beats, its restart gives back block 2, takes it again, then claims block 3
+    assert blocks.requeue_block(coordinator, 2, "2.1") == 2
+    assert blocks.claim_block(coordinator, "2.1") == 2 and blocks.claim_block(coordinator, "2.1") == 3
+    blocks.record_training(coordinator, 2, 3, step=1, incarnation=1)
+    judge_until_lost(2, beating=(0,))
+    assert blocks.claim_block(coordinator, "0.0") == 4  # block 3 was not given back
+    lost = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "learner_lost"]
+    assert [(e["learner"], e["requeued_block"]) for e in lost] == [(1, 1), (2, None)]
+
+
 def test_a_learner_withdraws_its_offer_even_one_whose_mark_was_never_written():
     from torch.distributed import HashStore
 
@@ -171,8 +215,9 @@ def test_learner_blocks_and_schedule():
 def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
     """3 learners of the tiny model, H = 4, 2 fragments, on two nodes: two launchers on this machine (node 0:
     learners 0 and 1, the job's store, the coordinator and the syncer; node 1: learner 2). Learner 1 is killed at
-    its step 30 and restarted by node 0's launcher; learner 2 is 3x slower from step 2; the syncer is killed right
-    after its 12th merge and restarted from its checkpoint. Both launchers exit 0 once the syncer counted the
+    its step 30 and restarted by node 0's launcher; learner 2 is 3x slower from step 2; the syncer hangs (SIGSTOP)
+    right after its 12th merge: its beat stops, node 0's launcher kills it after syncer_timeout_s and restarts it
+    from its checkpoint. Both launchers exit 0 once the syncer counted the
     budget trained. One node is the same code with one launcher's report of its learners' end.
 
     The launchers start together. On this 2-core machine node 1's one process tree starts well before node 0's
@@ -185,16 +230,18 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
         # and the straggler can only be seen not waited for while the other two fast learners are both alive
         {"kind": "kill", "replica": 1, "rank": 0, "step": 30, "phase": "forward"},
         {"kind": "slow", "replica": 2, "rank": 0, "step": 2, "factor": 3.0},
-        {"kind": "kill", "process": "syncer", "step": 12, "phase": "merge"},
+        {"kind": "hang", "process": "syncer", "step": 12, "phase": "merge"},
     ]
     fault_toml = "[" + ", ".join(
         "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.items()) + "}" for f in faults) + "]"
     max_window_s = 2.0
+    syncer_timeout_s = 8.0  # well above a pass of the tiny model's syncer loop on 2 busy cores
     args = (
         "train_configs/diloco.toml", "--model.flavor", "tiny",
         "--training.steps", str(steps), "--recover.diloco.inner_steps", str(period),
         "--recover.diloco.max_window_s", str(max_window_s), "--recover.diloco.checkpoint_interval_s", "1",
         "--recover.diloco.eval_interval_s", "0", "--recover.heartbeat_timeout_s", "2.0",
+        "--recover.diloco.syncer_timeout_s", str(syncer_timeout_s),
         "--dump_folder", str(tmp_path), "--chaos.faults", fault_toml,
     )
     node0, node1 = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2, f"127.0.0.1:{free_port()}")],
@@ -209,7 +256,7 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
 
     # every fault fired
     fired = {(e.get("process", "trainer"), e["kind"], e["step"]) for e in by_kind["fault_injected"]}
-    assert fired == {("trainer", "kill", 30), ("trainer", "slow", 2), ("syncer", "kill", 12)}, fired
+    assert fired == {("trainer", "kill", 30), ("trainer", "slow", 2), ("syncer", "hang", 12)}, fired
 
     # the killed learner was restarted by its node's launcher; its block was given back and trained by a learner
     # alive. Whether its restart (process start-up: 20-30 s on 2 busy cores) comes back before the budget is trained
@@ -233,8 +280,12 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     retrained = [e for e in by_kind["block_claimed"] if e["block"] == killed_block][1]
     assert (retrained["replica"], retrained["incarnation"]) != (1, 0)
 
-    # the syncer crashed and resumed from its checkpoint, and merged again after that
+    # the syncer hung, was ended once its beat had been still for syncer_timeout_s, resumed from its checkpoint,
+    # and merged again after that
+    assert "the syncer made no progress for" in node0.stderr and "syncer_timeout_s" in node0.stderr
     started = by_kind["syncer_started"]
+    hung = next(e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer")
+    assert started[1]["time"] - hung > syncer_timeout_s  # not ended before its beat was still that long
     assert [e["resumed"] for e in started] == [False, True]
     assert started[1]["merges"] >= 1 and started[1]["generation"] > started[0]["generation"]
     merges = by_kind["fragment_merged"]
@@ -250,10 +301,12 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
         assert abs(sum(e["weights"].values()) - 1) < 1e-12
     assert any(2 not in e["learners"] and 2 in e["alive"] for e in merges)  # the straggler was not waited for
     assert any(2 in e["learners"] for e in merges)  # ... and its deltas count when they arrive
-    # the dead learner was not waited for. Whether the syncer saw it die depends on how the two kills fell in
-    # time (a learner's step 30 and the syncer's merge 12: their order moves with the machine's load): the syncer
-    # judges a learner lost after heartbeat_timeout_s (2 s) of silence that it watched itself, so the claims are
-    # conditioned on how long the syncer was up while learner 1 was dead, measured in this run
+    # the dead learner was not waited for: rounds close on the quorum of the others within max_window_s, so while it
+    # was dead and the syncer up, some closed without it. Whether the syncer also declared it lost is not asserted:
+    # it judges a learner lost after watching its beat still for heartbeat_timeout_s (2 s), and the learner's restart
+    # beats from its process start, long before it trains (20-30 s here), so whether the syncer, itself restarted
+    # meanwhile, watched that silence long enough depends on the load. Its block was given back once either way
+    # (above), by the syncer or by the restart.
     died = next(e["time"] for e in by_kind["fault_injected"] if e.get("replica") == 1 and e["kind"] == "kill")
     back = starts[(1, 1)]["time"] if (1, 1) in starts else by_kind["job_finished"][0]["time"]
     syncer_down = (next(e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer"),
@@ -262,8 +315,6 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     up_while_dead = back - died - overlap
     lost = [e for e in by_kind["learner_lost"] if e["learner"] == 1]
     without_1 = [e for e in merges if died < e["time"] < back and 1 not in e["learners"]]
-    if up_while_dead > 2 * 2.0:
-        assert lost and any(e["time"] > lost[0]["time"] for e in without_1), (up_while_dead, lost)
     if up_while_dead > 2 * max_window_s:  # rounds close within max_window_s: some closed without the dead one
         assert without_1, up_while_dead
     assert not lost or lost[0]["time"] > died  # a loss is never declared before the death

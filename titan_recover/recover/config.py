@@ -155,6 +155,10 @@ class RecoverConfig:
             if self.diloco.min_quorum > self.replicas:
                 raise ValueError(f"recover.diloco.min_quorum ({self.diloco.min_quorum}) cannot exceed "
                                  f"recover.replicas ({self.replicas})")
+            if self.diloco.syncer_timeout_s <= self.heartbeat_interval_s:
+                raise ValueError(f"recover.diloco.syncer_timeout_s ({self.diloco.syncer_timeout_s}) must be larger "
+                                 f"than recover.heartbeat_interval_s ({self.heartbeat_interval_s}), how often the "
+                                 "syncer beats")
         if self.mode == "checkpoint_restart" and self.spares:
             raise ValueError("recover.mode = \"checkpoint_restart\" restarts the whole job on a failure: there is no "
                              "share for a spare to take over; set recover.spares = 0")

@@ -210,6 +210,7 @@ class ReplicaJob:
         self.coordinator_beat = BeatWatch(b"", self.recover.coordinator_timeout_s, self.recover.startup_timeout_s)
         self.slots: list[ReplicaSlot] = []
         self.syncer: ReplicaSlot | None = None
+        self.syncer_beat = BeatWatch(b"", self.recover.diloco.syncer_timeout_s, self.recover.startup_timeout_s)
         self.cold_restarted = -1
         """The latest cold restart (its empty epoch) this launcher restarted its groups for."""
 
@@ -394,13 +395,34 @@ class ReplicaJob:
         syncer, address, run_dir, ranks_per_replica = self.syncer, self.address, self.run_dir, self.ranks
         toml_path, overrides = self.toml_path, self.overrides
         host = self.plan.endpoint[0] if self.plan.endpoint else "127.0.0.1"
+        # held to startup_timeout_s until this start beats: a previous start's last beat is no evidence of it
+        self.syncer_beat = BeatWatch(self._syncer_beat(), self.recover.diloco.syncer_timeout_s,
+                                     self.recover.startup_timeout_s)
         syncer.proc = self._start(
             [sys.executable, "-m", "titan_recover.recover.diloco.syncer", "--coordinator", address, "--run-dir",
              run_dir, "--ranks", str(ranks_per_replica), "--start", str(syncer.incarnation), "--host", host,
              "--nodes", str(self.plan.nnodes), *([toml_path] if toml_path else []), *overrides],
             dict(self.base_env, OMP_NUM_THREADS="1"), "[syncer] ", log="syncer")
 
+    def _syncer_beat(self) -> bytes:
+        return self.store.get(DilocoKeys.SYNCER_BEAT) if self.store.check([DilocoKeys.SYNCER_BEAT]) else b""
+
     # ---- restarts ----------------------------------------------------------------------------------------
+    def supervise_syncer(self) -> None:
+        """A syncer whose beat stayed unchanged for ``syncer_timeout_s`` (``startup_timeout_s`` before its first)
+        is hung: it is killed, and restarted from its checkpoint while it has restarts left."""
+        syncer = self.syncer
+        if syncer.proc.poll() is None and self.stopped_by is None:
+            quiet, bound = self.syncer_beat.quiet_s(self._syncer_beat(), time.monotonic())
+            if quiet > bound:
+                setting = ("recover.diloco.syncer_timeout_s" if bound == self.recover.diloco.syncer_timeout_s
+                           else "recover.startup_timeout_s")
+                print(f"[titan_recover] the syncer made no progress for {quiet:.1f} s ({setting} = {bound}): "
+                      "ending it", file=sys.stderr, flush=True)
+                _signal_group(syncer.proc, signal.SIGKILL)
+                syncer.proc.wait()
+        self.restart_syncer_if_crashed()
+
     def restart_syncer_if_crashed(self) -> None:
         syncer = self.syncer
         if syncer.proc.poll() not in (None, 0) and syncer.restarts_left > 0 and self.stopped_by is None:
@@ -526,7 +548,7 @@ class ReplicaJob:
             if self.syncer is not None:
                 if self.syncer.proc.poll() == 0:  # the budget is trained
                     break
-                self.restart_syncer_if_crashed()
+                self.supervise_syncer()
             self.supervise_coordinator()
             self.restart_every_group()
             over, dropped = self.job_state()
@@ -636,7 +658,7 @@ class ReplicaJob:
                 deadline = time.monotonic() + self.recover.agree_timeout_s
             if deadline is not None and time.monotonic() > deadline:
                 break
-            self.restart_syncer_if_crashed()
+            self.supervise_syncer()
             if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0:
                 break
             time.sleep(0.1)

@@ -49,6 +49,11 @@ class DilocoConfig:
     syncer_port: int = 0
     """TCP port of the syncer's store; 0 picks a free one (its address is published through the coordinator)."""
 
+    syncer_timeout_s: float = 60.0
+    """A syncer whose beat in the job's store stayed unchanged this long is hung: the launcher kills it and restarts
+    it from its checkpoint. It beats once per pass of its loop, so this bounds its longest pass: a merge, a
+    checkpoint write, an evaluation of the global model (raise it for a large model's validation slice)."""
+
     def __post_init__(self) -> None:
         for name in ("inner_steps", "fragments", "min_quorum", "eval_microbatches"):
             if getattr(self, name) < 1:
@@ -56,6 +61,8 @@ class DilocoConfig:
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError("recover.diloco.outer_lr must be > 0 and outer_momentum in [0, 1), got "
                              f"{self.outer_lr} and {self.outer_momentum}")
+        if self.syncer_timeout_s <= 0:
+            raise ValueError(f"recover.diloco.syncer_timeout_s must be > 0, got {self.syncer_timeout_s}")
         for name in ("max_window_s", "checkpoint_interval_s", "eval_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"recover.diloco.{name} must be >= 0, got {getattr(self, name)}")

@@ -165,6 +165,7 @@ class DilocoKeys:
 
     SYNCER = "diloco/syncer"  # coordinator: "HOST:PORT GENERATION"
     GENERATION = "diloco/generation"  # coordinator: counter of syncer starts
+    SYNCER_BEAT = "diloco/syncer_beat"  # coordinator: "GENERATION:TIME", rewritten by each pass of the syncer's loop
     NEXT_BLOCK = "diloco/next_block"  # coordinator: counter of claimed data blocks
     REQUEUED = "diloco/requeued"  # coordinator: counter of blocks given back (their learner died)
     BLOCKS_DONE = "diloco/blocks_done"  # coordinator: counter of blocks trained to the end (each counted once)

@@ -72,6 +72,7 @@ class Syncer:
         self.end_reason = ""
         self.val_loss: float | None = None
         self._liveness_at = 0.0
+        self._beaten = 0.0
         self._someone_alive_at = time.monotonic()
         """When a learner was last alive (or the loop started): none for ``startup_timeout_s`` ends the job."""
         self._collected_at = 0.0
@@ -83,6 +84,14 @@ class Syncer:
         return self.model.versions
 
     # ---- start -------------------------------------------------------------------------------------------
+    def beat(self) -> None:
+        """Tell the launcher this start makes progress (at most every ``heartbeat_interval_s``): each pass of the
+        loop, and while it waits for the initial model; a beat unchanged for ``syncer_timeout_s`` is a hang."""
+        now = time.monotonic()
+        if now - self._beaten >= self.config.recover.heartbeat_interval_s:
+            self.coordinator.set(DilocoKeys.SYNCER_BEAT, f"{self.generation}:{time.time():.6f}")
+            self._beaten = now
+
     def publish_address(self) -> None:
         self.coordinator.set(DilocoKeys.SYNCER, f"{self.address} {self.generation}")
 
@@ -118,6 +127,7 @@ class Syncer:
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError("no learner offered its parameters within recover.startup_timeout_s")
+            self.beat()
             time.sleep(POLL_S)
 
     # ---- state -------------------------------------------------------------------------------------------
@@ -207,6 +217,7 @@ class Syncer:
 
     def _tick(self, now: float) -> int:
         """One pass of the loop: liveness, deltas, merges, and the checkpoint and evaluation when due."""
+        self.beat()
         if now - self._liveness_at > LIVENESS_EVERY_S:
             self._judge_liveness()
             self._liveness_at = now
@@ -249,6 +260,7 @@ class Syncer:
 
     def finish(self) -> int:
         """Every learner ended: merge what is left, evaluate, save the global model and the checkpoint."""
+        self.beat()
         now = time.time()
         for f in range(self.model.fragments):
             self._maybe_merge(f, now, final=True)
