@@ -147,18 +147,7 @@ class RecoverConfig:
             raise ValueError(f"recover.mode = \"single\" trains one replica, got recover.replicas = {self.replicas}; "
                              "set mode = \"sync\" (or \"diloco\", \"checkpoint_restart\") for replica groups")
         if self.mode == "diloco":
-            if self.replicas < 2:
-                raise ValueError("recover.mode = \"diloco\" needs learners: set recover.replicas >= 2")
-            if self.spares:
-                raise ValueError("recover.spares is for the synchronous mode: a diloco learner never waits for "
-                                 "another, so there is no share to take over; set recover.spares = 0")
-            if self.diloco.min_quorum > self.replicas:
-                raise ValueError(f"recover.diloco.min_quorum ({self.diloco.min_quorum}) cannot exceed "
-                                 f"recover.replicas ({self.replicas})")
-            if self.diloco.syncer_timeout_s <= self.heartbeat_interval_s:
-                raise ValueError(f"recover.diloco.syncer_timeout_s ({self.diloco.syncer_timeout_s}) must be larger "
-                                 f"than recover.heartbeat_interval_s ({self.heartbeat_interval_s}), how often the "
-                                 "syncer beats")
+            self._check_diloco()
         if self.mode == "checkpoint_restart" and self.spares:
             raise ValueError("recover.mode = \"checkpoint_restart\" restarts the whole job on a failure: there is no "
                              "share for a spare to take over; set recover.spares = 0")
@@ -199,6 +188,20 @@ class RecoverConfig:
                     "progress_timeout_s and heartbeat_interval_s < coordinator_timeout_s < agree_timeout_s "
                     "(docs/replica_groups.md)"
                 )
+
+    def _check_diloco(self) -> None:
+        if self.replicas < 2:
+            raise ValueError("recover.mode = \"diloco\" needs learners: set recover.replicas >= 2")
+        if self.spares:
+            raise ValueError("recover.spares is for the synchronous mode: a diloco learner never waits for "
+                             "another, so there is no share to take over; set recover.spares = 0")
+        if self.diloco.min_quorum > self.replicas:
+            raise ValueError(f"recover.diloco.min_quorum ({self.diloco.min_quorum}) cannot exceed "
+                             f"recover.replicas ({self.replicas})")
+        if self.diloco.syncer_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(f"recover.diloco.syncer_timeout_s ({self.diloco.syncer_timeout_s}) must be larger "
+                             f"than recover.heartbeat_interval_s ({self.heartbeat_interval_s}), how often the "
+                             "syncer beats")
 
     @property
     def resolved_mode(self) -> str:
