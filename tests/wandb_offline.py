@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
+import time
 from dataclasses import dataclass, field
 
 _BLOCK, _HEADER = 32768, 7
@@ -45,12 +46,30 @@ class OfflineRun:
     """``{step: {key: value}}``, every logged row merged by its step."""
 
 
+def finished_records(path: pathlib.Path, timeout_s: float = 20.0) -> list:
+    """The file's records once its run's ``exit`` record is in. ``run.finish()`` can return before wandb's service
+    has written the whole file (seen once in a full suite: the file read right after held no ``run`` record yet), so
+    this reads again until the exit record is there, ``timeout_s`` at most."""
+    from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            found = list(records(path)) if path.stat().st_size >= _HEADER else []
+        except DecodeError:  # a record cut where the writer had got to
+            found = []
+        if any(r.WhichOneof("record_type") == "exit" for r in found):
+            return found
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout_s} s: the run did not finish"
+        time.sleep(0.1)
+
+
 def read_run(folder: pathlib.Path) -> OfflineRun:
-    """The one offline run under ``folder`` (``<folder>/offline-run-*/run-*.wandb``)."""
+    """The one offline run under ``folder`` (``<folder>/offline-run-*/run-*.wandb``), once it is written whole."""
     files = sorted(folder.glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, f"expected one offline wandb run under {folder}, found {files}"
     run = OfflineRun()
-    for record in records(files[0]):
+    for record in finished_records(files[0]):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run.name, run.group, run.project = record.run.display_name, record.run.run_group, record.run.project
