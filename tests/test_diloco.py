@@ -217,8 +217,8 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     learners 0 and 1, the job's store, the coordinator and the syncer; node 1: learner 2). Learner 1 is killed at
     its step 30 and restarted by node 0's launcher; learner 2 is 3x slower from step 2; the syncer hangs (SIGSTOP)
     right after its 12th merge: its beat stops, node 0's launcher kills it after syncer_timeout_s and restarts it
-    from its checkpoint. Both launchers exit 0 once the syncer counted the
-    budget trained. One node is the same code with one launcher's report of its learners' end.
+    from its checkpoint. Both launchers exit 0 once the syncer counted the budget trained. One node is the same
+    code with one launcher's report of its learners' end.
 
     The launchers start together. On this 2-core machine node 1's one process tree starts well before node 0's
     four (coordinator, syncer, two learners): learner 2 trains alone at first, as on a cluster whose nodes come up
@@ -226,8 +226,8 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     # 288 blocks (one inner step each): ~20 s of training, longer than a syncer restart
     steps, period, learners = 96, 4, 3
     faults = [
-        # step 30, not earlier: the learners start up to ~0.5 s apart on 2 busy cores (~7 steps of the tiny model),
-        # and the straggler can only be seen not waited for while the other two fast learners are both alive
+        # step 30, not earlier: learners 0 and 1 start up to ~0.5 s apart on 2 busy cores (~7 steps of the tiny
+        # model), and the straggler can only be seen not waited for while the other two fast learners are both alive
         {"kind": "kill", "replica": 1, "rank": 0, "step": 30, "phase": "forward"},
         {"kind": "slow", "replica": 2, "rank": 0, "step": 2, "factor": 3.0},
         {"kind": "hang", "process": "syncer", "step": 12, "phase": "merge"},
