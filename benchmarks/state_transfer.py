@@ -5,8 +5,8 @@ gloo broadcast of the same number of bytes in one tensor between the same two pr
 
 Two processes; the state is a stack of ``--layers`` square linear layers of width ``--width`` with AdamW state after
 one step (about 12 bytes per parameter: fp32 weights + two fp32 moments; the defaults make 2.3 GiB, so one raw
-broadcast lasts long enough on loopback to be timed stably: at 1.1 GiB and 5-7 rounds the median ratio of two runs of
-the same code was 0.79 and 1.01). ``--rounds`` interleaved rounds: each round times one
+broadcast lasts long enough on loopback to be timed stably: at 1.1 GiB and 5 rounds one run's round ratios spread
+from 0.49 to 1.07, docs/benchmarks.md). ``--rounds`` interleaved rounds: each round times one
 transfer and one raw broadcast back to back, the order alternating. Each round gives a ratio (raw / transfer of
 that round); printed: median, min and max of both times and of the ratio, and every round.
 

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
 
 import torch
 
@@ -192,12 +191,10 @@ def assert_all_equal_reference(reference, folder, events, replicas):
             assert record["recover/tokens"] == ref[step]["recover/tokens"], (replica, step)
 
 
-def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
-                 start_when: dict[int, Callable[[], bool]] | None = None) -> list[subprocess.CompletedProcess]:
-    """Start one launcher per node (``node_args[i]``: node ``i``'s arguments) and wait for all of them; node ``i``
-    starts at once, or once ``start_when[i]()`` is true (a node that comes up late). On timeout every launcher gets
-    SIGTERM, then SIGKILL, and every process of the run is killed. Their output goes to files, not pipes: a
-    launcher started first must not block on a full pipe while the next waits."""
+def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280) -> list[subprocess.CompletedProcess]:
+    """Start one launcher per node (``node_args[i]``: node ``i``'s arguments) at once and wait for all of them; on
+    timeout every launcher gets SIGTERM, then SIGKILL, and every process of the run is killed. Their output goes to
+    files, not pipes: nothing blocks on a full pipe while another launcher is waited for."""
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as the one-node reference: bitwise results need equal threads
     deadline = time.monotonic() + timeout
     outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in node_args]
@@ -212,11 +209,6 @@ def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
 
     try:
         for i, args in enumerate(node_args):
-            condition = (start_when or {}).get(i)
-            while condition is not None and not condition():
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(args, timeout)
-                time.sleep(0.2)
             procs.append(subprocess.Popen([sys.executable, "-m", "titan_recover.launch", *args], cwd=ROOT, env=env,
                                           stdout=outputs[i][0], stderr=outputs[i][1], text=True))
         for proc in procs:
@@ -233,7 +225,7 @@ def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
         for pid in processes_of_run(str(folder)):
             os.kill(pid, signal.SIGKILL)
         texts = [read(i) for i in range(len(procs))]
-        raise AssertionError(f"launchers timed out ({len(procs)} of {len(node_args)} started):\n" +
+        raise AssertionError("launchers timed out:\n" +
                              "\n".join(out[-2000:] + err[-2000:] for out, err in texts)) from None
     results = [subprocess.CompletedProcess(args, proc.returncode, *read(i))
                for i, (args, proc) in enumerate(zip(node_args, procs))]

@@ -341,8 +341,25 @@ class ReplicaJob:
         self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
                                           self.recover.startup_timeout_s)
 
+    def _beat_of(self, key: str) -> bytes:
+        """A process's beat in the job's store (empty before its first)."""
+        return self.store.get(key) if self.store.check([key]) else b""
+
     def _coordinator_beat(self) -> bytes:
-        return self.store.get(GroupKeys.COORDINATOR_BEAT) if self.store.check([GroupKeys.COORDINATOR_BEAT]) else b""
+        return self._beat_of(GroupKeys.COORDINATOR_BEAT)
+
+    def _end_if_hung(self, what: str, proc: subprocess.Popen, watch: BeatWatch, beat: bytes, setting: str) -> bool:
+        """Kill ``proc`` (named ``what``) if its ``beat`` stayed unchanged longer than ``watch``'s bound (``setting``
+        once it beat, ``startup_timeout_s`` before); True if it did."""
+        quiet, bound = watch.quiet_s(beat, time.monotonic())
+        if quiet <= bound:
+            return False
+        named = setting if bound == watch.timeout_s else "recover.startup_timeout_s"
+        print(f"[titan_recover] the {what} made no progress for {quiet:.1f} s ({named} = {bound}): ending it",
+              file=sys.stderr, flush=True)
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+        return True
 
     def coordinator_leads(self) -> bool:
         """Whether this node's coordinator is the one coordinating (always, without standbys). When the leader
@@ -405,22 +422,15 @@ class ReplicaJob:
             dict(self.base_env, OMP_NUM_THREADS="1"), "[syncer] ", log="syncer")
 
     def _syncer_beat(self) -> bytes:
-        return self.store.get(DilocoKeys.SYNCER_BEAT) if self.store.check([DilocoKeys.SYNCER_BEAT]) else b""
+        return self._beat_of(DilocoKeys.SYNCER_BEAT)
 
     # ---- restarts ----------------------------------------------------------------------------------------
     def supervise_syncer(self) -> None:
         """A syncer whose beat stayed unchanged for ``syncer_timeout_s`` (``startup_timeout_s`` before its first)
         is hung: it is killed, and restarted from its checkpoint while it has restarts left."""
-        syncer = self.syncer
-        if syncer.proc.poll() is None and self.stopped_by is None:
-            quiet, bound = self.syncer_beat.quiet_s(self._syncer_beat(), time.monotonic())
-            if quiet > bound:
-                setting = ("recover.diloco.syncer_timeout_s" if bound == self.recover.diloco.syncer_timeout_s
-                           else "recover.startup_timeout_s")
-                print(f"[titan_recover] the syncer made no progress for {quiet:.1f} s ({setting} = {bound}): "
-                      "ending it", file=sys.stderr, flush=True)
-                _signal_group(syncer.proc, signal.SIGKILL)
-                syncer.proc.wait()
+        if self.syncer.proc.poll() is None and self.stopped_by is None:
+            self._end_if_hung("syncer", self.syncer.proc, self.syncer_beat, self._syncer_beat(),
+                              "recover.diloco.syncer_timeout_s")
         self.restart_syncer_if_crashed()
 
     def restart_syncer_if_crashed(self) -> None:
@@ -465,14 +475,10 @@ class ReplicaJob:
         if code is None:
             if not self.coordinator_leads():
                 return  # a standby: the leading coordinator's launcher watches its beat
-            quiet, bound = self.coordinator_beat.quiet_s(self._coordinator_beat(), time.monotonic())
-            if quiet <= bound:
+            if not self._end_if_hung("coordinator", slot.proc, self.coordinator_beat, self._coordinator_beat(),
+                                     "recover.coordinator_timeout_s"):
                 return
-            print(f"[titan_recover] the coordinator made no progress for {quiet:.1f} s (recover."
-                  f"{'coordinator_timeout_s' if bound == self.recover.coordinator_timeout_s else 'startup_timeout_s'}"
-                  f" = {bound}): ending it", file=sys.stderr, flush=True)
-            _signal_group(slot.proc, signal.SIGKILL)
-            code = slot.proc.wait()
+            code = slot.proc.returncode
         if slot.ended_incarnation == slot.incarnation:
             return  # given up already
         if slot.restarts_left > 0:

@@ -43,6 +43,16 @@ def record_trained(coordinator, learner: int, block: int, step: int, incarnation
     coordinator.set(DilocoKeys.block(learner), f"done {step} {incarnation}")
 
 
+def held(coordinator, learner: int) -> tuple[str, int, int] | None:
+    """What ``learner``'s key says (:func:`record_training`, :func:`record_trained`): its block, or ``"done"``; the
+    inner step; the start that wrote it. None before its first claim."""
+    key = DilocoKeys.block(learner)
+    if not coordinator.check([key]):
+        return None
+    block, step, incarnation = coordinator.get(key).decode().split()
+    return block, int(step), int(incarnation)
+
+
 def collect_done(coordinator, learners: int) -> int:
     """Delete the done keys of blocks nobody can finish again, so that they do not grow with the job; returns the
     block below which they are collected. Called by the syncer only, in the thread that gives blocks back.
@@ -56,11 +66,9 @@ def collect_done(coordinator, learners: int) -> int:
     start = int(coordinator.add(DilocoKeys.COLLECTED_BELOW, 0))
     end = int(coordinator.add(DilocoKeys.NEXT_BLOCK, 0))
     for learner in range(learners):
-        key = DilocoKeys.block(learner)
-        if coordinator.check([key]):
-            current = coordinator.get(key).decode().split()[0]
-            if current != "done":
-                end = min(end, int(current))
+        record = held(coordinator, learner)
+        if record is not None and record[0] != "done":
+            end = min(end, int(record[0]))
     for block in range(start, end):
         if not coordinator.check([DilocoKeys.requeued_of(block)]):
             coordinator.delete_key(DilocoKeys.done_of(block))
@@ -76,9 +84,8 @@ def blocks_trained(coordinator) -> int:
 def last_step(coordinator, learner: int) -> int | None:
     """The inner step of the block ``learner`` trained or finished last (its restart continues from it), or None
     before its first claim."""
-    if not coordinator.check([DilocoKeys.block(learner)]):
-        return None
-    return int(coordinator.get(DilocoKeys.block(learner)).split()[1])
+    record = held(coordinator, learner)
+    return None if record is None else record[1]
 
 
 def share_claim(coordinator, learner: int, incarnation: int, count: int, block: int) -> None:
@@ -103,13 +110,14 @@ def requeue_block(coordinator, learner: int, who: str, *, incarnation_at_most: i
     heartbeats that may be a moment old; by the time it reads the learner's key a restart may have claimed a new
     block there, which is not the dead start's to give back (it would be trained twice). The restart gave back its
     predecessor's block before its first claim."""
-    if not coordinator.check([DilocoKeys.block(learner)]):
+    record = held(coordinator, learner)
+    if record is None:
         return None
-    block, _, incarnation = coordinator.get(DilocoKeys.block(learner)).decode().split()
-    if block == "done" or incarnation_at_most is not None and int(incarnation) > incarnation_at_most:
+    block, _, incarnation = record
+    if block == "done" or incarnation_at_most is not None and incarnation > incarnation_at_most:
         return None
     # once per hold: a block given back, taken by another learner that dies too, is given back again
-    if not set_once(coordinator, DilocoKeys.give_back(int(block), learner, int(incarnation)), who):
+    if not set_once(coordinator, DilocoKeys.give_back(int(block), learner, incarnation), who):
         return None
     coordinator.set(DilocoKeys.requeued_of(int(block)), who)  # before the learner's key can name another block
     number = coordinator.add(DilocoKeys.REQUEUED, 1) - 1

@@ -74,7 +74,7 @@ class Syncer:
         self._liveness_at = 0.0
         self._beaten = 0.0
         self._someone_alive_at = time.monotonic()
-        """When a learner was last alive (or the loop started): none for ``startup_timeout_s`` ends the job."""
+        """When a learner was last alive (or this syncer started): none for ``startup_timeout_s`` ends the job."""
         self._collected_at = 0.0
         self._checkpoint_at = time.monotonic()
         self._eval_at = time.monotonic()
