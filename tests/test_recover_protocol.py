@@ -358,18 +358,57 @@ def test_only_the_starts_a_launcher_named_found_the_epoch_after_a_cold_restart()
     assert founders({}, {0: -1, 1: -1}, ranks_per_replica=2) == ((), True)
 
 
-def test_a_restarted_coordinator_resumes_the_epoch_it_was_publishing(tmp_path):
+class _Starts:
+    """The store each start of the coordinator writes through. ``tcp``: the launcher's store, the same for every
+    start. ``etcd``: each start leads once the start before it lost its lease (revoked here: its death), and writes
+    through its fenced store, as a standby coordinator does (coordinator_process.py)."""
+
+    def __init__(self, kind: str, request):
+        self.kind, self.election, self.count = kind, None, 0
+        if kind == "tcp":
+            self.store = job_store()
+        else:
+            from datetime import timedelta
+            import uuid
+
+            from titan_recover.recover.stores import open_store
+
+            self.store = open_store(f"etcd://{request.getfixturevalue('etcd_server')}",
+                                    timeout=timedelta(seconds=5), prefix=f"resume-{uuid.uuid4().hex}")
+
+    def next(self):
+        if self.kind == "tcp":
+            return self.store
+        from datetime import timedelta
+
+        from etcd3gw.lease import Lease
+
+        from titan_recover.recover.groups.keys import GroupKeys
+        from titan_recover.recover.stores.leader import LeaderElection
+
+        if self.election is not None:  # the previous start dies: its lease lapses
+            self.store.cluster.call(lambda client: Lease(self.election.lease, client=client).revoke())
+        self.count += 1
+        self.election = LeaderElection(self.store, GroupKeys.COORDINATOR_LEADER, f"start-{self.count}")
+        self.election.campaign(timedelta(seconds=5))
+        return self.election.fenced()
+
+
+@pytest.mark.parametrize("kind", ["tcp", pytest.param("etcd", marks=pytest.mark.multiprocess)])
+def test_a_restarted_coordinator_resumes_the_epoch_it_was_publishing(tmp_path, kind, request):
     """A coordinator dies after writing epoch 1's state ahead and before members can read the epoch (as the
     ``publish`` chaos phase does): the next start publishes exactly that epoch, keeps the incarnations and the
-    drop, and a fault it did not see while nobody coordinated is handled once it is back."""
+    drop, and a fault it did not see while nobody coordinated is handled once it is back. On the launcher's store,
+    and on etcd, where each start is a newly elected leader writing through its fence."""
     from titan_recover.recover.events import read_events
     from titan_recover.recover.groups.coordinator import Coordinator
     from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag
     from titan_recover.recover.groups.protocol import CoordinatorState, decode_members
 
-    store = job_store()
+    starts = _Starts(kind, request)
+    store = starts.store
     config = RecoverConfig(replicas=3, join_window_s=0.3, heartbeat_timeout_s=2.0)
-    first = Coordinator(config, store, replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
+    first = Coordinator(config, starts.next(), replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
     first.incarnation = {0: 0, 1: 0, 2: 0}
     first._publish(0, (0, 1, 2), (), "all replicas registered", timing={})
     first.dropped[1] = 0
@@ -377,17 +416,22 @@ def test_a_restarted_coordinator_resumes_the_epoch_it_was_publishing(tmp_path):
                                  dict(first.dropped)))  # ... and dies here
     assert int(store.get(GroupKeys.EPOCH)) == 0
 
-    second = Coordinator(config, store, replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
+    second = Coordinator(config, starts.next(), replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
     assert second.start == 1 and second._resume()
     assert int(store.get(GroupKeys.EPOCH)) == 1 and second.members == (0, 2)
     assert decode_members(store.get(GroupKeys.members(1))) == ((0, 2), "replica 1 lost")
     assert store.get(GroupKeys.dropped(1)).decode().startswith("0|")
     assert second.incarnation == {0: 0, 1: 0, 2: 0}
+    if kind == "etcd":  # the dead start's fence refuses its writes
+        from titan_recover.recover.stores.etcd import NotLeader
+
+        with pytest.raises(NotLeader, match="start-2 holds it"):
+            first._beat()
 
     # a fault raised while no coordinator ran: the next start forms the epoch after it from who joins
     raise_fault_flag(store, 1, "replica 2 rank 0: collective failed")
     store.set(GroupKeys.join(2, 0, 0), "1")
-    third = Coordinator(config, store, replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
+    third = Coordinator(config, starts.next(), replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
     assert third._resume() and third.epoch == 1
     third._form_next_epoch()
     assert third.epoch == 2 and third.members == (0,)

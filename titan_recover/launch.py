@@ -416,4 +416,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from titan_recover.process_exit import leave
+
+    leave(main())  # every child ended and every log is closed: without the interpreter's teardown

@@ -7,7 +7,6 @@ rank, and checked against this job's world size before TorchTitan starts.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -114,15 +113,9 @@ def main(argv: list[str] | None = None) -> None:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    if config.recover.enabled:
-        # Groups of past epochs may still hold a collective (or a lazy connection) to a dead peer; their
-        # destructors would wait for gloo's timeout and can abort the process. Training is over: leave now.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
-    if exit_code:
-        raise SystemExit(exit_code)
+    from titan_recover.process_exit import leave
+
+    leave(exit_code)  # without the interpreter's teardown (process_exit.py)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 from datetime import timedelta
 
@@ -136,4 +135,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from titan_recover.process_exit import leave
+
+    leave(main())
