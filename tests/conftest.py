@@ -22,8 +22,9 @@ os.environ.setdefault("TITAN_RECOVER_DEVICE", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
 # A TCPStore server looks up the name of every peer that connects (a reverse DNS query for ::ffff:127.0.0.1, which
 # /etc/hosts does not list), on the thread that serves every request. This host's DNS server drops a query now and
-# then when many come at once (measured: the 25th of a burst of connections), and glibc waits 5 s by default before
-# it asks again, during which the store answers nobody. One second, for the tests and every process they start.
+# then when many come at once (a burst of connections from one process), and glibc waits 5 s by default before it
+# asks again, during which the store answers nobody. One second, for the tests and every process they start
+# (docs/deploy.md "Network interfaces").
 os.environ.setdefault("RES_OPTIONS", "timeout:1")
 
 

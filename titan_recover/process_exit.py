@@ -4,7 +4,7 @@ A process that imported torch and TorchTitan spends about 2 s after its last lin
 (garbage-collecting the module graph of torch, Inductor and sympy; 0.8 s for torch alone), measured on the CPU test
 host. Nothing a job needs happens there, and in a replica group it can do harm: the gloo groups of past epochs may
 still hold an operation with a dead peer, and their destructors wait for gloo's timeout. Every entry point (a rank,
-the launcher, the coordinator) therefore ends through :func:`leave` once its own work is closed.
+the launcher, the coordinator, the DiLoCo syncer) therefore ends through :func:`leave` once its own work is closed.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 
 def fresh_store_after_restart(environ=os.environ) -> None:
@@ -77,7 +78,10 @@ def check_seed_checkpoint(config, world_size: int) -> None:
         raise ValueError("checkpoint.create_seed_checkpoint is a single-process job: set recover.replicas = 1")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Train, then end the process with the run's exit code (:func:`~titan_recover.process_exit.leave`) while the
+    trainer is still referenced: freeing it would run the destructors of past epochs' gloo groups, which wait for
+    gloo's timeout on a dead peer."""
     argv = list(sys.argv[1:] if argv is None else argv)
     toml_path = argv.pop(0) if argv and not argv[0].startswith("--") else None
 
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.distributed.destroy_process_group()
     from titan_recover.process_exit import leave
 
-    leave(exit_code)  # without the interpreter's teardown (process_exit.py)
+    leave(exit_code)
 
 
 if __name__ == "__main__":
