@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from conftest import free_port
 from replica_runs import launch_nodes, node_options
 from wandb_offline import read_run
 from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, token_weights
@@ -132,6 +131,64 @@ def test_the_syncer_ends_the_job_once_every_node_reported_and_records_whether_th
     assert lost._over() and lost.end_reason == "no learner was alive for 30.0 s (recover.startup_timeout_s)"
 
 
+def test_a_syncer_resumes_the_newest_generations_checkpoint_and_never_starts_afresh_without_it(tmp_path):
+    """Each generation saves its own checkpoint and deletes the older ones; a deposed syncer's late save (an older
+    generation) is never the one resumed. A syncer that finds no checkpoint where the store says one was saved (a
+    run folder that is not shared by the node it runs on) refuses to start a new model, saying why."""
+    from titan_recover.recover.diloco.syncer.checkpoint import load_checkpoint, save_checkpoint, saved_generations
+    from titan_recover.recover.diloco.syncer.service import MissingCheckpoint, Syncer
+
+    run = str(tmp_path / "run")
+    assert load_checkpoint(run) is None
+    save_checkpoint({"merges": 3}, run, 1)
+    save_checkpoint({"merges": 5}, run, 2)
+    assert saved_generations(run) == [2] and load_checkpoint(run) == {"merges": 5}
+    save_checkpoint({"merges": 4}, run, 1)  # generation 1, deposed, saves once more
+    assert saved_generations(run) == [1, 2] and load_checkpoint(run) == {"merges": 5}
+
+    config = _config("--training.steps", "4")
+    coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    coordinator.set(DilocoKeys.CHECKPOINTED, "2 5")
+    elsewhere = Syncer(config, coordinator_address=f"127.0.0.1:{coordinator.port}", run_dir=str(tmp_path / "node1"),
+                       ranks=1)
+    with pytest.raises(MissingCheckpoint, match=r"syncer 1: syncer 2 saved a checkpoint \(after 5 merges\) that is "
+                       r"not in .*node1/syncer: .* must be on a filesystem every node shares"):
+        elsewhere.initialize(timeout_s=1.0)
+
+
+@pytest.mark.multiprocess
+def test_a_deposed_standby_syncer_writes_nothing_to_the_store_and_saves_no_global_model(tmp_path, etcd_server):
+    """A syncer that leads through the election's fenced store (as ``--standby`` runs it) loses the role (its lease
+    revoked, another candidate leads): its next write to the job's store is refused (``NotLeader``) and its end
+    saves no global model over the new leader's."""
+    import uuid
+
+    from titan_recover.recover.diloco.syncer.checkpoint import global_model_path
+    from titan_recover.recover.diloco.syncer.service import Syncer
+    from titan_recover.recover.standby import lead
+    from titan_recover.recover.stores import connect
+    from titan_recover.recover.stores.etcd import NotLeader
+
+    url = f"etcd://{etcd_server}/titan_recover/syncer-{uuid.uuid4().hex}"
+    store = connect(url, 10.0)
+    first = lead(store, DilocoKeys.SYNCER_LEADER, "node0/syncer0", over_key=GroupKeys.FINISHED)
+    config = _config("--training.steps", "4")
+    syncer = Syncer(config, coordinator=first.fenced(), run_dir=str(tmp_path), ranks=1, identity="node0/syncer0")
+    assert syncer.generation == 1
+    syncer.beat(now_or_never=True)
+    first.resign()  # as a lapsed lease: the key is gone and the next candidate takes it
+    second = lead(store, DilocoKeys.SYNCER_LEADER, "node1/syncer0", over_key=GroupKeys.FINISHED)
+    try:
+        with pytest.raises(NotLeader, match=r"node0/syncer0 no longer holds .*diloco/syncer_leader.* \(node1/syncer0 holds it"):
+            syncer.finish()
+        assert not (tmp_path / global_model_path("")).exists()
+        assert store.get(DilocoKeys.SYNCER_BEAT).decode().startswith("1:")  # its last beat, before it lost the role
+        store.set(GroupKeys.FINISHED, "trained")
+        assert lead(store, DilocoKeys.SYNCER_LEADER, "node2/syncer0", over_key=GroupKeys.FINISHED) is None
+    finally:
+        second.resign()
+
+
 def test_the_syncer_gives_back_the_block_of_a_learner_whose_beat_stopped_never_one_its_restart_claimed(tmp_path):
     """Learners 0-2 beat; learner 1's beat stops while it trains block 1: once the syncer has watched it still for
     heartbeat_timeout_s it declares learner 1 lost and gives block 1 back. Learner 2's beat stops too, and its
@@ -212,25 +269,29 @@ def test_learner_blocks_and_schedule():
 
 
 @pytest.mark.multiprocess
-def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path):
-    """3 learners of the tiny model, H = 4, 2 fragments, on two nodes: two launchers on this machine (node 0:
-    learners 0 and 1, the job's store, the coordinator and the syncer; node 1: learner 2). Learner 1 is killed at
-    its step 30 and restarted by node 0's launcher; learner 2 is 3x slower from step 2; the syncer hangs (SIGSTOP)
-    right after its 12th merge: its beat stops, node 0's launcher kills it after syncer_timeout_s and restarts it
-    from its checkpoint. Both launchers exit 0 once the syncer counted the budget trained. One node is the same
-    code with one launcher's report of its learners' end.
+def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_syncer(tmp_path, etcd_server):
+    """3 learners of the tiny model, H = 4, 2 fragments, on two nodes with an etcd store: two launchers on this
+    machine (node 0: learners 0 and 1; node 1: learner 2), each running a coordinator candidate and a syncer
+    candidate (docs/diloco.md "Standby syncers"). Learner 1 is killed at its step 30 and restarted by node 0's
+    launcher; learner 2 is 3x slower from step 2. The first syncer to lead hangs (SIGSTOP) right after its 8th
+    merge: its lease lapses and the other node's standby takes over from its checkpoint, without waiting for a
+    launcher to see the hang. That second syncer is killed after merge 14: its launcher restarts it as a standby,
+    the only candidate left (the first is still stopped), which takes over from the second's checkpoint. Both
+    launchers exit 0 once a syncer counted the budget trained. One node, or the embedded store, is the same code
+    with one launcher's report of its learners' end and a syncer that node 0's launcher restarts.
 
-    The launchers start together. On this 2-core machine node 1's one process tree starts well before node 0's
-    four (coordinator, syncer, two learners): learner 2 trains alone at first, as on a cluster whose nodes come up
-    at different times; the claims below hold whatever the order."""
-    # 288 blocks (one inner step each): ~20 s of training, longer than a syncer restart
-    steps, period, learners = 96, 4, 3
+    The launchers start together. On this 2-core machine node 1's three processes (coordinator, syncer, one
+    learner) start before node 0's four: learner 2 may train alone at first and either node's syncer may lead
+    first, as on a cluster whose nodes come up at different times; the claims below hold whatever the order."""
+    # 192 blocks (one inner step each): about 30 s of training on 2 busy cores, longer than a takeover and a restart
+    steps, period, learners = 64, 4, 3
     faults = [
         # step 30, not earlier: learners 0 and 1 start up to ~0.5 s apart on 2 busy cores (~7 steps of the tiny
         # model), and the straggler can only be seen not waited for while the other two fast learners are both alive
         {"kind": "kill", "replica": 1, "rank": 0, "step": 30, "phase": "forward"},
         {"kind": "slow", "replica": 2, "rank": 0, "step": 2, "factor": 3.0},
-        {"kind": "hang", "process": "syncer", "step": 12, "phase": "merge"},
+        {"kind": "hang", "process": "syncer", "step": 8, "phase": "merge"},  # the first syncer to lead
+        {"kind": "kill", "process": "syncer", "step": 14, "phase": "merge", "incarnation": 1},  # the second
     ]
     fault_toml = "[" + ", ".join(
         "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.items()) + "}" for f in faults) + "]"
@@ -242,13 +303,13 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
         "--recover.diloco.max_window_s", str(max_window_s), "--recover.diloco.checkpoint_interval_s", "1",
         "--recover.diloco.eval_interval_s", "0", "--recover.heartbeat_timeout_s", "2.0",
         "--recover.diloco.syncer_timeout_s", str(syncer_timeout_s),
-        "--dump_folder", str(tmp_path), "--chaos.faults", fault_toml,
+        "--dump_folder", str(tmp_path), "--chaos.faults", fault_toml, "--recover.store", f"etcd://{etcd_server}",
     )
-    node0, node1 = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2, f"127.0.0.1:{free_port()}")],
-                                timeout=300)
+    nodes = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2)], timeout=300)
+    node0, node1 = nodes
     assert node0.returncode == 0, node0.stdout[-4000:] + node0.stderr[-4000:]
     assert node1.returncode == 0, node1.stdout[-4000:] + node1.stderr[-4000:]
-    assert "node 1 of 2: replica group 2" in node1.stderr and "[syncer]" not in node1.stdout + node1.stderr
+    assert "node 1 of 2: replica group 2" in node1.stderr
     events = read_events(tmp_path / "events.jsonl")
     by_kind = collections.defaultdict(list)
     for e in events:
@@ -256,7 +317,8 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
 
     # every fault fired
     fired = {(e.get("process", "trainer"), e["kind"], e["step"]) for e in by_kind["fault_injected"]}
-    assert fired == {("trainer", "kill", 30), ("trainer", "slow", 2), ("syncer", "hang", 12)}, fired
+    assert fired == {("trainer", "kill", 30), ("trainer", "slow", 2), ("syncer", "hang", 8),
+                     ("syncer", "kill", 14)}, fired
 
     # the killed learner was restarted by its node's launcher; its block was given back and trained by a learner
     # alive. Whether its restart (process start-up: 20-30 s on 2 busy cores) comes back before the budget is trained
@@ -280,16 +342,24 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     retrained = [e for e in by_kind["block_claimed"] if e["block"] == killed_block][1]
     assert (retrained["replica"], retrained["incarnation"]) != (1, 0)
 
-    # the syncer hung, was ended once its beat had been still for syncer_timeout_s, resumed from its checkpoint,
-    # and merged again after that
-    assert "the syncer made no progress for" in node0.stderr and "syncer_timeout_s" in node0.stderr
-    started = by_kind["syncer_started"]
+    # three syncers led in turn, each elected and resuming its predecessor's checkpoint: the hung one was deposed by
+    # its lease (no launcher killed it: it no longer led), the other node's standby took over; the killed one was
+    # restarted by its own node's launcher, whose restart then led
+    started, elected = by_kind["syncer_started"], by_kind["syncer_elected"]
+    assert [e["identity"] for e in started] == [e["identity"] for e in elected], (started, elected)
+    assert [e["resumed"] for e in started] == [False, True, True], started
+    assert [e["generation"] for e in started] == [1, 2, 3], started
+    node = [e["identity"].split("/")[1] for e in started]  # "node0" or "node1"
+    assert node[1] != node[0] and node[2] == node[1], node
+    restarter = nodes[int(node[1].removeprefix("node"))]
+    assert "the syncer exited with" in restarter.stderr and "restarting it as a standby" in restarter.stderr
+    assert all("the syncer made no progress" not in n.stderr for n in nodes)
     hung = next(e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer")
-    assert started[1]["time"] - hung > syncer_timeout_s  # not ended before its beat was still that long
-    assert [e["resumed"] for e in started] == [False, True]
-    assert started[1]["merges"] >= 1 and started[1]["generation"] > started[0]["generation"]
+    assert started[1]["time"] > hung and started[1]["merges"] >= 1 and started[2]["merges"] >= started[1]["merges"]
     merges = by_kind["fragment_merged"]
-    assert any(e["generation"] == started[1]["generation"] for e in merges)
+    assert [e["generation"] for e in merges] == sorted(e["generation"] for e in merges)
+    assert {e["generation"] for e in merges} >= {1, 2}
+    assert len(by_kind["syncer_finished"]) == 1 and by_kind["syncer_finished"][0]["generation"] == 3
 
     # nobody waited: every merge closed within its grace window (never beyond max_window_s), and rounds closed
     # without the slow learner and without the dead one
@@ -309,9 +379,9 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     # (above), by the syncer or by the restart.
     died = next(e["time"] for e in by_kind["fault_injected"] if e.get("replica") == 1 and e["kind"] == "kill")
     back = starts[(1, 1)]["time"] if (1, 1) in starts else by_kind["job_finished"][0]["time"]
-    syncer_down = (next(e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer"),
-                   started[1]["time"])
-    overlap = max(0.0, min(back, syncer_down[1]) - max(died, syncer_down[0]))
+    syncer_faults = [e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer"]
+    syncer_down = list(zip(syncer_faults, [e["time"] for e in started[1:]]))  # a fault to the next leader's start
+    overlap = sum(max(0.0, min(back, end) - max(died, begin)) for begin, end in syncer_down)
     up_while_dead = back - died - overlap
     lost = [e for e in by_kind["learner_lost"] if e["learner"] == 1]
     without_1 = [e for e in merges if died < e["time"] < back and 1 not in e["learners"]]
@@ -319,10 +389,11 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
         assert without_1, up_while_dead
     assert not lost or lost[0]["time"] > died  # a loss is never declared before the death
 
-    # the learners kept training while the syncer was down: each learner training then logged steps in between
-    kill_time = next(e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer")
+    # the learners kept training while no syncer served (from the second one's kill to its restart's start, the
+    # longer gap): each learner training then logged steps in between
+    kill_time, back_time = syncer_down[1]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    down = {m["replica"] for m in metrics if kill_time < m["time"] < started[1]["time"]}
+    down = {m["replica"] for m in metrics if kill_time < m["time"] < back_time}
     training = {r for (r, _), e in starts.items() if e["time"] < kill_time} - {1}  # learner 1 may die meanwhile
     assert down and training <= down, (training, down)
 

@@ -109,11 +109,6 @@ def check_replica_layout(config, layout, nnodes: int) -> None:
             "recover.diloco.checkpoint_interval_s) and a restarted learner pulls the global model: set "
             "checkpoint.enable = false"
         )
-    if nnodes != 1 and config.recover.diloco_mode and config.recover.store:
-        raise ConfigError(
-            f"[recover] mode = \"diloco\" on many nodes runs its syncer on node 0, at --rdzv-endpoint's host: "
-            f"use the embedded store (recover.store = \"\", not {config.recover.store!r}) with --rdzv-endpoint"
-        )
 
 
 def node_plan(config, options: dict):
@@ -302,7 +297,8 @@ def replica_job(config, options: dict, toml_path: str | None, overrides: list[st
         if plan.many:
             hosts = "; hosts the job's store and runs the coordinator" + (" and the syncer" if recover.diloco_mode
                                                                            else "")
-            print(plan.describe() + (hosts if plan.rank == 0 and not recover.store else ""))
+            standbys = "; runs a standby coordinator" + (" and a standby syncer" if recover.diloco_mode else "")
+            print(plan.describe() + (standbys if recover.store else hosts if plan.rank == 0 else ""))
         if devices is not None:
             print("GPUs per group: " + "; ".join(f"{g}: {','.join(d)}" for g, d in zip(plan.groups, devices)))
         return 0

@@ -20,8 +20,6 @@ import logging
 import os
 import signal
 import socket
-import threading
-from datetime import timedelta
 
 from titan_recover.recover.chaos.config import FaultSpec
 from titan_recover.recover.chaos.process import ProcessFaults
@@ -29,51 +27,10 @@ from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import Coordinator
 from titan_recover.recover.groups.keys import GroupKeys
 from titan_recover.recover.scout.verified import complete_checkpoints, step_to_load
+from titan_recover.recover.standby import exit_when_lost, EXIT_LOST, lead
 from titan_recover.recover.stores import connect
 
 logger = logging.getLogger(__name__)
-
-EXIT_LOST = 76
-"""Exit code of a coordinator whose leadership was lost (its lease could not be refreshed)."""
-LEADER_TTL_S = 2
-"""The leader's lease (etcd's minimum with its default election timeout): a standby takes over about this long
-after the leader stopped refreshing it."""
-CAMPAIGN_SLICE_S = 2.0
-"""A standby looks whether the job is over this often while it waits to lead."""
-
-
-def lead(store, identity: str):
-    """Stand by until this process leads the job's coordination (a ``LeaderElection`` on ``coordinator/leader``);
-    None when the job finished meanwhile (nothing left to coordinate)."""
-    from titan_recover.recover.stores.leader import LeaderElection
-
-    election = LeaderElection(store, GroupKeys.COORDINATOR_LEADER, identity, ttl_s=LEADER_TTL_S)
-    logger.info("%s: standing by for %s", identity, GroupKeys.COORDINATOR_LEADER)
-    while not store.check([GroupKeys.FINISHED]):
-        try:
-            election.campaign(timedelta(seconds=CAMPAIGN_SLICE_S))
-        except TimeoutError:
-            continue
-        if not store.check([GroupKeys.FINISHED]):
-            return election
-        break  # led only because the last leader finished the job and resigned
-    election.resign()
-    return None
-
-
-def exit_when_lost(election, events) -> None:
-    """A thread that ends this process the moment its leadership is lost: another standby may lead ``ttl`` later,
-    and two coordinators must never decide at once (the remaining window is in docs/deploy.md)."""
-    def watch() -> None:
-        election.lost.wait()
-        events.emit("coordinator_lost_leadership", identity=election.identity, term=election.term,
-                    reason=election.lost_reason)
-        logger.error("%s lost the leadership (term %s: %s): exiting", election.identity, election.term,
-                     election.lost_reason)
-        os._exit(EXIT_LOST)
-
-    threading.Thread(target=watch, name="leadership", daemon=True).start()
-
 
 def newest_checkpoint(folder: str) -> str | None:
     """What a restart of every group would load from ``folder`` (as the checkpoint manager chooses), or None when
@@ -105,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     config = RecoverConfig.from_dict(json.loads(args.recover_json))
     faults = [FaultSpec(**fault) for fault in json.loads(args.chaos_json).get("faults", [])]
     store = connect(args.store, config.agree_timeout_s)
-    election = lead(store, args.identity) if args.standby else None
+    election = lead(store, GroupKeys.COORDINATOR_LEADER, args.identity, over_key=GroupKeys.FINISHED) if args.standby else None
     if args.standby and election is None:
         return 0  # the job finished while this one stood by
     from titan_recover.recover.stores.etcd import NotLeader  # etcd3gw stays unimported without an etcd store
@@ -119,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         coordinator.chaos = ProcessFaults(faults, "coordinator", coordinator.start, coordinator.events)
         if election is not None:
             coordinator.events.emit("coordinator_elected", identity=args.identity, term=election.term)
-            exit_when_lost(election, coordinator.events)
+            exit_when_lost(election, coordinator.events, "coordinator")
         signal.signal(signal.SIGTERM, coordinator.request_stop)
         signal.signal(signal.SIGINT, coordinator.request_stop)
         return coordinator.run()

@@ -39,9 +39,9 @@ from titan_recover.recover.groups.protocol import decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
                                              run_segment)
-from titan_recover.recover.nodes import NodeKeys, NodePlan, single_node
+from titan_recover.recover.nodes import address_towards, NodeKeys, NodePlan, single_node
 from titan_recover.recover.placement import VISIBLE_ENV
-from titan_recover.recover.stores import connect, job_url
+from titan_recover.recover.stores import connect, job_url, parse_store_url
 
 GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1
@@ -205,7 +205,8 @@ class ReplicaJob:
         this job's keys."""
         self.announcement = None
         """On etcd, node 0: the lease-bound announcement of the job's name under the run folder's prefix."""
-        self._leader = ""
+        self._leaders: dict[str, str] = {}
+        """Each role's leader as this launcher last read it (etcd: the coordinator's and the syncer's keys)."""
         self.coordinator = ReplicaSlot(-1, self.recover.coordinator_restarts)
         self.coordinator_beat = BeatWatch(b"", self.recover.coordinator_timeout_s, self.recover.startup_timeout_s)
         self.slots: list[ReplicaSlot] = []
@@ -361,22 +362,38 @@ class ReplicaJob:
         proc.wait()
         return True
 
+    def _leader(self, key: str) -> tuple[str, bool]:
+        """The identity that leads the role held in ``key`` (etcd; empty while nobody does), and whether it changed
+        since this launcher last looked."""
+        leader = self.store.get(key).decode() if self.store.check([key]) else ""
+        changed = leader != self._leaders.get(key, "")
+        self._leaders[key] = leader
+        return leader, changed
+
     def coordinator_leads(self) -> bool:
         """Whether this node's coordinator is the one coordinating (always, without standbys). When the leader
         changes, the beat is watched afresh: a new leader is never judged by its predecessor's silence."""
         if not self.recover.store:
             return True
-        key = GroupKeys.COORDINATOR_LEADER
-        leader = self.store.get(key).decode() if self.store.check([key]) else ""
-        if leader != self._leader:  # held to startup_timeout_s until it beats, as a fresh start
-            self._leader = leader
+        leader, changed = self._leader(GroupKeys.COORDINATOR_LEADER)
+        if changed:  # held to startup_timeout_s until it beats, as a fresh start
             self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
                                               self.recover.startup_timeout_s)
         return leader == self.coordinator_identity
 
+    def syncer_leads(self) -> bool:
+        """Whether this node's syncer is the one serving (always, without standbys); as :meth:`coordinator_leads`."""
+        if not self.recover.store:
+            return True
+        leader, changed = self._leader(DilocoKeys.SYNCER_LEADER)
+        if changed:
+            self.syncer_beat = BeatWatch(self._syncer_beat(), self.recover.diloco.syncer_timeout_s,
+                                         self.recover.startup_timeout_s)
+        return leader == self.syncer_identity
+
     def start_replicas(self) -> None:
-        """The syncer (diloco mode, node 0: docs/diloco.md), then one torchrun per replica group of this node."""
-        if self.recover.diloco_mode and self.plan.rank == 0:
+        """The syncer (diloco mode: docs/diloco.md), then one torchrun per replica group of this node."""
+        if self.runs_syncer:
             self.syncer = ReplicaSlot(-1, self.recover.diloco.syncer_max_restarts)
             self.start_syncer()
         self.slots = [ReplicaSlot(i, self.recover.max_restarts) for i in self.plan.groups]
@@ -406,20 +423,42 @@ class ReplicaJob:
                  "--threshold-s", str(threshold), *(["--end-hung"] if recover.localize.end_hung else [])],
                 self.base_env, f"[observer {slot.index}] ", log=f"observer_{slot.index}")
 
+    @property
+    def runs_syncer(self) -> bool:
+        """In diloco mode node 0 runs the syncer; with an etcd store every node runs one, as a standby."""
+        return self.recover.diloco_mode and (self.plan.rank == 0 or bool(self.recover.store))
+
+    @property
+    def syncer_identity(self) -> str:
+        """How this node's current syncer start names itself in the leader election (etcd)."""
+        return f"{socket.gethostname()}/node{self.plan.rank}/syncer{self.syncer.incarnation}"
+
+    def syncer_host(self) -> str:
+        """The address the learners reach this node's syncer at: on many nodes with the embedded store node 0's,
+        the host part of ``--rdzv-endpoint`` (every node reaches it); with etcd this node's address on its route to
+        the etcd cluster (``nodes.address_towards``), since a standby on any node may serve."""
+        if self.recover.store:
+            return address_towards(*parse_store_url(self.recover.store).endpoints[0])
+        return self.plan.endpoint[0] if self.plan.endpoint else "127.0.0.1"
+
     def start_syncer(self) -> None:
-        """The syncer's current start; a restart resumes from its checkpoint. On many nodes it serves the learners
-        at the host part of ``--rdzv-endpoint`` (node 0's address every node reaches), on every interface."""
+        """The syncer's current start; a restart resumes from its checkpoint. It serves on every interface; its
+        port is ``syncer_port`` for node 0's first start, else a free one. With an etcd store it is a standby until
+        it leads (``--standby``)."""
         syncer, address, run_dir, ranks_per_replica = self.syncer, self.address, self.run_dir, self.ranks
         toml_path, overrides = self.toml_path, self.overrides
-        host = self.plan.endpoint[0] if self.plan.endpoint else "127.0.0.1"
+        port = self.recover.diloco.syncer_port if self.plan.rank == 0 and syncer.incarnation == 0 else 0
+        standby = ["--standby", "--identity", self.syncer_identity] if self.recover.store else []
         # held to startup_timeout_s until this start beats: a previous start's last beat is no evidence of it
         self.syncer_beat = BeatWatch(self._syncer_beat(), self.recover.diloco.syncer_timeout_s,
                                      self.recover.startup_timeout_s)
         syncer.proc = self._start(
             [sys.executable, "-m", "titan_recover.recover.diloco.syncer", "--coordinator", address, "--run-dir",
-             run_dir, "--ranks", str(ranks_per_replica), "--start", str(syncer.incarnation), "--host", host,
-             "--nodes", str(self.plan.nnodes), *([toml_path] if toml_path else []), *overrides],
-            dict(self.base_env, OMP_NUM_THREADS="1"), "[syncer] ", log="syncer")
+             run_dir, "--ranks", str(ranks_per_replica), "--start", str(syncer.incarnation), "--host",
+             self.syncer_host(), "--port", str(port), "--nodes", str(self.plan.nnodes), *standby,
+             *([toml_path] if toml_path else []), *overrides],
+            dict(self.base_env, OMP_NUM_THREADS="1"),
+            "[syncer] " if not self.plan.many else f"[syncer node {self.plan.rank}] ", log="syncer")
 
     def _syncer_beat(self) -> bytes:
         return self._beat_of(DilocoKeys.SYNCER_BEAT)
@@ -427,20 +466,29 @@ class ReplicaJob:
     # ---- restarts ----------------------------------------------------------------------------------------
     def supervise_syncer(self) -> None:
         """A syncer whose beat stayed unchanged for ``syncer_timeout_s`` (``startup_timeout_s`` before its first)
-        is hung: it is killed, and restarted from its checkpoint while it has restarts left."""
-        if self.syncer.proc.poll() is None and self.stopped_by is None:
+        is hung: it is killed, and restarted from its checkpoint while it has restarts left. A standby that does
+        not lead is not watched (the leading syncer's launcher watches its beat)."""
+        if self.syncer.proc.poll() is None and self.stopped_by is None and self.syncer_leads():
             self._end_if_hung("syncer", self.syncer.proc, self.syncer_beat, self._syncer_beat(),
                               "recover.diloco.syncer_timeout_s")
         self.restart_syncer_if_crashed()
 
     def restart_syncer_if_crashed(self) -> None:
         syncer = self.syncer
-        if syncer.proc.poll() not in (None, 0) and syncer.restarts_left > 0 and self.stopped_by is None:
+        if syncer.proc.poll() in (None, 0) or self.stopped_by is not None or syncer.ended_incarnation == syncer.incarnation:
+            return
+        if syncer.restarts_left > 0:
             syncer.count_restart()
-            print(f"[titan_recover] the syncer exited with {syncer.proc.returncode}: restarting it from its "
-                  f"checkpoint (start {syncer.incarnation}, {syncer.restarts_left} restart(s) left)",
-                  file=sys.stderr, flush=True)
+            again = "as a standby" if self.recover.store else "from its checkpoint"
+            print(f"[titan_recover] the syncer exited with {syncer.proc.returncode}: restarting it {again} "
+                  f"(start {syncer.incarnation}, {syncer.restarts_left} restart(s) left)", file=sys.stderr, flush=True)
             self.start_syncer()
+            return
+        syncer.ended_incarnation = syncer.incarnation
+        others = "; the other nodes' standby syncers remain" if self.recover.store and self.plan.many else ""
+        print(f"[titan_recover] this node's syncer exited with {syncer.proc.returncode} and has no restarts left "
+              f"(recover.diloco.syncer_max_restarts = {self.recover.diloco.syncer_max_restarts}){others}",
+              file=sys.stderr, flush=True)
 
     def end_if_dropped(self, slot: ReplicaSlot, dropped: dict[int, int | None]) -> None:
         """A replica dropped from the job is ended, even if stopped or hung."""
@@ -552,7 +600,7 @@ class ReplicaJob:
         while any(slot.running for slot in self.slots) or self.restart_every_group():
             time.sleep(0.1)
             if self.syncer is not None:
-                if self.syncer.proc.poll() == 0:  # the budget is trained
+                if self.syncer_done(bool(self.recover.store)):  # the job ended (the budget trained, or no learner left)
                     break
                 self.supervise_syncer()
             self.supervise_coordinator()
@@ -653,23 +701,34 @@ class ReplicaJob:
     def finish_syncer(self) -> bool:
         """This node's learners are over: once every node's are, the syncer merges what is left and saves the global
         model (restarted if it crashes, within ``agree_timeout_s``); until then learners of other nodes may still
-        train, and the syncer ends the job itself if none is alive for ``startup_timeout_s``. True if it did."""
-        syncer, nodes = self.syncer, self.plan.nnodes
-        if syncer.proc.poll() is None:
+        train, and the syncer ends the job itself if none is alive for ``startup_timeout_s``. True if it did: this
+        node's syncer ended with 0, or, with standby syncers, whichever led recorded the job's end (a syncer
+        records it after it saved the global model). With standbys this node keeps its candidate running until
+        then, however its own ended, as long as some syncer beats (``agree_timeout_s``)."""
+        syncer, nodes, standbys = self.syncer, self.plan.nnodes, bool(self.recover.store)
+        if not self.syncer_done(standbys):
             self.store.set(DilocoKeys.learners_over(self.plan.rank), "1")
-        deadline = None
-        while syncer.proc.poll() != 0 and self.stopped_by is None:
+        deadline, beats = None, BeatWatch(b"", self.recover.agree_timeout_s, self.recover.agree_timeout_s)
+        while not self.syncer_done(standbys) and self.stopped_by is None:
             self.supervise_coordinator()
             if deadline is None and all(self.store.check([DilocoKeys.learners_over(n)]) for n in range(nodes)):
                 deadline = time.monotonic() + self.recover.agree_timeout_s
             if deadline is not None and time.monotonic() > deadline:
                 break
             self.supervise_syncer()
-            if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0:
+            if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0 and not standbys:
+                break
+            if standbys and beats.quiet_s(self._syncer_beat(), time.monotonic())[0] > self.recover.agree_timeout_s:
+                print(f"[titan_recover] no syncer made progress for {self.recover.agree_timeout_s} s "
+                      "(recover.agree_timeout_s) while this node waited for the job's end", file=sys.stderr, flush=True)
                 break
             time.sleep(0.1)
         print(f"[titan_recover] syncer exit code {syncer.proc.poll()}", file=sys.stderr, flush=True)
-        return syncer.proc.poll() == 0
+        return self.syncer_done(standbys)
+
+    def syncer_done(self, standbys: bool) -> bool:
+        """This node's syncer ended the job (exit 0), or, with standbys, any syncer recorded its end."""
+        return self.syncer.proc.poll() == 0 or (standbys and self.store.check([GroupKeys.FINISHED]))
 
     def cleanup(self) -> None:
         """SIGTERM to every child still running, SIGKILL after GRACE_S, then any process carrying the run's

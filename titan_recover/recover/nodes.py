@@ -10,6 +10,7 @@ everyone has read it (:class:`NodeKeys`).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 
@@ -75,6 +76,16 @@ def parse_endpoint(text: str) -> tuple[str, int]:
         raise ValueError(f"--rdzv-endpoint must be HOST:PORT with a port in 1 ... 65535 (node 0's address, where "
                          f"its launcher hosts the job's store), got {text!r}")
     return host, int(port)
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on its route to ``host:port``, as the machines there reach it back (no packet is
+    sent: connecting a UDP socket only chooses the route). Where a node's processes serve the job's other nodes
+    (a standby syncer that leads, with an etcd store) and nothing else names the node's address."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
 
 
 def first_difference(reference: str, ours: str) -> str | None:

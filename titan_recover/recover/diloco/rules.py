@@ -164,7 +164,9 @@ class DilocoKeys:
     and global fragments."""
 
     SYNCER = "diloco/syncer"  # coordinator: "HOST:PORT GENERATION"
-    GENERATION = "diloco/generation"  # coordinator: counter of syncer starts
+    GENERATION = "diloco/generation"  # coordinator: counter of syncer starts (of leaders, with standby syncers)
+    SYNCER_LEADER = "diloco/syncer_leader"  # coordinator (etcd): the leading syncer candidate's identity, leased
+    CHECKPOINTED = "diloco/checkpointed"  # coordinator: "GENERATION MERGES" of the newest syncer checkpoint saved
     SYNCER_BEAT = "diloco/syncer_beat"  # coordinator: "GENERATION:TIME", rewritten by each pass of the syncer's loop
     NEXT_BLOCK = "diloco/next_block"  # coordinator: counter of claimed data blocks
     REQUEUED = "diloco/requeued"  # coordinator: counter of blocks given back (their learner died)

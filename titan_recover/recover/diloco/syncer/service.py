@@ -17,8 +17,8 @@ from titan_recover.recover.chaos.process import ProcessFaults
 from titan_recover.recover.diloco.blocks import blocks_trained, collect_done, requeue_block
 from titan_recover.recover.diloco.messages import read_offer, withdraw_offer
 from titan_recover.recover.diloco.rules import DilocoKeys, total_blocks
-from titan_recover.recover.diloco.syncer.checkpoint import (checkpoint_path, global_model_path, load_checkpoint,
-                                                            save_atomically)
+from titan_recover.recover.diloco.syncer.checkpoint import (checkpoint_dir, global_model_path, load_checkpoint,
+                                                            save_atomically, save_checkpoint)
 from titan_recover.recover.diloco.syncer.evaluation import GlobalEvaluator
 from titan_recover.recover.diloco.syncer.global_model import GlobalModel
 from titan_recover.recover.diloco.syncer.inbox import Inbox
@@ -38,26 +38,34 @@ COLLECT_EVERY_S = 5.0
 of every learner's key each time; the keys grow by one per inner step of each learner)."""
 
 
+class MissingCheckpoint(RuntimeError):
+    """An earlier syncer saved a checkpoint that this one cannot find (the run folder is not shared)."""
+
+
 class Syncer:
     """``config``: the run's config (``[recover]``, ``[recover.diloco]``, ``[training]``, ``[chaos]``,
     ``[metrics]``, and what the validation loss needs). ``ranks``: ranks per learner. ``start``: how many times
-    the syncer was started before. ``host``: the address every learner reaches this node at; ``nodes``: how many
-    launchers run learners (each reports when its learners ended)."""
+    the syncer was started before on this node. ``host``: the address every learner reaches this node at;
+    ``nodes``: how many launchers run learners (each reports when its learners ended). ``coordinator``: the job's
+    store already opened (a standby's fenced store, docs/diloco.md "Standby syncers"), else opened at
+    ``coordinator_address``; ``identity``: the candidate's name in the election (empty without one)."""
 
-    def __init__(self, config, *, coordinator_address: str, run_dir: str, ranks: int, start: int = 0,
-                 host: str = "127.0.0.1", port: int = 0, nodes: int = 1):
+    def __init__(self, config, *, coordinator_address: str = "", run_dir: str, ranks: int, start: int = 0,
+                 host: str = "127.0.0.1", port: int = 0, nodes: int = 1, coordinator=None, identity: str = ""):
         self.config, self.options = config, config.recover.diloco
         self.learners, self.ranks, self.nodes = config.recover.replicas, ranks, nodes
         self.blocks = total_blocks(config.training.steps, self.learners)
-        self.run_dir = run_dir
-        self.coordinator = connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
+        self.run_dir, self.identity = run_dir, identity
+        self.coordinator = coordinator or connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
         self.store = _serve_store(host, port)
         self.generation = self.coordinator.add(DilocoKeys.GENERATION, 1)
         self.address = f"{host}:{self.store.port}"
         self.who = f"syncer.{self.generation}"
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "syncer", start=start,
                                generation=self.generation)
-        self.faults = ProcessFaults(config.chaos.schedule(self.learners, ranks), "syncer", start, self.events)
+        # [chaos] faults name the syncer's start in the job (its generation - 1), whichever node it runs on
+        self.faults = ProcessFaults(config.chaos.schedule(self.learners, ranks), "syncer", self.generation - 1,
+                                    self.events)
         self.model = GlobalModel(ranks=ranks, outer_lr=self.options.outer_lr,
                                  outer_momentum=self.options.outer_momentum)
         self.progress = Progress()
@@ -84,11 +92,12 @@ class Syncer:
         return self.model.versions
 
     # ---- start -------------------------------------------------------------------------------------------
-    def beat(self) -> None:
-        """Tell the launcher this start makes progress (at most every ``heartbeat_interval_s``): each pass of the
-        loop, and while it waits for the initial model; a beat unchanged for ``syncer_timeout_s`` is a hang."""
+    def beat(self, now_or_never: bool = False) -> None:
+        """Tell the launcher this start makes progress (at most every ``heartbeat_interval_s``, or now): each pass
+        of the loop, and while it waits for the initial model; a beat unchanged for ``syncer_timeout_s`` is a hang.
+        A fenced store refuses the beat of a syncer that lost its role (``NotLeader``)."""
         now = time.monotonic()
-        if now - self._beaten >= self.config.recover.heartbeat_interval_s:
+        if now_or_never or now - self._beaten >= self.config.recover.heartbeat_interval_s:
             self.coordinator.set(DilocoKeys.SYNCER_BEAT, f"{self.generation}:{time.time():.6f}")
             self._beaten = now
 
@@ -96,7 +105,13 @@ class Syncer:
         self.coordinator.set(DilocoKeys.SYNCER, f"{self.address} {self.generation}")
 
     def initialize(self, timeout_s: float) -> None:
-        state = load_checkpoint(checkpoint_path(self.run_dir))
+        state = load_checkpoint(self.run_dir)
+        if state is None and self.coordinator.check([DilocoKeys.CHECKPOINTED]):
+            generation, merges = self.coordinator.get(DilocoKeys.CHECKPOINTED).decode().split()
+            raise MissingCheckpoint(
+                f"syncer {self.generation}: syncer {generation} saved a checkpoint (after {merges} merges) that is "
+                f"not in {checkpoint_dir(self.run_dir)}: a syncer that takes over on another node resumes from it, "
+                "so the run folder (dump_folder) must be on a filesystem every node shares")
         if state is not None:
             self._load(state)
         else:
@@ -107,7 +122,7 @@ class Syncer:
         self.model.publish_versions(self.store, self.generation)
         self.events.emit("syncer_started", resumed=state is not None, versions=list(self.versions),
                          merges=self.progress.merges, merged_tokens=self.progress.merged_tokens,
-                         fragments=self.model.fragments, address=self.address)
+                         fragments=self.model.fragments, address=self.address, identity=self.identity)
         if state is None:
             self._checkpoint()
 
@@ -140,7 +155,8 @@ class Syncer:
         self.rounds = Rounds(self.model.fragments, period_s=state["period_s"])
 
     def _checkpoint(self) -> None:
-        save_atomically(self._state(), checkpoint_path(self.run_dir))
+        save_checkpoint(self._state(), self.run_dir, self.generation)
+        self.coordinator.set(DilocoKeys.CHECKPOINTED, f"{self.generation} {self.progress.merges}")
         self._checkpoint_at = time.monotonic()
 
     # ---- learners ----------------------------------------------------------------------------------------
@@ -259,8 +275,9 @@ class Syncer:
         return f"{self.end_reason}, with {done} of the budget's {self.blocks} blocks trained"
 
     def finish(self) -> int:
-        """Every learner ended: merge what is left, evaluate, save the global model and the checkpoint."""
-        self.beat()
+        """Every learner ended: merge what is left, evaluate, save the global model and the checkpoint (after a
+        beat that a fenced store refuses once another syncer leads: a deposed one saves nothing)."""
+        self.beat(now_or_never=True)
         now = time.time()
         for f in range(self.model.fragments):
             self._maybe_merge(f, now, final=True)
