@@ -156,6 +156,81 @@ def test_a_syncer_resumes_the_newest_generations_checkpoint_and_never_starts_afr
         elsewhere.initialize(timeout_s=1.0)
 
 
+@pytest.mark.parametrize("store", ["embedded", "etcd"])
+def test_a_launcher_ends_a_hung_syncer_only_while_it_leads_and_restarts_a_dead_one(tmp_path, capsys, store):
+    """The launcher's supervision of its syncer, with processes that only sleep in its place and a TCPStore for the
+    job's store. Embedded store: the one syncer always leads; hung (no beat within its bound) it is killed, then
+    restarted from its checkpoint. etcd: a standby that does not lead is never judged by the beat; once the store
+    names it leader it is, and a dead one is restarted as a standby; one that led and lost the role but still runs
+    (stopped) is ended once ``deposed_grace_s`` passed. With no restarts left it says so, once."""
+    import signal
+    import subprocess
+
+    from titan_recover.recover.launcher import ReplicaJob, ReplicaSlot
+
+    etcd = ("--recover.store", "etcd://127.0.0.1:2379") if store == "etcd" else ()
+    config = _config("--recover.startup_timeout_s", "0.3", "--recover.diloco.syncer_timeout_s", "0.3",
+                     "--recover.diloco.syncer_max_restarts", "1", "--dump_folder", str(tmp_path), *etcd)
+    commands = []
+
+    class Sleeping(ReplicaJob):
+        deposed_grace_s = 0.3
+
+        def _start(self, cmd, env, prefix, death_signal=signal.SIGKILL, log=""):
+            commands.append(cmd)
+            proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+            self.children.append(proc)
+            return proc
+
+    job = Sleeping(config, None, [], 1, 0)
+    job.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    try:
+        job.syncer = ReplicaSlot(-1, 1)
+        job.start_syncer()
+        first = job.syncer.proc
+        assert ("--standby" in commands[0]) == (store == "etcd")
+        if store == "etcd":
+            assert commands[0][commands[0].index("--identity") + 1].endswith("/node0/syncer0")
+            job.store.set(DilocoKeys.SYNCER_LEADER, "elsewhere/node1/syncer0")
+            job.supervise_syncer()
+            time.sleep(0.5)  # past every bound: a standby that does not lead is not judged
+            job.supervise_syncer()
+            assert first.poll() is None and job.syncer.incarnation == 0
+            job.store.set(DilocoKeys.SYNCER_LEADER, job.syncer_identity)
+        job.supervise_syncer()  # watched from now (etcd: it leads now; held to startup_timeout_s until it beats)
+        time.sleep(0.5)
+        job.supervise_syncer()
+        err = capsys.readouterr().err
+        assert first.poll() == -signal.SIGKILL and "the syncer made no progress for" in err
+        again = "as a standby" if store == "etcd" else "from its checkpoint"
+        assert f"the syncer exited with -9: restarting it {again} (start 1, 0 restart(s) left)" in err
+        assert job.syncer.proc is not first and job.syncer.proc.poll() is None
+        if store == "etcd":
+            assert commands[1][commands[1].index("--identity") + 1].endswith("/node0/syncer1")
+        if store == "etcd":  # the restart leads, then another candidate takes the role while it is stopped
+            second = job.syncer.proc
+            job.store.set(DilocoKeys.SYNCER_LEADER, job.syncer_identity)
+            job.supervise_syncer()
+            job.store.set(DilocoKeys.SYNCER_LEADER, "elsewhere/node1/syncer1")
+            job.supervise_syncer()
+            assert second.poll() is None  # within the grace: a deposed candidate exits by itself
+            time.sleep(0.4)
+            job.supervise_syncer()
+            assert second.poll() == -signal.SIGKILL
+        else:
+            job.syncer.proc.kill()
+            job.syncer.proc.wait()
+            job.supervise_syncer()
+        job.supervise_syncer()
+        err = capsys.readouterr().err
+        assert ("this node's syncer lost the leadership" in err) == (store == "etcd")
+        assert err.count("this node's syncer exited with -9 and has no restarts left") == 1
+    finally:
+        for child in job.children:
+            child.kill()
+            child.wait()
+
+
 @pytest.mark.multiprocess
 def test_a_deposed_standby_syncer_writes_nothing_to_the_store_and_saves_no_global_model(tmp_path, etcd_server):
     """A syncer that leads through the election's fenced store (as ``--standby`` runs it) loses the role (its lease
@@ -179,7 +254,8 @@ def test_a_deposed_standby_syncer_writes_nothing_to_the_store_and_saves_no_globa
     first.resign()  # as a lapsed lease: the key is gone and the next candidate takes it
     second = lead(store, DilocoKeys.SYNCER_LEADER, "node1/syncer0", over_key=GroupKeys.FINISHED)
     try:
-        with pytest.raises(NotLeader, match=r"node0/syncer0 no longer holds .*diloco/syncer_leader.* \(node1/syncer0 holds it"):
+        refused = r"node0/syncer0 no longer holds .*diloco/syncer_leader.* \(node1/syncer0 holds it"
+        with pytest.raises(NotLeader, match=refused):
             syncer.finish()
         assert not (tmp_path / global_model_path("")).exists()
         assert store.get(DilocoKeys.SYNCER_BEAT).decode().startswith("1:")  # its last beat, before it lost the role
@@ -275,9 +351,10 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     candidate (docs/diloco.md "Standby syncers"). Learner 1 is killed at its step 30 and restarted by node 0's
     launcher; learner 2 is 3x slower from step 2. The first syncer to lead hangs (SIGSTOP) right after its 8th
     merge: its lease lapses and the other node's standby takes over from its checkpoint, without waiting for a
-    launcher to see the hang. That second syncer is killed after merge 14: its launcher restarts it as a standby,
-    the only candidate left (the first is still stopped), which takes over from the second's checkpoint. Both
-    launchers exit 0 once a syncer counted the budget trained. One node, or the embedded store, is the same code
+    launcher to see the hang; the stopped one's launcher ends it once it still runs 4 s after it lost the role (the
+    learners' sends to its store fail then: they follow the new syncer), and restarts it as a standby. That second
+    syncer is killed after merge 14: a standby takes over from its checkpoint (the first one's restart, or the
+    second one's). Both launchers exit 0 once a syncer counted the budget trained. One node, or the embedded store, is the same code
     with one launcher's report of its learners' end and a syncer that node 0's launcher restarts.
 
     The launchers start together. On this 2-core machine node 1's three processes (coordinator, syncer, one
@@ -343,16 +420,17 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     assert (retrained["replica"], retrained["incarnation"]) != (1, 0)
 
     # three syncers led in turn, each elected and resuming its predecessor's checkpoint: the hung one was deposed by
-    # its lease (no launcher killed it: it no longer led), the other node's standby took over; the killed one was
-    # restarted by its own node's launcher, whose restart then led
+    # its lease (not for its beat: it no longer led) and the other node's standby took over; its launcher ended it
+    # and restarted it as a standby; the killed one was restarted as a standby too; one of the two restarts led
     started, elected = by_kind["syncer_started"], by_kind["syncer_elected"]
     assert [e["identity"] for e in started] == [e["identity"] for e in elected], (started, elected)
     assert [e["resumed"] for e in started] == [False, True, True], started
     assert [e["generation"] for e in started] == [1, 2, 3], started
-    node = [e["identity"].split("/")[1] for e in started]  # "node0" or "node1"
-    assert node[1] != node[0] and node[2] == node[1], node
-    restarter = nodes[int(node[1].removeprefix("node"))]
-    assert "the syncer exited with" in restarter.stderr and "restarting it as a standby" in restarter.stderr
+    node = [int(e["identity"].split("/")[1].removeprefix("node")) for e in started]
+    assert node[1] != node[0] and started[2]["identity"] not in {started[0]["identity"], started[1]["identity"]}
+    deposed, killed = nodes[node[0]].stderr, nodes[node[1]].stderr
+    assert "this node's syncer lost the leadership" in deposed and "restarting it as a standby" in deposed
+    assert "the syncer exited with -9: restarting it as a standby" in killed
     assert all("the syncer made no progress" not in n.stderr for n in nodes)
     hung = next(e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer")
     assert started[1]["time"] > hung and started[1]["merges"] >= 1 and started[2]["merges"] >= started[1]["merges"]
@@ -389,12 +467,13 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
         assert without_1, up_while_dead
     assert not lost or lost[0]["time"] > died  # a loss is never declared before the death
 
-    # the learners kept training while no syncer served (from the second one's kill to its restart's start, the
-    # longer gap): each learner training then logged steps in between
-    kill_time, back_time = syncer_down[1]
+    # the learners kept training while the first syncer was stopped, their sends to its store stuck until it is
+    # ended (no sooner than 4 s after the takeover, itself at least 1.5 s after the stop): each learner training
+    # then logged steps in the 5 s after the stop
+    stopped, back_time = hung, hung + 5.0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    down = {m["replica"] for m in metrics if kill_time < m["time"] < back_time}
-    training = {r for (r, _), e in starts.items() if e["time"] < kill_time} - {1}  # learner 1 may die meanwhile
+    down = {m["replica"] for m in metrics if stopped < m["time"] < back_time}
+    training = {r for (r, _), e in starts.items() if e["time"] < stopped} - {1}  # learner 1 may die meanwhile
     assert down and training <= down, (training, down)
 
     # the global model improved

@@ -41,6 +41,7 @@ from titan_recover.recover.job_store import (agree_config, announce_job, announc
                                              run_segment)
 from titan_recover.recover.nodes import address_towards, NodeKeys, NodePlan, single_node
 from titan_recover.recover.placement import VISIBLE_ENV
+from titan_recover.recover.standby import LEADER_TTL_S
 from titan_recover.recover.stores import connect, job_url, parse_store_url
 
 GRACE_S = 10.0
@@ -158,10 +159,18 @@ def cpu_threads_per_process(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, processes))
 
 
+DEPOSED_GRACE_S = 2 * LEADER_TTL_S
+"""A candidate that led a role and lost it exits at once (its keepalive's loss of the lease, or a refused write);
+one that still runs this long after another took the role (or the lease lapsed) is stopped or stuck, and its
+launcher ends it: nothing keeps waiting on it (learners still sending to a stopped syncer's store)."""
+
+
 class ReplicaJob:
     """The running job of one node: the coordinator (node 0, or a standby on every node with etcd), a slot per
     replica group of this node (and the diloco syncer), their starts and restarts, and the cleanup that leaves no
     process of the run behind."""
+
+    deposed_grace_s = DEPOSED_GRACE_S
 
     def __init__(self, config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
                  metrics_rank: int, devices: list[list[str]] | None = None, plan: NodePlan | None = None,
@@ -207,6 +216,8 @@ class ReplicaJob:
         """On etcd, node 0: the lease-bound announcement of the job's name under the run folder's prefix."""
         self._leaders: dict[str, str] = {}
         """Each role's leader as this launcher last read it (etcd: the coordinator's and the syncer's keys)."""
+        self._deposed: dict[str, tuple[str, float | None]] = {}
+        """Each role's candidate of this node that led it last, and since when another leads (None: it leads)."""
         self.coordinator = ReplicaSlot(-1, self.recover.coordinator_restarts)
         self.coordinator_beat = BeatWatch(b"", self.recover.coordinator_timeout_s, self.recover.startup_timeout_s)
         self.slots: list[ReplicaSlot] = []
@@ -362,20 +373,36 @@ class ReplicaJob:
         proc.wait()
         return True
 
-    def _leader(self, key: str) -> tuple[str, bool]:
+    def _leader(self, key: str, identity: str) -> tuple[str, bool]:
         """The identity that leads the role held in ``key`` (etcd; empty while nobody does), and whether it changed
-        since this launcher last looked."""
+        since this launcher last looked; notes when this node's candidate ``identity``, having led, stopped leading."""
         leader = self.store.get(key).decode() if self.store.check([key]) else ""
         changed = leader != self._leaders.get(key, "")
         self._leaders[key] = leader
+        if leader == identity:
+            self._deposed[key] = (identity, None)
+        elif self._deposed.get(key) == (identity, None):
+            self._deposed[key] = (identity, time.monotonic())
         return leader, changed
+
+    def _end_if_deposed(self, what: str, proc: subprocess.Popen, key: str, identity: str) -> bool:
+        """Kill this node's candidate ``identity`` (named ``what``) if it led the role in ``key``, lost it, and still
+        runs ``deposed_grace_s`` later; True if it did."""
+        led, since = self._deposed.get(key, ("", None))
+        if led != identity or since is None or time.monotonic() - since <= self.deposed_grace_s:
+            return False
+        print(f"[titan_recover] this node's {what} lost the leadership {time.monotonic() - since:.1f} s ago and still "
+              "runs (stopped or stuck): ending it", file=sys.stderr, flush=True)
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+        return True
 
     def coordinator_leads(self) -> bool:
         """Whether this node's coordinator is the one coordinating (always, without standbys). When the leader
         changes, the beat is watched afresh: a new leader is never judged by its predecessor's silence."""
         if not self.recover.store:
             return True
-        leader, changed = self._leader(GroupKeys.COORDINATOR_LEADER)
+        leader, changed = self._leader(GroupKeys.COORDINATOR_LEADER, self.coordinator_identity)
         if changed:  # held to startup_timeout_s until it beats, as a fresh start
             self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
                                               self.recover.startup_timeout_s)
@@ -385,7 +412,7 @@ class ReplicaJob:
         """Whether this node's syncer is the one serving (always, without standbys); as :meth:`coordinator_leads`."""
         if not self.recover.store:
             return True
-        leader, changed = self._leader(DilocoKeys.SYNCER_LEADER)
+        leader, changed = self._leader(DilocoKeys.SYNCER_LEADER, self.syncer_identity)
         if changed:
             self.syncer_beat = BeatWatch(self._syncer_beat(), self.recover.diloco.syncer_timeout_s,
                                          self.recover.startup_timeout_s)
@@ -436,9 +463,13 @@ class ReplicaJob:
     def syncer_host(self) -> str:
         """The address the learners reach this node's syncer at: on many nodes with the embedded store node 0's,
         the host part of ``--rdzv-endpoint`` (every node reaches it); with etcd this node's address on its route to
-        the etcd cluster (``nodes.address_towards``), since a standby on any node may serve."""
+        the etcd cluster (``nodes.address_towards``; the host's name where no route is known), since a standby on
+        any node may serve."""
         if self.recover.store:
-            return address_towards(*parse_store_url(self.recover.store).endpoints[0])
+            try:
+                return address_towards(*parse_store_url(self.recover.store).endpoints[0])
+            except OSError:
+                return socket.getfqdn()
         return self.plan.endpoint[0] if self.plan.endpoint else "127.0.0.1"
 
     def start_syncer(self) -> None:
@@ -466,17 +497,25 @@ class ReplicaJob:
     # ---- restarts ----------------------------------------------------------------------------------------
     def supervise_syncer(self) -> None:
         """A syncer whose beat stayed unchanged for ``syncer_timeout_s`` (``startup_timeout_s`` before its first)
-        is hung: it is killed, and restarted from its checkpoint while it has restarts left. A standby that does
-        not lead is not watched (the leading syncer's launcher watches its beat)."""
-        if self.syncer.proc.poll() is None and self.stopped_by is None and self.syncer_leads():
-            self._end_if_hung("syncer", self.syncer.proc, self.syncer_beat, self._syncer_beat(),
-                              "recover.diloco.syncer_timeout_s")
+        is hung: it is killed, and restarted from its checkpoint while it has restarts left. A standby's beat is
+        watched only while it leads (the leading syncer's launcher watches it); one that led, lost the role and
+        still runs is ended (it would keep learners that still send to it waiting)."""
+        proc = self.syncer.proc
+        if proc.poll() is None and self.stopped_by is None:
+            if self.syncer_leads():
+                self._end_if_hung("syncer", proc, self.syncer_beat, self._syncer_beat(),
+                                  "recover.diloco.syncer_timeout_s")
+            else:
+                self._end_if_deposed("syncer", proc, DilocoKeys.SYNCER_LEADER, self.syncer_identity)
         self.restart_syncer_if_crashed()
 
     def restart_syncer_if_crashed(self) -> None:
         syncer = self.syncer
-        if syncer.proc.poll() in (None, 0) or self.stopped_by is not None or syncer.ended_incarnation == syncer.incarnation:
+        given_up = syncer.ended_incarnation == syncer.incarnation
+        if syncer.proc.poll() in (None, 0) or self.stopped_by is not None or given_up:
             return
+        if self.store.check([GroupKeys.FINISHED]):
+            return  # the job's end is recorded: nothing left to lead
         if syncer.restarts_left > 0:
             syncer.count_restart()
             again = "as a standby" if self.recover.store else "from its checkpoint"
@@ -521,10 +560,13 @@ class ReplicaJob:
             return  # no coordinator on this node (another node runs it), or no need for one any more
         code = slot.proc.poll()
         if code is None:
-            if not self.coordinator_leads():
-                return  # a standby: the leading coordinator's launcher watches its beat
-            if not self._end_if_hung("coordinator", slot.proc, self.coordinator_beat, self._coordinator_beat(),
-                                     "recover.coordinator_timeout_s"):
+            if self.coordinator_leads():
+                ended = self._end_if_hung("coordinator", slot.proc, self.coordinator_beat, self._coordinator_beat(),
+                                          "recover.coordinator_timeout_s")
+            else:  # a standby: the leading coordinator's launcher watches its beat
+                ended = self._end_if_deposed("coordinator", slot.proc, GroupKeys.COORDINATOR_LEADER,
+                                             self.coordinator_identity)
+            if not ended:
                 return
             code = slot.proc.returncode
         if slot.ended_incarnation == slot.incarnation:

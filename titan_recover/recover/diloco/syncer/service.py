@@ -59,7 +59,7 @@ class Syncer:
         self.coordinator = coordinator or connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
         self.store = _serve_store(host, port)
         self.generation = self.coordinator.add(DilocoKeys.GENERATION, 1)
-        self.address = f"{host}:{self.store.port}"
+        self.address = f"[{host}]:{self.store.port}" if ":" in host else f"{host}:{self.store.port}"  # IPv6 in brackets
         self.who = f"syncer.{self.generation}"
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "syncer", start=start,
                                generation=self.generation)
