@@ -309,6 +309,63 @@ def test_the_syncer_gives_back_the_block_of_a_learner_whose_beat_stopped_never_o
     assert [(e["learner"], e["requeued_block"]) for e in lost] == [(1, 1), (2, None)]
 
 
+@pytest.mark.multiprocess  # a store server in a process of its own, to stop
+def test_a_send_and_a_pull_stuck_on_a_stopped_syncer_go_to_the_syncer_published_after_it():
+    """A learner's send to, and pull from, a syncer whose process is stopped (SIGSTOP) block in the socket; once a
+    newer syncer is published, the sender abandons that send and delivers the delta to the newer one (numbered from
+    0 there), and the puller abandons that pull and fetches the newer one's fragment."""
+    import signal
+    import subprocess
+    import sys
+
+    from titan_recover.recover.diloco.messages import publish_fragment, take_delta
+    from titan_recover.recover.diloco.transport import Delta, DeltaSender, GlobalPuller
+
+    coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    serve = ("import sys, time; from datetime import timedelta; from torch.distributed import TCPStore; "
+             "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)); "
+             "print(s.port, flush=True); time.sleep(120)")
+    first = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
+    sender = puller = None
+    try:
+        port = int(first.stdout.readline())
+        old = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+        publish_fragment(old, 0, 0, 0, torch.zeros(4))
+        old.set(DilocoKeys.VERSIONS, "1 0")
+        coordinator.set(DilocoKeys.SYNCER, f"127.0.0.1:{port} 1")
+        address = f"127.0.0.1:{coordinator.port}"
+        sender = DeltaSender(address, learner=0, incarnation=0, rank=0)
+        puller = GlobalPuller(address, rank=0, fragments=1)
+        sender.submit(Delta(0, 1, 10, (1, 0), torch.ones(4)))
+        assert sender.drain(10.0) and sender.sent == 1
+        _wait(lambda: 0 in puller.newest())
+        first.send_signal(signal.SIGSTOP)
+        big = torch.full((16 * 2**20,), 2.0)  # 64 MiB: more than the sockets buffer
+        sender.submit(Delta(1, 2, 20, (1, 0), big))
+        time.sleep(3.0)
+        assert sender.pending() == 1 and sender.sent == 1  # stuck on the stopped syncer, no newer one yet
+        assert puller.newest()[0][0] == (1, 0)
+        second = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+        publish_fragment(second, 0, 0, 0, torch.full((4,), 3.0))
+        second.set(DilocoKeys.VERSIONS, "2 0")
+        coordinator.set(DilocoKeys.SYNCER, f"127.0.0.1:{second.port} 2")
+        assert sender.drain(20.0), "the delta never reached the newer syncer"
+        assert sender.sent == 2 and sender.abandoned == 1
+        # a store's set returns once sent: the server may still be reading the pieces
+        second.wait([DilocoKeys.meta(DilocoKeys.delta(0, 0, 0, 0))], timedelta(seconds=10))
+        delivered = take_delta(second, 0, 0, 0, 0)  # numbered from 0 in the newer syncer's store
+        assert delivered is not None and delivered.fragment == 1 and delivered.tokens == 20
+        assert torch.equal(delivered.data, big)
+        _wait(lambda: puller.newest()[0][0] == (2, 0), timeout_s=20.0)
+        assert torch.equal(puller.newest()[0][1], torch.full((4,), 3.0)) and puller.abandoned == 1
+    finally:
+        first.kill()
+        first.wait()
+        for thread in (sender, puller):
+            if thread is not None:
+                thread.stop()
+
+
 def test_a_learner_withdraws_its_offer_even_one_whose_mark_was_never_written():
     from torch.distributed import HashStore
 
