@@ -449,10 +449,13 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     for e in events:
         by_kind[e["event"]].append(e)
 
-    # every fault fired
+    # every learner fault fired; the syncer's fired, unless a syncer lost its lease first on this loaded machine (etcd
+    # answered no refresh within 1.5 s: named in the events), which shifts which syncer reaches which merge
     fired = {(e.get("process", "trainer"), e["kind"], e["step"]) for e in by_kind["fault_injected"]}
-    assert fired == {("trainer", "kill", 30), ("trainer", "slow", 2), ("syncer", "hang", 8),
-                     ("syncer", "kill", 14)}, fired
+    lost_lease = by_kind["syncer_lost_leadership"]
+    assert {("trainer", "kill", 30), ("trainer", "slow", 2)} <= fired, fired
+    assert fired - {("trainer", "kill", 30), ("trainer", "slow", 2)} <= {("syncer", "hang", 8), ("syncer", "kill", 14)}
+    assert len(fired) == 4 or lost_lease, (fired, lost_lease)
 
     # the killed learner was restarted by its node's launcher; its block was given back and trained by a learner
     # alive. Whether its restart (process start-up: 20-30 s on 2 busy cores) comes back before the budget is trained
@@ -476,25 +479,32 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     retrained = [e for e in by_kind["block_claimed"] if e["block"] == killed_block][1]
     assert (retrained["replica"], retrained["incarnation"]) != (1, 0)
 
-    # three syncers led in turn, each elected and resuming its predecessor's checkpoint: the hung one was deposed by
-    # its lease (not for its beat: it no longer led) and the other node's standby took over; its launcher ended it
-    # and restarted it as a standby; the killed one was restarted as a standby too; one of the two restarts led
+    # syncers led in turn (three, one more for each lost lease), each elected and resuming its predecessor's
+    # checkpoint, each but the last ended by a fault or the loss of its lease. The hung one was deposed by its lease
+    # (not for its beat: it no longer led) and the other node's standby took over; its launcher ended it and
+    # restarted it as a standby; the killed one was restarted as a standby too
     started, elected = by_kind["syncer_started"], by_kind["syncer_elected"]
     assert [e["identity"] for e in started] == [e["identity"] for e in elected], (started, elected)
-    assert [e["resumed"] for e in started] == [False, True, True], started
-    assert [e["generation"] for e in started] == [1, 2, 3], started
+    assert [e["generation"] for e in started] == list(range(1, len(started) + 1)), started
+    assert [e["resumed"] for e in started] == [False] + [True] * (len(started) - 1), started
+    assert all(later["merges"] >= earlier["merges"] for earlier, later in zip(started, started[1:])), started
+    syncer_faults = {e["generation"]: e for e in by_kind["fault_injected"] if e.get("process") == "syncer"}
+    ended = {**{e["generation"]: e for e in lost_lease}, **syncer_faults}  # what ended each leader but the last
+    assert sorted(ended) == list(range(1, len(started))) and len(started) == 3 + len(lost_lease), (ended, started)
     node = [int(e["identity"].split("/")[1].removeprefix("node")) for e in started]
-    assert node[1] != node[0] and started[2]["identity"] not in {started[0]["identity"], started[1]["identity"]}
-    deposed, killed = nodes[node[0]].stderr, nodes[node[1]].stderr
-    assert "this node's syncer lost the leadership" in deposed and "restarting it as a standby" in deposed
-    assert "the syncer exited with -9: restarting it as a standby" in killed
+    for g, fault in syncer_faults.items():
+        assert started[g]["time"] > fault["time"]  # the next one led after it
+        if fault["kind"] == "hang":  # its own node has no other candidate yet: the other node's took over
+            deposed = nodes[node[g - 1]].stderr
+            assert node[g] != node[g - 1], node
+            assert "this node's syncer lost the leadership" in deposed and "restarting it as a standby" in deposed
+        else:
+            assert "the syncer exited with -9: restarting it as a standby" in nodes[node[g - 1]].stderr
     assert all("the syncer made no progress" not in n.stderr for n in nodes)
-    hung = next(e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer")
-    assert started[1]["time"] > hung and started[1]["merges"] >= 1 and started[2]["merges"] >= started[1]["merges"]
     merges = by_kind["fragment_merged"]
     assert [e["generation"] for e in merges] == sorted(e["generation"] for e in merges)
-    assert {e["generation"] for e in merges} >= {1, 2}
-    assert len(by_kind["syncer_finished"]) == 1 and by_kind["syncer_finished"][0]["generation"] == 3
+    assert len({e["generation"] for e in merges}) >= 2
+    assert len(by_kind["syncer_finished"]) == 1 and by_kind["syncer_finished"][0]["generation"] == len(started)
 
     # nobody waited: every merge closed within its grace window (never beyond max_window_s), and rounds closed
     # without the slow learner and without the dead one
@@ -514,8 +524,7 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     # (above), by the syncer or by the restart.
     died = next(e["time"] for e in by_kind["fault_injected"] if e.get("replica") == 1 and e["kind"] == "kill")
     back = starts[(1, 1)]["time"] if (1, 1) in starts else by_kind["job_finished"][0]["time"]
-    syncer_faults = [e["time"] for e in by_kind["fault_injected"] if e.get("process") == "syncer"]
-    syncer_down = list(zip(syncer_faults, [e["time"] for e in started[1:]]))  # a fault to the next leader's start
+    syncer_down = [(ended[g]["time"], started[g]["time"]) for g in ended]  # a leader's end to the next one's start
     overlap = sum(max(0.0, min(back, end) - max(died, begin)) for begin, end in syncer_down)
     up_while_dead = back - died - overlap
     lost = [e for e in by_kind["learner_lost"] if e["learner"] == 1]
@@ -524,14 +533,15 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
         assert without_1, up_while_dead
     assert not lost or lost[0]["time"] > died  # a loss is never declared before the death
 
-    # the learners kept training while the first syncer was stopped, their sends to its store stuck until it is
-    # ended (no sooner than 4 s after the takeover, itself at least 1.5 s after the stop): each learner training
-    # then logged steps in the 5 s after the stop
-    stopped, back_time = hung, hung + 5.0
+    # the learners kept training while a syncer was stopped (it lives on, stopped, until its launcher ends it: no
+    # sooner than its lease's lapse, 1.5 s at least, and 4 s of grace after): each learner training then logged
+    # steps in the 5 s after the stop
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    down = {m["replica"] for m in metrics if stopped < m["time"] < back_time}
-    training = {r for (r, _), e in starts.items() if e["time"] < stopped} - {1}  # learner 1 may die meanwhile
-    assert down and training <= down, (training, down)
+    for fault in (f for f in syncer_faults.values() if f["kind"] == "hang"):
+        stopped = fault["time"]
+        down = {m["replica"] for m in metrics if stopped < m["time"] < stopped + 5.0}
+        training = {r for (r, _), e in starts.items() if e["time"] < stopped} - {1}  # learner 1 may die meanwhile
+        assert down and training <= down, (training, down)
 
     # the global model improved
     evaluated = by_kind["global_evaluated"]

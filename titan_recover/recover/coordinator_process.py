@@ -5,10 +5,10 @@
 
 The coordinator itself (:mod:`titan_recover.recover.groups.coordinator`) shares only keys and pure decisions with
 the ranks; this entry adds what a process of the job needs: the ``[recover]`` section, its own ``[chaos]`` faults,
-its signals, and, with ``--standby`` (an etcd store; every node's launcher runs one), the leader election: it
-coordinates only once it leads (``stores/leader.py``), resuming from the stored state exactly as a restarted
-coordinator does, and exits at once (:data:`EXIT_LOST`) when its leadership is lost. Its writes to the job's store
-are fenced by its term (``LeaderElection.fenced``): once another candidate leads, a write of this one is refused
+its signals, and, with ``--standby`` (an etcd store; every node's launcher runs one), the leader election
+(``recover/standby.py``): it coordinates only once it leads, resuming from the stored state exactly as a restarted
+coordinator does, and exits at once (code 76) when its leadership is lost. Its writes to the job's store are
+fenced by its term (``LeaderElection.fenced``): once another candidate leads, a write of this one is refused
 (``NotLeader``) before it changes anything, and it exits the same way.
 """
 
@@ -27,10 +27,9 @@ from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import Coordinator
 from titan_recover.recover.groups.keys import GroupKeys
 from titan_recover.recover.scout.verified import complete_checkpoints, step_to_load
-from titan_recover.recover.standby import exit_when_lost, EXIT_LOST, lead
+from titan_recover.recover.standby import lead, refused, took_office
 from titan_recover.recover.stores import connect
 
-logger = logging.getLogger(__name__)
 
 def newest_checkpoint(folder: str) -> str | None:
     """What a restart of every group would load from ``folder`` (as the checkpoint manager chooses), or None when
@@ -62,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     config = RecoverConfig.from_dict(json.loads(args.recover_json))
     faults = [FaultSpec(**fault) for fault in json.loads(args.chaos_json).get("faults", [])]
     store = connect(args.store, config.agree_timeout_s)
-    election = lead(store, GroupKeys.COORDINATOR_LEADER, args.identity, over_key=GroupKeys.FINISHED) if args.standby else None
+    election = None
+    if args.standby:
+        election = lead(store, GroupKeys.COORDINATOR_LEADER, args.identity, over_key=GroupKeys.FINISHED)
     if args.standby and election is None:
         return 0  # the job finished while this one stood by
     from titan_recover.recover.stores.etcd import NotLeader  # etcd3gw stays unimported without an etcd store
@@ -75,17 +76,12 @@ def main(argv: list[str] | None = None) -> int:
                                   durable_state=lambda: newest_checkpoint(args.checkpoint_folder))
         coordinator.chaos = ProcessFaults(faults, "coordinator", coordinator.start, coordinator.events)
         if election is not None:
-            coordinator.events.emit("coordinator_elected", identity=args.identity, term=election.term)
-            exit_when_lost(election, coordinator.events, "coordinator")
+            took_office(election, coordinator.events, "coordinator")
         signal.signal(signal.SIGTERM, coordinator.request_stop)
         signal.signal(signal.SIGINT, coordinator.request_stop)
         return coordinator.run()
-    except NotLeader as refused:  # another candidate leads: this one's write changed nothing
-        logger.error("%s: %s: exiting", args.identity, refused)
-        if coordinator is not None:
-            coordinator.events.emit("coordinator_lost_leadership", identity=args.identity, term=election.term,
-                                    reason=f"a write was refused: {refused}")
-        return EXIT_LOST
+    except NotLeader as error:  # another candidate leads: this one's write changed nothing
+        return refused(election, coordinator.events if coordinator is not None else None, "coordinator", error)
     finally:
         if election is not None:
             election.resign()

@@ -45,6 +45,23 @@ def lead(store, key: str, identity: str, *, over_key: str):
     return None
 
 
+def took_office(election, events, role: str) -> None:
+    """Record that this candidate leads (event ``<role>_elected``) and end the process the moment it no longer
+    does (:func:`exit_when_lost`)."""
+    events.emit(f"{role}_elected", identity=election.identity, term=election.term)
+    exit_when_lost(election, events, role)
+
+
+def refused(election, events, role: str, error: Exception) -> int:
+    """A write of this leader was refused (``NotLeader``: another candidate leads, nothing was written): say so,
+    record it (event ``<role>_lost_leadership``, when ``events`` exists yet) and return the exit code."""
+    logger.error("%s: %s: exiting", election.identity, error)
+    if events is not None:
+        events.emit(f"{role}_lost_leadership", identity=election.identity, term=election.term,
+                    reason=f"a write was refused: {error}")
+    return EXIT_LOST
+
+
 def exit_when_lost(election, events, role: str) -> None:
     """A thread that ends this process the moment its leadership is lost (event ``<role>_lost_leadership``):
     another candidate may lead ``ttl`` later, and two leaders of a role must never act at once (the window that

@@ -81,15 +81,23 @@ class SyncerLink:
         self.store = None
 
 
+def _started(run, worker: int, name: str) -> threading.Thread:
+    """A daemon thread running ``run(worker)``, started."""
+    thread = threading.Thread(target=run, args=(worker,), name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 class StuckWatch:
     """A thread that watches one worker thread of a learner's transport. ``state()`` gives (since when the worker
     has been in a call to the syncer's store, None when it is not; the syncer generation its link talks to). Once
     the worker has been in one call for :data:`STUCK_S` and a newer generation than the one it talks to (its link's
-    ``target``) is published, ``abandon(stuck_on, published)`` replaces the worker (which must touch nothing if its call ever returns).
+    ``target``) is published, ``abandon(stuck_on, published)`` replaces the worker (which must touch nothing if
+    its call ever returns).
 
     Why: a call to a store whose server is stopped (SIGSTOP, or a partitioned node) blocks for as long as TCP
-    allows: measured with torch's TCPStore, a ``get``, a ``check`` and a 4 MB ``set`` to a stopped server were all
-    still blocked 15 s later with a 2 s store timeout."""
+    allows: with torch's TCPStore a ``get``, a ``check`` and a 4 MB ``set`` to a stopped server all block past the
+    store's timeout."""
 
     def __init__(self, coordinator_address: str, state, abandon, name: str):
         self.coordinator_address, self.state, self.abandon = coordinator_address, state, abandon
@@ -160,10 +168,7 @@ class DeltaSender:
         self.watch = StuckWatch(coordinator_address, self._state, self._abandon, "titan-recover-diloco-send-watch")
 
     def _start_worker(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run, args=(self.worker,), name="titan-recover-diloco-send",
-                                  daemon=True)
-        thread.start()
-        return thread
+        return _started(self._run, self.worker, "titan-recover-diloco-send")
 
     def _hello(self, store) -> None:
         if self.link.generation != self.numbered_for:  # a new syncer store: numbering restarts
@@ -292,10 +297,7 @@ class GlobalPuller:
         self.watch = StuckWatch(coordinator_address, self._state, self._abandon, "titan-recover-diloco-pull-watch")
 
     def _start_worker(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run, args=(self.worker,), name="titan-recover-diloco-pull",
-                                  daemon=True)
-        thread.start()
-        return thread
+        return _started(self._run, self.worker, "titan-recover-diloco-pull")
 
     def _run(self, worker: int) -> None:
         while not self._stop.wait(POLL_S):

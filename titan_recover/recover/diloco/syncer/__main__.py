@@ -52,7 +52,7 @@ def serve(config, args) -> int:
     from titan_recover.recover.diloco.rules import DilocoKeys
     from titan_recover.recover.diloco.syncer.service import MissingCheckpoint, Syncer
     from titan_recover.recover.groups.keys import GroupKeys
-    from titan_recover.recover.standby import exit_when_lost, EXIT_LOST, lead
+    from titan_recover.recover.standby import lead, refused, took_office
     from titan_recover.recover.stores import connect
 
     store = connect(args.coordinator, config.recover.agree_timeout_s)
@@ -70,15 +70,10 @@ def serve(config, args) -> int:
                         host=args.host, port=args.port, nodes=args.nodes,
                         identity=args.identity if election is not None else "")
         if election is not None:
-            syncer.events.emit("syncer_elected", identity=args.identity, term=election.term)
-            exit_when_lost(election, syncer.events, "syncer")
+            took_office(election, syncer.events, "syncer")
         return syncer.run()
-    except NotLeader as refused:  # another candidate leads: this one's write changed nothing
-        logger.error("%s: %s: exiting", args.identity, refused)
-        if syncer is not None:
-            syncer.events.emit("syncer_lost_leadership", identity=args.identity, term=election.term,
-                               reason=f"a write was refused: {refused}")
-        return EXIT_LOST
+    except NotLeader as error:  # another candidate leads: this one's write changed nothing
+        return refused(election, syncer.events if syncer is not None else None, "syncer", error)
     except MissingCheckpoint as missing:
         logger.error("%s", missing)
         return 1
