@@ -250,7 +250,7 @@ def test_a_deposed_standby_syncer_writes_nothing_to_the_store_and_saves_no_globa
     config = _config("--training.steps", "4")
     syncer = Syncer(config, coordinator=first.fenced(), run_dir=str(tmp_path), ranks=1, identity="node0/syncer0")
     assert syncer.generation == 1
-    syncer.beat(now_or_never=True)
+    syncer.beat(at_once=True)
     first.resign()  # as a lapsed lease: the key is gone and the next candidate takes it
     second = lead(store, DilocoKeys.SYNCER_LEADER, "node1/syncer0", over_key=GroupKeys.FINISHED)
     try:
@@ -411,8 +411,9 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     launcher to see the hang; the stopped one's launcher ends it once it still runs 4 s after it lost the role (the
     learners' sends to its store fail then: they follow the new syncer), and restarts it as a standby. That second
     syncer is killed after merge 14: a standby takes over from its checkpoint (the first one's restart, or the
-    second one's). Both launchers exit 0 once a syncer counted the budget trained. One node, or the embedded store, is the same code
-    with one launcher's report of its learners' end and a syncer that node 0's launcher restarts.
+    second one's). Both launchers exit 0 once a syncer counted the budget trained. One node, or the embedded
+    store, is the same code with one launcher's report of its learners' end and a syncer that node 0's launcher
+    restarts.
 
     The launchers start together. On this 2-core machine node 1's three processes (coordinator, syncer, one
     learner) start before node 0's four: learner 2 may train alone at first and either node's syncer may lead

@@ -23,7 +23,7 @@ from datetime import timedelta
 from torch.distributed import DistError, Store, TCPStore
 
 from titan_recover.recover.nodes import first_difference, NodeKeys
-from titan_recover.recover.stores import job_url, open_store
+from titan_recover.recover.stores import host_port, job_url, open_store
 
 ANNOUNCEMENT = "launcher"
 """Under the run folder's etcd prefix: the name of the job whose node 0 launcher lives (a lease-bound key)."""
@@ -42,7 +42,7 @@ def host_embedded(host: str, port: int, timeout_s: float) -> tuple[TCPStore, str
     """The job's store in this process (node 0's launcher), and the ``HOST:PORT`` its clients use. The server
     listens on every interface; ``host`` is the address the other processes reach it at."""
     store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    return store, f"{host}:{store.port}"
+    return store, host_port(host, store.port)
 
 
 def join_embedded(host: str, port: int, wait_s: float, timeout_s: float) -> tuple[TCPStore, str]:

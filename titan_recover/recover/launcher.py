@@ -642,7 +642,7 @@ class ReplicaJob:
         while any(slot.running for slot in self.slots) or self.restart_every_group():
             time.sleep(0.1)
             if self.syncer is not None:
-                if self.syncer_done(bool(self.recover.store)):  # the job ended (the budget trained, or no learner left)
+                if self.syncer_done():  # the job ended (the budget trained, or no learner left)
                     break
                 self.supervise_syncer()
             self.supervise_coordinator()
@@ -748,10 +748,10 @@ class ReplicaJob:
         records it after it saved the global model). With standbys this node keeps its candidate running until
         then, however its own ended, as long as some syncer beats (``agree_timeout_s``)."""
         syncer, nodes, standbys = self.syncer, self.plan.nnodes, bool(self.recover.store)
-        if not self.syncer_done(standbys):
+        if not self.syncer_done():
             self.store.set(DilocoKeys.learners_over(self.plan.rank), "1")
         deadline, beats = None, BeatWatch(b"", self.recover.agree_timeout_s, self.recover.agree_timeout_s)
-        while not self.syncer_done(standbys) and self.stopped_by is None:
+        while not self.syncer_done() and self.stopped_by is None:
             self.supervise_coordinator()
             if deadline is None and all(self.store.check([DilocoKeys.learners_over(n)]) for n in range(nodes)):
                 deadline = time.monotonic() + self.recover.agree_timeout_s
@@ -766,11 +766,11 @@ class ReplicaJob:
                 break
             time.sleep(0.1)
         print(f"[titan_recover] syncer exit code {syncer.proc.poll()}", file=sys.stderr, flush=True)
-        return self.syncer_done(standbys)
+        return self.syncer_done()
 
-    def syncer_done(self, standbys: bool) -> bool:
-        """This node's syncer ended the job (exit 0), or, with standbys, any syncer recorded its end."""
-        return self.syncer.proc.poll() == 0 or (standbys and self.store.check([GroupKeys.FINISHED]))
+    def syncer_done(self) -> bool:
+        """This node's syncer ended the job (exit 0), or, with standbys (etcd), any syncer recorded its end."""
+        return self.syncer.proc.poll() == 0 or (bool(self.recover.store) and self.store.check([GroupKeys.FINISHED]))
 
     def cleanup(self) -> None:
         """SIGTERM to every child still running, SIGKILL after GRACE_S, then any process carrying the run's

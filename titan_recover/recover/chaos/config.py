@@ -79,10 +79,11 @@ class FaultSpec:
     process: str = "trainer"
     """``trainer``: a rank of a replica group (or learner). ``syncer``: the diloco syncer (``replica`` and
     ``rank`` ignored, ``incarnation``: which syncer of the job, its generation - 1, on whichever node it runs);
-    ``step`` counts its merges and ``phase`` is ``merge``: the fault fires right after that merge was published. ``coordinator`` (``replica`` and ``rank`` ignored, ``incarnation``: which start of the
-    coordinator): phase ``step`` fires once every member it watches is at ``step`` or later (mid-step), ``epoch``
-    once it noticed a fault and is about to form epoch ``step``, ``publish`` after it wrote epoch ``step``'s
-    state ahead and before members can read the epoch."""
+    ``step`` counts its merges and ``phase`` is ``merge``: the fault fires right after that merge was published.
+    ``coordinator`` (``replica`` and ``rank`` ignored, ``incarnation``: which start of the coordinator): phase
+    ``step`` fires once every member it watches is at ``step`` or later (mid-step), ``epoch`` once it noticed a
+    fault and is about to form epoch ``step``, ``publish`` after it wrote epoch ``step``'s state ahead and before
+    members can read the epoch."""
 
     def __post_init__(self) -> None:
         FAULTS.get(self.kind)  # raises, naming the registered kinds

@@ -164,11 +164,8 @@ class DeltaSender:
         """The current send thread's number: a thread with an older one was abandoned and must touch nothing."""
         self.cond = threading.Condition()
         self.stopped = False
-        self.thread = self._start_worker()
+        self.thread = _started(self._run, self.worker, "titan-recover-diloco-send")
         self.watch = StuckWatch(coordinator_address, self._state, self._abandon, "titan-recover-diloco-send-watch")
-
-    def _start_worker(self) -> threading.Thread:
-        return _started(self._run, self.worker, "titan-recover-diloco-send")
 
     def _hello(self, store) -> None:
         if self.link.generation != self.numbered_for:  # a new syncer store: numbering restarts
@@ -242,7 +239,8 @@ class DeltaSender:
             return (self.sending_since if self.inflight is not None else None), self.link.target
 
     def _abandon(self, stuck_on: int, published: int) -> None:
-        with self.cond:
+        link = SyncerLink(self.coordinator_address, on_connect=self._hello)  # connects: not under the lock
+        with self.cond:  # the training thread's submit takes it
             if self.inflight is None or self.link.target != stuck_on:
                 return  # it returned meanwhile
             delta, self.inflight = self.inflight, None
@@ -250,8 +248,8 @@ class DeltaSender:
             self._requeue(Delta(delta.fragment, delta.step, delta.tokens, delta.base, delta.data.clone()))
             self.worker += 1
             self.abandoned += 1
-            self.link = SyncerLink(self.coordinator_address, on_connect=self._hello)
-            self.thread = self._start_worker()
+            self.link = link
+            self.thread = _started(self._run, self.worker, "titan-recover-diloco-send")
             self.cond.notify_all()
         logger.warning("learner %d rank %d: a delta send to syncer %d has not returned for %.0f s and syncer %d is "
                        "published: sending to it from a new thread", self.learner, self.rank, stuck_on, STUCK_S,
@@ -293,11 +291,8 @@ class GlobalPuller:
         """The current pull thread's number: a thread with an older one was abandoned and must touch nothing."""
         self.abandoned = 0
         self._stop = threading.Event()
-        self.thread = self._start_worker()
+        self.thread = _started(self._run, self.worker, "titan-recover-diloco-pull")
         self.watch = StuckWatch(coordinator_address, self._state, self._abandon, "titan-recover-diloco-pull-watch")
-
-    def _start_worker(self) -> threading.Thread:
-        return _started(self._run, self.worker, "titan-recover-diloco-pull")
 
     def _run(self, worker: int) -> None:
         while not self._stop.wait(POLL_S):
@@ -338,14 +333,15 @@ class GlobalPuller:
             return self.polling_since, self.link.target
 
     def _abandon(self, stuck_on: int, published: int) -> None:
+        link = SyncerLink(self.coordinator_address)  # connects: not under the lock the training thread's newest takes
         with self.lock:
             if self.polling_since is None or self.link.target != stuck_on:
                 return  # it returned meanwhile
             self.polling_since = None
             self.worker += 1
             self.abandoned += 1
-            self.link = SyncerLink(self.coordinator_address)
-            self.thread = self._start_worker()
+            self.link = link
+            self.thread = _started(self._run, self.worker, "titan-recover-diloco-pull")
         logger.warning("rank %d: a pull from syncer %d has not returned for %.0f s and syncer %d is published: "
                        "pulling from it in a new thread", self.rank, stuck_on, STUCK_S, published)
 

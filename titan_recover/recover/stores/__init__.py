@@ -108,6 +108,11 @@ def connect(url: str, timeout_s: float) -> Store:
     return open_store(url, timeout=timedelta(seconds=timeout_s))
 
 
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT`` as a store URL names it: an IPv6 host in brackets (``[::1]:2379``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 _JOB_SEGMENT = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -119,5 +124,5 @@ def job_url(url: str, *segments: str) -> str:
     if address.kind != "etcd":
         raise ValueError(f"store URL {url!r}: job_url is for etcd URLs")
     parts = [_JOB_SEGMENT.sub("_", s.strip("/")) or "_" for s in segments]
-    hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in address.endpoints)
+    hosts = ",".join(host_port(h, p) for h, p in address.endpoints)
     return f"etcd://{hosts}{address.path or DEFAULT_ETCD_ROOT}/" + "/".join(parts)

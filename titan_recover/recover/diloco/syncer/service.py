@@ -26,7 +26,7 @@ from titan_recover.recover.diloco.syncer.liveness import LearnerLiveness, LIVENE
 from titan_recover.recover.diloco.syncer.metrics import Progress, SyncerMetrics
 from titan_recover.recover.diloco.syncer.rounds import merge_record, Rounds
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.stores import connect
+from titan_recover.recover.stores import connect, host_port
 from titan_recover.recover.groups.keys import GroupKeys
 
 logger = logging.getLogger("titan_recover.syncer")
@@ -59,7 +59,7 @@ class Syncer:
         self.coordinator = coordinator or connect(coordinator_address, timeout_s=config.recover.agree_timeout_s)
         self.store = _serve_store(host, port)
         self.generation = self.coordinator.add(DilocoKeys.GENERATION, 1)
-        self.address = f"[{host}]:{self.store.port}" if ":" in host else f"{host}:{self.store.port}"  # IPv6 in brackets
+        self.address = host_port(host, self.store.port)
         self.who = f"syncer.{self.generation}"
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), "syncer", start=start,
                                generation=self.generation)
@@ -92,12 +92,12 @@ class Syncer:
         return self.model.versions
 
     # ---- start -------------------------------------------------------------------------------------------
-    def beat(self, now_or_never: bool = False) -> None:
+    def beat(self, at_once: bool = False) -> None:
         """Tell the launcher this start makes progress (at most every ``heartbeat_interval_s``, or now): each pass
         of the loop, and while it waits for the initial model; a beat unchanged for ``syncer_timeout_s`` is a hang.
         A fenced store refuses the beat of a syncer that lost its role (``NotLeader``)."""
         now = time.monotonic()
-        if now_or_never or now - self._beaten >= self.config.recover.heartbeat_interval_s:
+        if at_once or now - self._beaten >= self.config.recover.heartbeat_interval_s:
             self.coordinator.set(DilocoKeys.SYNCER_BEAT, f"{self.generation}:{time.time():.6f}")
             self._beaten = now
 
@@ -277,7 +277,7 @@ class Syncer:
     def finish(self) -> int:
         """Every learner ended: merge what is left, evaluate, save the global model and the checkpoint (after a
         beat that a fenced store refuses once another syncer leads: a deposed one saves nothing)."""
-        self.beat(now_or_never=True)
+        self.beat(at_once=True)
         now = time.time()
         for f in range(self.model.fragments):
             self._maybe_merge(f, now, final=True)
