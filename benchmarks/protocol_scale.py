@@ -24,7 +24,9 @@ through which the group's leader rank relays their beats. Measured:
   refused: what a SIGKILL leaves), then a survivor raises the fault flag as a failed collective does
   (``raise_fault_flag``) and every survivor calls ``wait_for_epoch``: the time from the flag to the last survivor
   having entered the new epoch. Median over ``--kills`` kills, each of another group. The coordinator's own
-  detection of a silent member (``heartbeat_timeout_s``) is not measured here.
+  detection of a silent member (``heartbeat_timeout_s``) is not measured here. ``epoch_requests``: the members'
+  requests to the job's store over the same phase (from the command to the last survivor in, the beats of those
+  seconds included; median over the kills): what an epoch change costs the job's store.
 
 What the protocol does instead is reported as the size's outcome, with what was measured before it: a live group
 left out of a new epoch (its ranks did not join within ``join_window_s``; a left-out rank ends its process,
@@ -42,7 +44,7 @@ queries for 100 connections instead of about 4 per connection). ``--connect-rate
     python benchmarks/protocol_scale.py [--sizes 8,64,512,1024] [--ranks-per-replica 8] [--workers 4]
         [--repeats 7] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
 
-Last line, for the largest size measured: ``members=... epoch_s=... barrier_ms=... requests_per_s=...
+Last line, for the largest size measured: ``members=... epoch_s=... epoch_requests=... barrier_ms=... requests_per_s=...
 coordinator_cpu=...`` (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
 a kill < 1 s, commit barrier < 50 ms.
 """
@@ -149,7 +151,8 @@ def table_row(result: dict) -> str:
 
 def headline(result: dict) -> str:
     """The last line: the largest size measured."""
-    values = {"epoch_s": ("epoch_s", ".3f"), "barrier_ms": ("barrier_median_ms", ".1f"),
+    values = {"epoch_s": ("epoch_s", ".3f"), "epoch_requests": ("epoch_requests", ".0f"),
+              "barrier_ms": ("barrier_median_ms", ".1f"),
               "requests_per_s": ("requests_per_s", ".0f"), "coordinator_cpu": ("coordinator_cpu", ".1f")}
     return " ".join([f"members={result['members']}"] + [f"{name}={_fmt(result.get(key), spec, 'nan')}"
                                                          for name, (key, spec) in values.items()])
@@ -593,10 +596,12 @@ def measure_epoch(workers: Workers, epoch: int, members: tuple[int, ...], events
     victim = max(members)
     survivors = tuple(m for m in members if m != victim)
     killed = sum(workers.ask("kill", wait_s=30, replica=victim))
+    counted, began = sum(workers.ask("count", wait_s=30)), time.monotonic()
     at = time.time() + LEAD_S
     results = [r for answer in workers.ask("epoch", timeout_s + 10, after=epoch, at=at, raiser=(survivors[0], 0),
                                            reason=f"protocol_scale: replica {victim} killed", timeout_s=timeout_s)
                for r in answer]
+    requests, window_s = sum(workers.ask("count", wait_s=30)) - counted, time.monotonic() - began
     ended = [r for r in results if isinstance(r, tuple) and r[0] in ("left out", "stopped")]
     entered = [r for r in results if r not in ended]
     _failures(entered, f"waiting for the epoch after {epoch}")
@@ -610,7 +615,7 @@ def measure_epoch(workers: Workers, epoch: int, members: tuple[int, ...], events
               "dropped_live": sorted(set(survivors) - set(new_members)),
               "stopped": any(r[0] == "stopped" for r in ended),
               "noticed_s": event["coordinator_noticed_at"] - flagged, "published_s": event["time"] - flagged,
-              "reason": event["reason"]}
+              "reason": event["reason"], "requests": requests, "requests_window_s": window_s}
     if entered:
         formed = {(r[1], tuple(r[2])) for r in entered}
         if formed != {(epoch + 1, new_members)}:
@@ -711,6 +716,7 @@ def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int) -
     timed = [k["epoch_s"] for k in kills if k["epoch_s"] is not None]
     if timed:
         result["epoch_s"] = statistics.median(timed)
+    result["epoch_requests"] = statistics.median(k["requests"] for k in kills)
     dropped = sum(len(k["dropped_live"]) for k in kills)
     if dropped:
         stopped = " and the job stopped" if kills[-1]["stopped"] else ""
@@ -743,7 +749,9 @@ def describe(result: dict) -> str:
                  f"{result['barrier_entry_spread_ms']:.0f} ms)")
     for k in result.get("kills", []):
         line += (f"; kill of group {k['victim']}: coordinator noticed the flag +{k['noticed_s']:.3f} s, published "
-                 f"+{k['published_s']:.3f} s, last survivor in +{_fmt(k['epoch_s'], '.3f')} s")
+                 f"+{k['published_s']:.3f} s, last survivor in +{_fmt(k['epoch_s'], '.3f')} s, "
+                 f"{k['requests']} requests to the job's store from the phase's start to the last survivor in "
+                 f"({k['requests_window_s']:.2f} s, beats included)")
         if k["dropped_live"]:
             line += f" ({len(k['dropped_live'])} live groups left out: {k['reason'][-160:]})"
         if k["stopped"]:

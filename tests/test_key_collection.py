@@ -65,10 +65,10 @@ def etcd_keys(store) -> set[str]:
 
 def test_every_key_of_an_epoch_is_under_its_own_keys_and_prefixes():
     keys, prefixes = GroupKeys.of_epoch(1)
-    of_one = [GroupKeys.members(1), GroupKeys.fault(1), GroupKeys.join(1, 2, 3), GroupKeys.joined_count(1),
+    of_one = [GroupKeys.members(1), GroupKeys.fault(1), GroupKeys.join(1, 2), GroupKeys.joined_count(1),
               GroupKeys.reduced(1, 7), GroupKeys.decision(1, "admit7"), GroupKeys.admission(1), GroupKeys.admitted(1),
               GroupKeys.evicted(1, 2), GroupKeys.founding(1, 2), GroupKeys.group_prefix(1, 3, "transfer") + "/0"]
-    of_ten = [GroupKeys.members(10), GroupKeys.fault(10), GroupKeys.join(10, 2, 3), GroupKeys.joined_count(10),
+    of_ten = [GroupKeys.members(10), GroupKeys.fault(10), GroupKeys.join(10, 2), GroupKeys.joined_count(10),
               GroupKeys.reduced(10, 7), GroupKeys.decision(10, 7), GroupKeys.admission(10), GroupKeys.admitted(10),
               GroupKeys.evicted(10, 2), GroupKeys.founding(10, 2), GroupKeys.group_prefix(10, 3) + "/0",
               GroupKeys.EPOCH, GroupKeys.COORDINATOR_STATE, GroupKeys.heartbeat(1), GroupKeys.register(1, 0)]
@@ -112,14 +112,14 @@ def test_keys_stay_bounded_over_many_steps_and_epochs_on_etcd(etcd_server):
         assert keys == steady | {GroupKeys.reduced(0, step), GroupKeys.decision(0, step)}, (step, sorted(keys))
 
     def every_kind(epoch: int) -> set[str]:
-        return {GroupKeys.members(epoch), GroupKeys.fault(epoch), GroupKeys.join(epoch, 1, 0),
+        return {GroupKeys.members(epoch), GroupKeys.fault(epoch), GroupKeys.join(epoch, 1),
                 GroupKeys.joined_count(epoch), GroupKeys.reduced(epoch, 61), GroupKeys.decision(epoch, 61),
                 GroupKeys.reduced(epoch, "admit60"), GroupKeys.admission(epoch), GroupKeys.admitted(epoch),
                 GroupKeys.evicted(epoch, 1), GroupKeys.founding(epoch, 1), GroupKeys.group_prefix(epoch, 0) + "/0",
                 GroupKeys.group_prefix(epoch, 2, "transfer") + "/rank_1"}
 
     old = every_kind(0) | every_kind(1)
-    kept = every_kind(10) | {GroupKeys.members(2), GroupKeys.join(2, 0, 0), GroupKeys.COORDINATOR_STATE}
+    kept = every_kind(10) | {GroupKeys.members(2), GroupKeys.join(2, 0), GroupKeys.COORDINATOR_STATE}
     store.multi_set(sorted(old | kept), ["1"] * len(old | kept))
     move_to(syncs, 2)
     commit(syncs, 61)

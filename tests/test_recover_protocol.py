@@ -430,7 +430,7 @@ def test_a_restarted_coordinator_resumes_the_epoch_it_was_publishing(tmp_path, k
 
     # a fault raised while no coordinator ran: the next start forms the epoch after it from who joins
     raise_fault_flag(store, 1, "replica 2 rank 0: collective failed")
-    store.set(GroupKeys.join(2, 0, 0), "1")
+    store.set(GroupKeys.join(2, 0), "0")
     third = Coordinator(config, starts.next(), replicas=3, ranks_per_replica=1, run_dir=str(tmp_path))
     assert third._resume() and third.epoch == 1
     third._form_next_epoch()
@@ -512,10 +512,11 @@ class _CountingStore:
         return counted
 
 
-def test_the_leader_relays_its_groups_beats_and_mirrors_the_flag_so_other_ranks_never_ask_the_job_store():
+def test_the_leader_relays_its_groups_beats_flag_and_join_so_other_ranks_never_ask_the_job_store():
     """Two ranks of replica 0 with their group's own store (a HashStore here, torchrun's in a job): rank 1 beats
-    into the group's store and makes no request of the job's store while nothing happens; the leader relays both
-    beats as one key; a fault flag raised in the job's store reaches rank 1 through the leader's mirror."""
+    into the group's store; the leader relays both beats as one key; a fault flag raised in the job's store reaches
+    rank 1 through the leader's mirror; rank 1 joins the next epoch in the group's store and the leader reports the
+    group's join, counted once it is complete. Rank 1's heartbeat thread never makes a request of the job's store."""
     from torch.distributed import HashStore
 
     from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag
@@ -547,10 +548,57 @@ def test_the_leader_relays_its_groups_beats_and_mirrors_the_flag_so_other_ranks_
         raise_fault_flag(job, 0, "a peer died")
         _until(lambda: ranks[1].fault_seen(0), "the flag reaches rank 1")
         assert group.check([GroupKeys.fault(0)])
-        assert job.check([GroupKeys.join(1, 0, 1)])  # and it joined the next epoch, in the job's store
+        _until(lambda: job.add(GroupKeys.joined_count(1), 0) == 1, "the leader counts its group in")
+        assert job.get(GroupKeys.join(1, 0)) == b"0,1" and group.check([GroupKeys.rank_join(1, 1)])
+        assert other.calls == []
     finally:
         for member in ranks:
             member.close()
+
+
+def test_a_groups_other_ranks_enter_the_epoch_their_leader_found_without_asking_the_job_store():
+    """The leader waits for the next epoch in the job's store and passes what it found on in its group's store: the
+    group's other rank enters the same epoch from there, with no request of the job's store, also when it waits
+    after an epoch the leader went past (the leader entered epoch 3 from epoch 1); a stop and an epoch that leaves
+    the group out reach it the same way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.member import Excluded, ReplicaMember, TooFewReplicas
+    from titan_recover.recover.groups.protocol import encode_members
+
+    job, group = job_store(), HashStore()
+    config = RecoverConfig(replicas=2)
+    address = f"127.0.0.1:{job.port}"
+    leader, other = (ReplicaMember(config, replica=1, rank=r, ranks_per_replica=2, address=address,
+                                   group_store=lambda: group) for r in (0, 1))
+    other.store = _CountingStore(other.store)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(other.wait_for_epoch, -1, 20.0)
+        job.set(GroupKeys.members(0), encode_members((0, 1), "all replicas registered"))
+        job.set(GroupKeys.EPOCH, "0")
+        assert leader.wait_for_epoch(-1, 5.0) == (0, (0, 1), "all replicas registered")
+        assert waiting.result(timeout=20) == (0, (0, 1), "all replicas registered") and other.epoch == 0
+
+        for epoch in (1, 2, 3):
+            job.set(GroupKeys.members(epoch), encode_members((0, 1), f"epoch {epoch}"))
+        job.set(GroupKeys.EPOCH, "3")
+        assert leader.wait_for_epoch(0, 5.0)[0] == 3
+        assert other.wait_for_epoch(1, 5.0) == (3, (0, 1), "epoch 3")  # it was still in epoch 1
+
+        job.set(GroupKeys.members(4), encode_members((0,), "replica 1 rank(s) [1] did not join"))
+        job.set(GroupKeys.EPOCH, "4")
+        for member in (leader, other):
+            with pytest.raises(Excluded, match="replica 1 left out of epoch 4"):
+                member.wait_for_epoch(3, 5.0)
+        job.set(GroupKeys.STOP, "only 1 replica(s) left")  # the coordinator writes a stop before the members
+        job.set(GroupKeys.members(5), encode_members((1,), "only 1 replica(s) left"))
+        for member in (leader, other):
+            with pytest.raises(TooFewReplicas, match="only 1 replica"):
+                member.wait_for_epoch(4, 5.0)
+    assert other.store.calls == []
 
 
 def _two_groups_of_two(config=None):

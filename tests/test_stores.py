@@ -549,7 +549,7 @@ def test_a_deposed_coordinator_cannot_publish_an_epoch(etcd_server, tmp_path):
     second = Coordinator(config, b.fenced(), replicas=2, ranks_per_replica=1, run_dir=str(tmp_path))
     assert second._resume() and second.epoch == 0
     store.set(GroupKeys.fault(0), "1.0|replica 1 rank 0: collective failed")
-    store.set(GroupKeys.join(1, 0, 0), "1")
+    store.set(GroupKeys.join(1, 0), "0")
     second._form_next_epoch()
     assert second.members == (0,)
     before = _job_keys(store)

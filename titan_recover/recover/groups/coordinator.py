@@ -20,6 +20,7 @@ from torch.distributed import Store
 
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.keys import (
+    decode_ranks,
     fault_time_and_reason,
     GroupKeys,
     raise_fault_flag,
@@ -171,9 +172,17 @@ class Coordinator:
     def _done(self, replica: int, rank: int) -> bool:
         return self.store.check([GroupKeys.done(replica, rank)])
 
-    def _joined(self, epoch: int, replica: int, rank: int) -> bool:
-        """The rank joined ``epoch`` (it is alive), or finished training (it is done, not dead)."""
-        return self.store.check([GroupKeys.join(epoch, replica, rank)]) or self._done(replica, rank)
+    def _joined(self, epoch: int) -> dict[int, set[int]]:
+        """Every member's ranks that joined ``epoch`` (alive), as its leader reported them: one or two requests a
+        group. A group whose leader finished training counts whole: its last step is committed (done, not dead)."""
+        any_done, joined = self._any_done(), {}
+        for replica in self.members:
+            key = GroupKeys.join(epoch, replica)
+            if any_done and self._done(replica, 0):
+                joined[replica] = set(range(self.ranks))
+            else:
+                joined[replica] = decode_ranks(self.store.get(key)) if self.store.check([key]) else set()
+        return joined
 
     def _finished(self) -> bool:
         """Every rank of every member is done (one request)."""
@@ -250,14 +259,14 @@ class Coordinator:
                                  reason=self.store.get(GroupKeys.evicted(self.epoch, replica)).decode())
         candidates = [m for m in self.members if m not in self.excluded]
         window = WatchedTime(self.watch.max_gap_s, time.monotonic())  # a stalled coordinator does not shorten it
-        needed, joined = len(candidates) * self.ranks, {}
+        joined = {}
         while True:
             window.tick(time.monotonic())
             over = window.elapsed_s > self.config.join_window_s
-            # one read per look; the ranks' keys one by one only once enough joined, at the end, or near the end
-            # of the job (a rank that finished counts as joined)
-            if over or self._any_done() or self.store.add(GroupKeys.joined_count(target), 0) >= needed:
-                joined = {m: {r for r in range(self.ranks) if self._joined(target, m, r)} for m in self.members}
+            # one read per look; the groups' joins one by one only once enough groups are in, at the end, or near
+            # the end of the job (a group whose leader finished counts as joined)
+            if over or self._any_done() or self.store.add(GroupKeys.joined_count(target), 0) >= len(candidates):
+                joined = self._joined(target)
                 if over or all_joined(candidates, joined, self.ranks):
                     break
             self._beat()

@@ -75,13 +75,34 @@ class GroupKeys:
         return f"fault/e{epoch}"
 
     @staticmethod
-    def join(epoch: int, replica: int, rank: int) -> str:
-        return f"join/e{epoch}/{replica}/{rank}"
+    def join(epoch: int, replica: int) -> str:
+        """The ranks of ``replica`` that joined ``epoch`` (:func:`encode_ranks`), written by its leader rank as they
+        join in the group's own store (``rank_join``): complete once every rank is in."""
+        return f"join/e{epoch}/{replica}"
 
     @staticmethod
     def joined_count(epoch: int) -> str:
-        """Ranks that joined ``epoch`` (each adds 1 after writing its ``join`` key): one read per look."""
+        """Groups all of whose ranks joined ``epoch`` (the leader adds 1 once its group's ``join`` is complete): one
+        read per look."""
         return f"joined/e{epoch}"
+
+    @staticmethod
+    def rank_join(epoch: int, rank: int) -> str:
+        """In the replica group's own store: rank ``rank`` (not the leader) joined ``epoch``, for its leader to
+        report."""
+        return f"join/e{epoch}/{rank}"
+
+    @staticmethod
+    def rank_done(rank: int) -> str:
+        """In the replica group's own store: rank ``rank`` (not the leader) finished training; its leader reports
+        it as joined (done, not dead)."""
+        return f"done/{rank}"
+
+    @staticmethod
+    def entered(after: int) -> str:
+        """In the replica group's own store: what the leader's wait for an epoch after ``after`` ended with, passed
+        on to the group's other ranks waiting for the same (:func:`encode_entered`)."""
+        return f"entered/e{after}"
 
     @staticmethod
     def reduced(epoch: int, step: int | str) -> str:
@@ -160,6 +181,35 @@ def fault_time_and_reason(raw: bytes | str) -> tuple[float, str]:
     text = raw.decode() if isinstance(raw, bytes) else raw
     t, _, reason = text.partition("|")
     return float(t), reason
+
+
+# ---- a group's join and its leader's epoch, as passed on ----------------------------------------------------
+
+
+def encode_ranks(ranks) -> str:
+    return ",".join(str(r) for r in sorted(ranks))
+
+
+def decode_ranks(raw: bytes | str) -> set[int]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return {int(r) for r in text.split(",") if r}
+
+
+def encode_entered(epoch: int | None, members: bytes | str = "", stop: str = "", untrusted: bool = False) -> str:
+    """The value of ``entered``: the epoch entered and its members' stored value, or (``epoch`` None) the stop."""
+    if epoch is None:
+        return f"stop;{int(untrusted)};{stop}"
+    return f"{epoch};{members.decode() if isinstance(members, bytes) else members}"
+
+
+def decode_entered(raw: bytes | str) -> tuple[int | None, str, bool]:
+    """``(epoch, members' stored value, False)``, or ``(None, the stop's reason, untrusted)``."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    head, _, rest = text.partition(";")
+    if head == "stop":
+        untrusted, _, reason = rest.partition(";")
+        return None, reason, untrusted == "1"
+    return int(head), rest, False
 
 
 # ---- admission: what a joiner asked for and which start of a replica was dropped -----------------------------

@@ -12,12 +12,13 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, TYPE_CHECKING
 
 from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 
-from titan_recover.recover.groups.keys import GroupKeys
+from titan_recover.recover.groups.keys import decode_entered, encode_entered, encode_ranks, GroupKeys
 from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
 from titan_recover.recover.groups.protocol import decode_members
 from titan_recover.recover.stores import connect
@@ -44,6 +45,10 @@ stop that can come while ranks wait ends their waits by a write: the coordinator
 members, the launcher stopping a job without a coordinator writes the next epoch's members (the last epoch's)
 after it."""
 WAIT_SLICE_MAX_S = 4.0
+JOIN_POLL_S = 0.01
+"""While its group's join of an epoch is incomplete, the leader's heartbeat thread looks in the group's store this
+often (its beats keep their interval): the other ranks join there within an interval of the leader's mirror of
+the flag, and the group's join reaches the job's store within this of the last of them."""
 
 
 def wait_slices(first_s: float = WAIT_SLICE_S, most_s: float = WAIT_SLICE_MAX_S):
@@ -150,6 +155,8 @@ class ReplicaMember:
         """Training ended normally (or stopped as the protocol asked): from now on a silent heartbeat is not a
         failure. Never called on an error path: a crashed rank must look dead. The heartbeat thread stops first:
         once every rank is done the coordinator closes the store, and a beat after that would fail loudly."""
+        if not self.leader and self.group_store is not None:  # the leader reports it as joined from now on
+            self.group_store.set(GroupKeys.rank_done(self.rank), "1")
         self.close()
         self.store.set(GroupKeys.done(self.replica, self.rank), "1")
         self.store.add(GroupKeys.DONE_COUNT, 1)
@@ -167,26 +174,27 @@ class ReplicaMember:
         return decode_members(self.store.get(GroupKeys.members(epoch)))[0]
 
     def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
-        """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason). Blocks in the
-        store on the next epoch's members key (woken when the coordinator writes it), looking at ``stop`` between
-        :func:`wait_slices`; the coordinator writes ``stop`` before the members, so a rank that sees the epoch
-        also sees a stop that came with it."""
+        """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason). The leader (or
+        the one rank) blocks in the job's store on the next epoch's members key (woken when the coordinator writes
+        it), looking at ``stop`` between :func:`wait_slices`; the coordinator writes ``stop`` before the members,
+        so a rank that sees the epoch also sees a stop that came with it. The leader passes what it found on in
+        its group's store (``entered``), where the group's other ranks wait for it: one rank per group waits in
+        the job's store."""
+        if self.group_store is not None and not self.leader:
+            return self._entered_by_leader(after, timeout_s)
         deadline = time.monotonic() + timeout_s
         for slice_s in wait_slices():
             self.progress()
             published = wait_for_key(self.store, GroupKeys.members(after + 1),
                                      max(0.01, min(slice_s, deadline - time.monotonic())))
             if self.store.check([GroupKeys.STOP]):
-                raise TooFewReplicas(self.store.get(GroupKeys.STOP).decode(),
-                                     untrusted=self.store.check([GroupKeys.STOP_UNTRUSTED]))
+                entered = encode_entered(None, stop=self.store.get(GroupKeys.STOP).decode(),
+                                         untrusted=self.store.check([GroupKeys.STOP_UNTRUSTED]))
+                return self._enter(self._pass_on_entered(after, after + 1, entered))
             if published:
                 epoch = max(after + 1, self.current_epoch())  # the newest, if the coordinator moved on since
-                members, reason = decode_members(self.store.get(GroupKeys.members(epoch)))
-                if self.replica not in members:
-                    raise Excluded(f"replica {self.replica} left out of epoch {epoch}: {reason}")
-                self.epoch, self.members = epoch, members
-                self.admitted = True
-                return epoch, members, reason
+                entered = encode_entered(epoch, self.store.get(GroupKeys.members(epoch)))
+                return self._enter(self._pass_on_entered(after, epoch, entered))
             if time.monotonic() > deadline:
                 # no coordinator decided within the bound (the launcher restarts a dead one well within it): stop
                 # with the last committed step rather than train on without anyone to judge failures
@@ -195,6 +203,40 @@ class ReplicaMember:
                     f"{timeout_s} s (recover.agree_timeout_s): the coordinator is gone and was not restarted; "
                     "stopping with the last committed step"
                 )
+
+    def _pass_on_entered(self, after: int, epoch: int, entered: str) -> str:
+        """The leader: tell its group's other ranks what the wait after ``after`` ended with, under every epoch
+        from ``after`` to ``epoch - 1`` (a rank of the group may wait after any of those it is still in)."""
+        if self.group_store is not None:
+            for skipped in range(after, epoch):
+                self.group_store.set(GroupKeys.entered(skipped), entered)
+        return entered
+
+    def _entered_by_leader(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
+        """A rank other than the leader: what its leader's wait after ``after`` ended with, in the group's store."""
+        key, deadline = GroupKeys.entered(after), time.monotonic() + timeout_s
+        for slice_s in wait_slices():
+            self.progress()
+            if wait_for_key(self.group_store, key, max(0.01, min(slice_s, deadline - time.monotonic()))):
+                return self._enter(self.group_store.get(key).decode())
+            if time.monotonic() > deadline:
+                raise TooFewReplicas(
+                    f"replica {self.replica} rank {self.rank}: its group's leader (rank 0) passed on no epoch after "
+                    f"{after} within {timeout_s} s (recover.agree_timeout_s): the coordinator is gone and was not "
+                    "restarted, or the leader is; stopping with the last committed step"
+                )
+
+    def _enter(self, entered: str) -> tuple[int, tuple[int, ...], str]:
+        """Enter the epoch a wait ended with (``entered``); raise if it is a stop or leaves this replica out."""
+        epoch, value, untrusted = decode_entered(entered)
+        if epoch is None:
+            raise TooFewReplicas(value, untrusted=untrusted)
+        members, reason = decode_members(value)
+        if self.replica not in members:
+            raise Excluded(f"replica {self.replica} left out of epoch {epoch}: {reason}")
+        self.epoch, self.members = epoch, members
+        self.admitted = True
+        return epoch, members, reason
 
     def wait_for_admission(self, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """A joiner asks to be admitted (``join_request``) and blocks until an epoch includes this replica (in the
@@ -274,55 +316,123 @@ class ReplicaMember:
 
     def _heartbeat_loop(self) -> None:
         """Every ``heartbeat_interval_s``: beat, and look at the current epoch's fault flag (the leader in the job's
-        store, the other ranks in the group's: :meth:`_beat`, :meth:`_fault_raised`). On a flag it joins the
-        next epoch (the process is alive), records the fault for the main thread (:meth:`fault_seen`: collectives
-        read it without a store request), wakes a commit barrier blocked in that epoch by storing ``abort`` as
-        its decision, and, once the coordinator published the next epoch, ends the process if its replica was
-        left out."""
-        store = self._hb_store
+        store, the other ranks in the group's: :meth:`_beat`, :meth:`_fault_raised`), then :meth:`_watch_epochs`.
+        While the leader reports its group's join (:meth:`_report_join`), the thread looks every
+        :data:`JOIN_POLL_S` and beats when a beat is due."""
         interval = self.config.heartbeat_interval_s
-        joined = watching = -1
+        watch = _EpochWatch()
         last_beat = idle_from = time.monotonic()
-        store_s = 0.0  # the previous round's store calls after its beat
-        while not self._stop.wait(interval):
+        wait_s, store_s = interval, 0.0  # the wait before this round; the previous round's store calls after its beat
+        while not self._stop.wait(wait_s):
             try:
-                woke = time.monotonic()
-                self._beat()
-                beaten = time.monotonic()
-                if beaten - last_beat > interval + LATE_BEAT_S:
-                    # the coordinator declares this rank dead at heartbeat_timeout_s: say where the time went
-                    logger.warning("replica %d rank %d: heartbeat %.2f s after the previous one (the thread woke "
-                                   "%.2f s late; store calls took %.2f s; main thread at step %d, %s)", self.replica,
-                                   self.rank, beaten - last_beat, woke - idle_from - interval,
-                                   store_s + beaten - woke, self._step, self._phase)
-                last_beat = beaten
+                woke = beaten = time.monotonic()
+                if not watch.reporting or woke - last_beat >= interval:
+                    self._beat()
+                    beaten = time.monotonic()
+                    if beaten - last_beat > interval + LATE_BEAT_S:
+                        # the coordinator declares this rank dead at heartbeat_timeout_s: say where the time went
+                        logger.warning("replica %d rank %d: heartbeat %.2f s after the previous one (the thread "
+                                       "woke %.2f s late; store calls took %.2f s; main thread at step %d, %s)",
+                                       self.replica, self.rank, beaten - last_beat, woke - idle_from - wait_s,
+                                       store_s + beaten - woke, self._step, self._phase)
+                    last_beat = beaten
                 try:
-                    if not self.admitted:
-                        continue
-                    watching = max(watching, self.epoch)
-                    self._mirror_skipped(watching)
-                    if joined > watching:  # joined the next epoch: is this replica in it?
-                        if store.check([GroupKeys.members(joined)]):
-                            members, _ = decode_members(store.get(GroupKeys.members(joined)))
-                            if self.replica not in members and not store.check([GroupKeys.STOP]):
-                                logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica,
-                                             self.rank, joined)
-                                self.on_excluded()
-                            watching = joined
-                    elif self._fault_raised(watching):
-                        self._faulted = max(self._faulted, watching)
-                        store.set(GroupKeys.join(watching + 1, self.replica, self.rank), f"{time.time():.6f}")
-                        store.add(GroupKeys.joined_count(watching + 1), 1)
-                        joined = watching + 1
-                        barrier = self.waiting_on
-                        if barrier is not None and barrier[0] <= watching:
-                            self._abort_barrier(*barrier)
+                    if self.admitted:
+                        self._watch_epochs(watch)
                 finally:
                     idle_from = time.monotonic()
                     store_s = idle_from - beaten
+                    wait_s = JOIN_POLL_S if watch.reporting else interval
             except Exception as error:  # the job's store is unreachable: the main thread's calls will fail too
                 logger.warning("replica %d rank %d: heartbeat failed: %s", self.replica, self.rank, error)
                 time.sleep(self.config.heartbeat_interval_s)
+
+    def _watch_epochs(self, watch: _EpochWatch) -> None:
+        """On the flag of the epoch it watches, the thread joins the next epoch (the process is alive), records the
+        fault for the main thread (:meth:`fault_seen`: collectives read it without a store request) and wakes a
+        commit barrier blocked in that epoch by storing ``abort`` as its decision. Once the coordinator published
+        the next epoch it ends the process if its replica was left out."""
+        watch.watching = max(watch.watching, self.epoch)
+        self._mirror_skipped(watch.watching)
+        if watch.joined > watch.watching:  # joined the next epoch: is this replica in it?
+            published = self._published(watch.joined)
+            if published is None:
+                if watch.reporting:
+                    self._report_join(watch)
+                return
+            members, stopping = published
+            watch.reporting = False
+            if self.replica not in members and not stopping:
+                logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica, self.rank,
+                             watch.joined)
+                self.on_excluded()
+            watch.watching = watch.joined
+        elif self._fault_raised(watch.watching):
+            self._faulted = max(self._faulted, watch.watching)
+            watch.joined, watch.reported = watch.watching + 1, set()
+            if self.leader:
+                watch.reporting = True
+                self._report_join(watch)
+            else:
+                self._hb_group_store.set(GroupKeys.rank_join(watch.joined, self.rank), f"{time.time():.6f}")
+            barrier = self.waiting_on
+            if barrier is not None and barrier[0] <= watch.watching:
+                self._abort_barrier(*barrier)
+
+    def _report_join(self, watch: _EpochWatch) -> None:
+        """The leader: write its group's join of ``watch.joined`` (the ranks in so far: itself, and those that
+        joined in the group's store or finished training) whenever more ranks are in; count the group in once
+        every rank is."""
+        ranks = {self.rank} | self._ranks_joined(watch.joined)
+        if ranks == watch.reported:
+            return
+        self._hb_store.set(GroupKeys.join(watch.joined, self.replica), encode_ranks(ranks))
+        watch.reported = ranks
+        if len(ranks) == self.ranks_per_replica:
+            self._hb_store.add(GroupKeys.joined_count(watch.joined), 1)
+            watch.reporting = False
+
+    def _ranks_joined(self, epoch: int) -> set[int]:
+        """The group's other ranks that joined ``epoch`` in its store, or finished training (one request when all
+        did)."""
+        others = range(1, self.ranks_per_replica)
+        local = self._hb_group_store
+        if not others or local.check([GroupKeys.rank_join(epoch, r) for r in others]):
+            return set(others)
+        return {r for r in others if local.check([GroupKeys.rank_join(epoch, r)]) or
+                local.check([GroupKeys.rank_done(r)])}
+
+    def _published(self, epoch: int) -> tuple[tuple[int, ...], bool] | None:
+        """``(members, stopping)`` of ``epoch`` once published, else None. The leader reads the job's store and
+        mirrors the members (and a stop, first) into the group's store, where the other ranks read them."""
+        if not self.leader:
+            local = self._hb_group_store
+            if not local.check([GroupKeys.members(epoch)]):
+                return None
+            return decode_members(local.get(GroupKeys.members(epoch)))[0], local.check([GroupKeys.STOP])
+        store, local = self._hb_store, self._hb_group_store
+        if not store.check([GroupKeys.members(epoch)]):
+            return None
+        raw, stopping = store.get(GroupKeys.members(epoch)), store.check([GroupKeys.STOP])
+        if local is not None:
+            if stopping:
+                local.set(GroupKeys.STOP, store.get(GroupKeys.STOP))
+            local.set(GroupKeys.members(epoch), raw)
+        return decode_members(raw)[0], stopping
+
+
+@dataclass
+class _EpochWatch:
+    """What a heartbeat thread follows of the epochs (:meth:`ReplicaMember._watch_epochs`)."""
+
+    watching: int = -1
+    """The epoch whose fault flag it looks at."""
+    joined: int = -1
+    """The newest epoch it joined."""
+    reported: set[int] = field(default_factory=set)
+    """The leader: the ranks of its group whose join of ``joined`` it wrote to the job's store."""
+    reporting: bool = False
+    """The leader: its group's join of ``joined`` is not complete yet."""
 
 
 def wait_for_key(store: Store, key: str, timeout_s: float) -> bool:
