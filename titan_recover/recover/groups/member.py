@@ -317,8 +317,8 @@ class ReplicaMember:
     def _heartbeat_loop(self) -> None:
         """Every ``heartbeat_interval_s``: beat, and look at the current epoch's fault flag (the leader in the job's
         store, the other ranks in the group's: :meth:`_beat`, :meth:`_fault_raised`), then :meth:`_watch_epochs`.
-        While the leader reports its group's join (:meth:`_report_join`), the thread looks every
-        :data:`JOIN_POLL_S` and beats when a beat is due."""
+        While the leader reports its group's join (:meth:`_report_join`), the thread looks in the group's store
+        every :data:`JOIN_POLL_S`, and beats and looks in the job's store when a beat is due."""
         interval = self.config.heartbeat_interval_s
         watch = _EpochWatch()
         last_beat = idle_from = time.monotonic()
@@ -326,7 +326,8 @@ class ReplicaMember:
         while not self._stop.wait(wait_s):
             try:
                 woke = beaten = time.monotonic()
-                if not watch.reporting or woke - last_beat >= interval:
+                due = not watch.reporting or woke - last_beat >= interval
+                if due:
                     self._beat()
                     beaten = time.monotonic()
                     if beaten - last_beat > interval + LATE_BEAT_S:
@@ -337,8 +338,10 @@ class ReplicaMember:
                                        store_s + beaten - woke, self._step, self._phase)
                     last_beat = beaten
                 try:
-                    if self.admitted:
+                    if self.admitted and due:
                         self._watch_epochs(watch)
+                    elif watch.reporting:  # between beats only the group's store is looked at
+                        self._report_join(watch)
                 finally:
                     idle_from = time.monotonic()
                     store_s = idle_from - beaten
