@@ -18,7 +18,8 @@ scale = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("protocol_scale", scale)  # its dataclass looks its module up
 _spec.loader.exec_module(scale)
 
-HEADLINE = re.compile(r"^members=(\d+) epoch_s=(\S+) barrier_ms=(\S+) requests_per_s=(\S+) coordinator_cpu=(\S+)$")
+HEADLINE = re.compile(r"^members=(\d+) epoch_s=(\S+) epoch_requests=(\S+) barrier_ms=(\S+) requests_per_s=(\S+) "
+                      r"coordinator_cpu=(\S+)$")
 
 
 def test_sizes_are_positive_multiples_of_the_ranks_per_replica():
@@ -67,13 +68,15 @@ def test_hosting_says_processes_and_threads():
 
 def test_headline_and_table_row_of_a_measured_size_and_of_a_size_without_a_kill():
     measured = {"size": 64, "members": 64, "groups": 8, "hosting": "4 proc x 16 thr", "requests_per_s": 3139.4,
-                "coordinator_cpu": 13.42, "barrier_median_ms": 11.23, "barrier_p90_ms": 17.8, "epoch_s": 0.5234}
-    assert scale.headline(measured) == ("members=64 epoch_s=0.523 barrier_ms=11.2 requests_per_s=3139 "
-                                        "coordinator_cpu=13.4")
+                "coordinator_cpu": 13.42, "barrier_median_ms": 11.23, "barrier_p90_ms": 17.8, "epoch_s": 0.5234,
+                "epoch_requests": 412.0}
+    assert scale.headline(measured) == ("members=64 epoch_s=0.523 epoch_requests=412 barrier_ms=11.2 "
+                                        "requests_per_s=3139 coordinator_cpu=13.4")
     row = scale.table_row(measured)
     assert row.split() == ["64", "64", "8", "4", "proc", "x", "16", "thr", "3139", "13.4", "11.2", "17.8", "0.523"]
-    single = {**measured, "epoch_s": None, "note": "one replica group: no survivor to form an epoch after a kill"}
-    assert HEADLINE.match(scale.headline(single)).group(2) == "nan"
+    single = {key: value for key, value in measured.items() if key != "epoch_requests"}
+    single.update(epoch_s=None, note="one replica group: no survivor to form an epoch after a kill")
+    assert HEADLINE.match(scale.headline(single)).group(2, 3) == ("nan", "nan")
     assert " - " in scale.table_row(single) and scale.table_row(single).endswith("after a kill")
 
 
