@@ -515,8 +515,9 @@ class _CountingStore:
 def test_the_leader_relays_its_groups_beats_flag_and_join_so_other_ranks_never_ask_the_job_store():
     """Two ranks of replica 0 with their group's own store (a HashStore here, torchrun's in a job): rank 1 beats
     into the group's store; the leader relays both beats as one key; a fault flag raised in the job's store reaches
-    rank 1 through the leader's mirror; rank 1 joins the next epoch in the group's store and the leader reports the
-    group's join, counted once it is complete. Rank 1's heartbeat thread never makes a request of the job's store."""
+    rank 1 through the leader's mirror; both ranks join the next epoch in the group's store and the last one in
+    writes the group's join to the job's store, counted once. Rank 1's heartbeat thread makes no other request of
+    the job's store."""
     from torch.distributed import HashStore
 
     from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag
@@ -548,12 +549,59 @@ def test_the_leader_relays_its_groups_beats_flag_and_join_so_other_ranks_never_a
         raise_fault_flag(job, 0, "a peer died")
         _until(lambda: ranks[1].fault_seen(0), "the flag reaches rank 1")
         assert group.check([GroupKeys.fault(0)])
-        _until(lambda: job.add(GroupKeys.joined_count(1), 0) == 1, "the leader counts its group in")
-        assert job.get(GroupKeys.join(1, 0)) == b"0,1" and group.check([GroupKeys.rank_join(1, 1)])
-        assert other.calls == []
+        _until(lambda: job.add(GroupKeys.joined_count(1), 0) == 1, "the group is counted in")
+        ranks_in, writer = job.get(GroupKeys.join(1, 0)).decode().split("|")
+        assert ranks_in == "0,1" and group.add(GroupKeys.joined_ranks(1), 0) == 2
+        assert other.calls == (["compare_set", "add"] if writer == "1" else [])
     finally:
         for member in ranks:
             member.close()
+
+
+def test_a_leader_completes_its_groups_join_for_a_rank_that_finished_training():
+    """Rank 1 finished training (its heartbeat stopped, so it never joins): the leader, seeing its ``done`` in the
+    group's store at its next beat, writes and counts the group's join itself."""
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag
+    from titan_recover.recover.groups.member import ReplicaMember
+
+    job, group = job_store(), HashStore()
+    config = RecoverConfig(replicas=1, heartbeat_interval_s=0.05)
+    ranks = [ReplicaMember(config, replica=0, rank=r, ranks_per_replica=2, address=f"127.0.0.1:{job.port}",
+                           group_store=lambda: group) for r in (0, 1)]
+    try:
+        for member in ranks:
+            member.register()
+            member.epoch, member.members, member.admitted = 0, (0,), True
+        ranks[1].finish()
+        raise_fault_flag(job, 0, "a peer died")
+        _until(lambda: job.add(GroupKeys.joined_count(1), 0) == 1, "the leader counts its group in")
+        assert job.get(GroupKeys.join(1, 0)) == b"0,1|0" and group.add(GroupKeys.joined_ranks(1), 0) == 1
+    finally:
+        ranks[0].close()
+
+
+def test_the_coordinator_names_the_ranks_a_group_left_out_was_missing(tmp_path):
+    """After a flag: group 0's join is complete, group 1's leader reported rank 0 only, group 2 (its leader gone)
+    reported nothing: the new epoch keeps group 0 and says which ranks of the others did not join."""
+    from titan_recover.recover.groups.coordinator import Coordinator
+    from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag
+    from titan_recover.recover.groups.protocol import decode_members
+
+    store = job_store()
+    config = RecoverConfig(replicas=3, join_window_s=0.3, min_replicas=1)
+    coordinator = Coordinator(config, store, replicas=3, ranks_per_replica=2, run_dir=str(tmp_path))
+    coordinator.incarnation = {0: 0, 1: 0, 2: 0}
+    coordinator._publish(0, (0, 1, 2), (), "all replicas registered", timing={})
+    raise_fault_flag(store, 0, "replica 2 rank 0: collective failed")
+    store.set(GroupKeys.join(1, 0), "0,1|1")
+    store.add(GroupKeys.joined_count(1), 1)
+    store.set(GroupKeys.joining(1, 1), "0")
+    coordinator._form_next_epoch()
+    members, reason = decode_members(store.get(GroupKeys.members(1)))
+    assert members == (0,)
+    assert "replica 1 rank(s) [1] did not join" in reason and "replica 2 rank(s) [0, 1] did not join" in reason
 
 
 def test_a_groups_other_ranks_enter_the_epoch_their_leader_found_without_asking_the_job_store():

@@ -173,15 +173,16 @@ class Coordinator:
         return self.store.check([GroupKeys.done(replica, rank)])
 
     def _joined(self, epoch: int) -> dict[int, set[int]]:
-        """Every member's ranks that joined ``epoch`` (alive), as its leader reported them: one or two requests a
-        group. A group whose leader finished training counts whole: its last step is committed (done, not dead)."""
-        any_done, joined = self._any_done(), {}
+        """Every member's ranks that joined ``epoch`` (alive): all of them once the group's join is complete, else
+        those its leader reported so far; a few requests a group. A group whose leader finished training counts
+        whole: its last step is committed (done, not dead)."""
+        any_done, every, joined = self._any_done(), set(range(self.ranks)), {}
         for replica in self.members:
-            key = GroupKeys.join(epoch, replica)
-            if any_done and self._done(replica, 0):
-                joined[replica] = set(range(self.ranks))
+            so_far = GroupKeys.joining(epoch, replica)
+            if self.store.check([GroupKeys.join(epoch, replica)]) or (any_done and self._done(replica, 0)):
+                joined[replica] = every
             else:
-                joined[replica] = decode_ranks(self.store.get(key)) if self.store.check([key]) else set()
+                joined[replica] = decode_ranks(self.store.get(so_far)) if self.store.check([so_far]) else set()
         return joined
 
     def _finished(self) -> bool:

@@ -76,26 +76,37 @@ class GroupKeys:
 
     @staticmethod
     def join(epoch: int, replica: int) -> str:
-        """The ranks of ``replica`` that joined ``epoch`` (:func:`encode_ranks`), written by its leader rank as they
-        join in the group's own store (``rank_join``): complete once every rank is in."""
+        """Every rank of ``replica`` joined ``epoch``: written once (compare-and-set) by the rank of the group that
+        completed it (``{ranks}|{writer}``)."""
         return f"join/e{epoch}/{replica}"
 
     @staticmethod
+    def joining(epoch: int, replica: int) -> str:
+        """The ranks of ``replica`` that joined ``epoch`` so far (:func:`encode_ranks`), rewritten by its leader at
+        its beats until the join is complete: what names the missing ranks of a group left out."""
+        return f"join/e{epoch}/{replica}/so_far"
+
+    @staticmethod
     def joined_count(epoch: int) -> str:
-        """Groups all of whose ranks joined ``epoch`` (the leader adds 1 once its group's ``join`` is complete): one
-        read per look."""
+        """Groups all of whose ranks joined ``epoch`` (added to by the writer of the group's ``join``): one read per
+        look."""
         return f"joined/e{epoch}"
 
     @staticmethod
     def rank_join(epoch: int, rank: int) -> str:
-        """In the replica group's own store: rank ``rank`` (not the leader) joined ``epoch``, for its leader to
-        report."""
+        """In the replica group's own store: rank ``rank`` joined ``epoch``."""
         return f"join/e{epoch}/{rank}"
 
     @staticmethod
+    def joined_ranks(epoch: int) -> str:
+        """In the replica group's own store: how many of its ranks joined ``epoch`` (each adds 1 after its
+        ``rank_join``); the one that brings it to the group's size writes the group's ``join``."""
+        return f"joined/e{epoch}/ranks"
+
+    @staticmethod
     def rank_done(rank: int) -> str:
-        """In the replica group's own store: rank ``rank`` (not the leader) finished training; its leader reports
-        it as joined (done, not dead)."""
+        """In the replica group's own store: rank ``rank`` (not the leader) finished training; its leader counts it
+        as joined (done, not dead)."""
         return f"done/{rank}"
 
     @staticmethod

@@ -45,10 +45,6 @@ stop that can come while ranks wait ends their waits by a write: the coordinator
 members, the launcher stopping a job without a coordinator writes the next epoch's members (the last epoch's)
 after it."""
 WAIT_SLICE_MAX_S = 4.0
-JOIN_POLL_S = 0.01
-"""While its group's join of an epoch is incomplete, the leader's heartbeat thread looks in the group's store this
-often (its beats keep their interval): the other ranks join there within an interval of the leader's mirror of
-the flag, and the group's join reaches the job's store within this of the last of them."""
 
 
 def wait_slices(first_s: float = WAIT_SLICE_S, most_s: float = WAIT_SLICE_MAX_S):
@@ -316,36 +312,29 @@ class ReplicaMember:
 
     def _heartbeat_loop(self) -> None:
         """Every ``heartbeat_interval_s``: beat, and look at the current epoch's fault flag (the leader in the job's
-        store, the other ranks in the group's: :meth:`_beat`, :meth:`_fault_raised`), then :meth:`_watch_epochs`.
-        While the leader reports its group's join (:meth:`_report_join`), the thread looks in the group's store
-        every :data:`JOIN_POLL_S`, and beats and looks in the job's store when a beat is due."""
+        store, the other ranks in the group's: :meth:`_beat`, :meth:`_fault_raised`), then :meth:`_watch_epochs`."""
         interval = self.config.heartbeat_interval_s
         watch = _EpochWatch()
         last_beat = idle_from = time.monotonic()
-        wait_s, store_s = interval, 0.0  # the wait before this round; the previous round's store calls after its beat
-        while not self._stop.wait(wait_s):
+        store_s = 0.0  # the previous round's store calls after its beat
+        while not self._stop.wait(interval):
             try:
-                woke = beaten = time.monotonic()
-                due = not watch.reporting or woke - last_beat >= interval
-                if due:
-                    self._beat()
-                    beaten = time.monotonic()
-                    if beaten - last_beat > interval + LATE_BEAT_S:
-                        # the coordinator declares this rank dead at heartbeat_timeout_s: say where the time went
-                        logger.warning("replica %d rank %d: heartbeat %.2f s after the previous one (the thread "
-                                       "woke %.2f s late; store calls took %.2f s; main thread at step %d, %s)",
-                                       self.replica, self.rank, beaten - last_beat, woke - idle_from - wait_s,
-                                       store_s + beaten - woke, self._step, self._phase)
-                    last_beat = beaten
+                woke = time.monotonic()
+                self._beat()
+                beaten = time.monotonic()
+                if beaten - last_beat > interval + LATE_BEAT_S:
+                    # the coordinator declares this rank dead at heartbeat_timeout_s: say where the time went
+                    logger.warning("replica %d rank %d: heartbeat %.2f s after the previous one (the thread woke "
+                                   "%.2f s late; store calls took %.2f s; main thread at step %d, %s)", self.replica,
+                                   self.rank, beaten - last_beat, woke - idle_from - interval,
+                                   store_s + beaten - woke, self._step, self._phase)
+                last_beat = beaten
                 try:
-                    if self.admitted and due:
+                    if self.admitted:
                         self._watch_epochs(watch)
-                    elif watch.reporting:  # between beats only the group's store is looked at
-                        self._report_join(watch)
                 finally:
                     idle_from = time.monotonic()
                     store_s = idle_from - beaten
-                    wait_s = JOIN_POLL_S if watch.reporting else interval
             except Exception as error:  # the job's store is unreachable: the main thread's calls will fail too
                 logger.warning("replica %d rank %d: heartbeat failed: %s", self.replica, self.rank, error)
                 time.sleep(self.config.heartbeat_interval_s)
@@ -360,11 +349,10 @@ class ReplicaMember:
         if watch.joined > watch.watching:  # joined the next epoch: is this replica in it?
             published = self._published(watch.joined)
             if published is None:
-                if watch.reporting:
-                    self._report_join(watch)
+                if self.leader and self._hb_group_store is not None:
+                    self._report_joining(watch)
                 return
             members, stopping = published
-            watch.reporting = False
             if self.replica not in members and not stopping:
                 logger.error("replica %d rank %d: left out of epoch %d, exiting", self.replica, self.rank,
                              watch.joined)
@@ -373,37 +361,47 @@ class ReplicaMember:
         elif self._fault_raised(watch.watching):
             self._faulted = max(self._faulted, watch.watching)
             watch.joined, watch.reported = watch.watching + 1, set()
-            if self.leader:
-                watch.reporting = True
-                self._report_join(watch)
-            else:
-                self._hb_group_store.set(GroupKeys.rank_join(watch.joined, self.rank), f"{time.time():.6f}")
+            self._join(watch.joined)
             barrier = self.waiting_on
             if barrier is not None and barrier[0] <= watch.watching:
                 self._abort_barrier(*barrier)
 
-    def _report_join(self, watch: _EpochWatch) -> None:
-        """The leader: write its group's join of ``watch.joined`` (the ranks in so far: itself, and those that
-        joined in the group's store or finished training) whenever more ranks are in; count the group in once
-        every rank is."""
-        ranks = {self.rank} | self._ranks_joined(watch.joined)
-        if ranks == watch.reported:
-            return
-        self._hb_store.set(GroupKeys.join(watch.joined, self.replica), encode_ranks(ranks))
-        watch.reported = ranks
-        if len(ranks) == self.ranks_per_replica:
-            self._hb_store.add(GroupKeys.joined_count(watch.joined), 1)
-            watch.reporting = False
-
-    def _ranks_joined(self, epoch: int) -> set[int]:
-        """The group's other ranks that joined ``epoch`` in its store, or finished training (one request when all
-        did)."""
-        others = range(1, self.ranks_per_replica)
+    def _join(self, epoch: int) -> None:
+        """Join ``epoch`` in the group's store (``rank_join`` and a count); the rank that brings the count to the
+        group's size, the last one in, writes the group's join to the job's store (:meth:`_complete_join`)."""
         local = self._hb_group_store
-        if not others or local.check([GroupKeys.rank_join(epoch, r) for r in others]):
-            return set(others)
-        return {r for r in others if local.check([GroupKeys.rank_join(epoch, r)]) or
-                local.check([GroupKeys.rank_done(r)])}
+        if local is None:  # a group of one rank
+            self._complete_join(epoch)
+            return
+        local.set(GroupKeys.rank_join(epoch, self.rank), f"{time.time():.6f}")
+        if local.add(GroupKeys.joined_ranks(epoch), 1) == self.ranks_per_replica:
+            self._complete_join(epoch)
+
+    def _complete_join(self, epoch: int) -> None:
+        """Write the group's complete join of ``epoch`` to the job's store and count it in, once: the first writer
+        of the key (compare-and-set, with this rank in the value) counts (the last rank in and a leader that sees
+        every rank in or finished may both try)."""
+        mine = f"{encode_ranks(range(self.ranks_per_replica))}|{self.rank}"
+        stored = self._hb_store.compare_set(GroupKeys.join(epoch, self.replica), "", mine)
+        if (stored.decode() if isinstance(stored, bytes) else stored) == mine:
+            self._hb_store.add(GroupKeys.joined_count(epoch), 1)
+
+    def _report_joining(self, watch: _EpochWatch) -> None:
+        """The leader, at each beat until the group's join is complete: which of its ranks joined so far
+        (``joining``, for the coordinator to name the missing ones), rewritten as more join. A rank that finished
+        training counts as joined (done, not dead): once every rank joined or finished, the leader completes the
+        join itself (a finished rank never adds to the count)."""
+        local, everyone = self._hb_group_store, set(range(self.ranks_per_replica))
+        if watch.reported == everyone or local.add(GroupKeys.joined_ranks(watch.joined), 0) >= len(everyone):
+            watch.reported = everyone
+            return
+        ranks = {r for r in everyone if local.check([GroupKeys.rank_join(watch.joined, r)]) or
+                 (r != self.rank and local.check([GroupKeys.rank_done(r)]))}
+        if ranks == everyone:
+            self._complete_join(watch.joined)
+        elif ranks != watch.reported:
+            self._hb_store.set(GroupKeys.joining(watch.joined, self.replica), encode_ranks(ranks))
+        watch.reported = ranks
 
     def _published(self, epoch: int) -> tuple[tuple[int, ...], bool] | None:
         """``(members, stopping)`` of ``epoch`` once published, else None. The leader reads the job's store and
@@ -433,9 +431,7 @@ class _EpochWatch:
     joined: int = -1
     """The newest epoch it joined."""
     reported: set[int] = field(default_factory=set)
-    """The leader: the ranks of its group whose join of ``joined`` it wrote to the job's store."""
-    reporting: bool = False
-    """The leader: its group's join of ``joined`` is not complete yet."""
+    """The leader: the ranks of its group it last reported as joined to ``joined`` (every rank: complete)."""
 
 
 def wait_for_key(store: Store, key: str, timeout_s: float) -> bool:
