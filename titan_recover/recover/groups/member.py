@@ -151,7 +151,7 @@ class ReplicaMember:
         """Training ended normally (or stopped as the protocol asked): from now on a silent heartbeat is not a
         failure. Never called on an error path: a crashed rank must look dead. The heartbeat thread stops first:
         once every rank is done the coordinator closes the store, and a beat after that would fail loudly."""
-        if not self.leader and self.group_store is not None:  # the leader reports it as joined from now on
+        if not self.leader and self.group_store is not None:  # its leader counts it as joined from now on
             self.group_store.set(GroupKeys.rank_done(self.rank), "1")
         self.close()
         self.store.set(GroupKeys.done(self.replica, self.rank), "1")
