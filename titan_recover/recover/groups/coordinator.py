@@ -20,7 +20,6 @@ from torch.distributed import Store
 
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.keys import (
-    decode_ranks,
     fault_time_and_reason,
     GroupKeys,
     raise_fault_flag,
@@ -31,6 +30,7 @@ from titan_recover.recover.groups.protocol import (
     all_joined,
     CoordinatorState,
     decide_members,
+    decode_members,
     decode_admission,
     encode_admission,
     encode_members,
@@ -182,7 +182,8 @@ class Coordinator:
             if self.store.check([GroupKeys.join(epoch, replica)]) or (any_done and self._done(replica, 0)):
                 joined[replica] = every
             else:
-                joined[replica] = decode_ranks(self.store.get(so_far)) if self.store.check([so_far]) else set()
+                joined[replica] = (set(decode_members(self.store.get(so_far))[0]) if self.store.check([so_far])
+                                   else set())
         return joined
 
     def _finished(self) -> bool:

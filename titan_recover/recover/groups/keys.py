@@ -77,13 +77,13 @@ class GroupKeys:
     @staticmethod
     def join(epoch: int, replica: int) -> str:
         """Every rank of ``replica`` joined ``epoch``: written once (compare-and-set) by the rank of the group that
-        completed it (``{ranks}|{writer}``)."""
+        completed it (``encode_members``: the ranks, and the writer as the reason)."""
         return f"join/e{epoch}/{replica}"
 
     @staticmethod
     def joining(epoch: int, replica: int) -> str:
-        """The ranks of ``replica`` that joined ``epoch`` so far (:func:`encode_ranks`), rewritten by its leader at
-        its beats until the join is complete: what names the missing ranks of a group left out."""
+        """The ranks of ``replica`` that joined ``epoch`` so far (``encode_members``), rewritten by its leader at its
+        beats until the join is complete: what names the missing ranks of a group left out."""
         return f"join/e{epoch}/{replica}/so_far"
 
     @staticmethod
@@ -194,16 +194,7 @@ def fault_time_and_reason(raw: bytes | str) -> tuple[float, str]:
     return float(t), reason
 
 
-# ---- a group's join and its leader's epoch, as passed on ----------------------------------------------------
-
-
-def encode_ranks(ranks) -> str:
-    return ",".join(str(r) for r in sorted(ranks))
-
-
-def decode_ranks(raw: bytes | str) -> set[int]:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    return {int(r) for r in text.split(",") if r}
+# ---- a leader's epoch, as passed on to its group ------------------------------------------------------------
 
 
 def encode_entered(epoch: int | None, members: bytes | str = "", stop: str = "", untrusted: bool = False) -> str:

@@ -18,9 +18,9 @@ from typing import Callable, TYPE_CHECKING
 
 from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 
-from titan_recover.recover.groups.keys import decode_entered, encode_entered, encode_ranks, GroupKeys
+from titan_recover.recover.groups.keys import decode_entered, encode_entered, GroupKeys
 from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
-from titan_recover.recover.groups.protocol import decode_members
+from titan_recover.recover.groups.protocol import decode_members, encode_members
 from titan_recover.recover.stores import connect
 
 if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
@@ -381,7 +381,7 @@ class ReplicaMember:
         """Write the group's complete join of ``epoch`` to the job's store and count it in, once: the first writer
         of the key (compare-and-set, with this rank in the value) counts (the last rank in and a leader that sees
         every rank in or finished may both try)."""
-        mine = f"{encode_ranks(range(self.ranks_per_replica))}|{self.rank}"
+        mine = encode_members(range(self.ranks_per_replica), str(self.rank))
         stored = self._hb_store.compare_set(GroupKeys.join(epoch, self.replica), "", mine)
         if (stored.decode() if isinstance(stored, bytes) else stored) == mine:
             self._hb_store.add(GroupKeys.joined_count(epoch), 1)
@@ -400,7 +400,7 @@ class ReplicaMember:
         if ranks == everyone:
             self._complete_join(watch.joined)
         elif ranks != watch.reported:
-            self._hb_store.set(GroupKeys.joining(watch.joined, self.replica), encode_ranks(ranks))
+            self._hb_store.set(GroupKeys.joining(watch.joined, self.replica), encode_members(sorted(ranks), ""))
         watch.reported = ranks
 
     def _published(self, epoch: int) -> tuple[tuple[int, ...], bool] | None:
