@@ -18,8 +18,10 @@ through which the group's leader rank relays their beats. Measured:
   requests (every 20 ms the ``done_count`` counter and a ``multi_get`` of the groups' beats) are not in it.
   ``coord CPU``: the coordinator process's CPU % of one core over the same window (``/proc/<pid>/stat`` utime +
   stime), the store's server thread included (the JSON splits off its main thread: ``coordinator_loop_cpu``);
-- ``barrier``: every member enters ``commit_barrier(step)`` at an agreed wall time; a step's latency runs from the
-  last member's entry to the last member holding the decision. Median and p90 over ``--repeats`` steps;
+- ``barrier``: every member looks at the fault flag (``catch_up``, as a step does before its reduction), then
+  enters ``commit_barrier(step)`` at an agreed wall time; a step's latency runs from the last member's entry to the
+  last member holding the decision. Median and p90 over ``--repeats`` steps. ``step_requests``: the requests the
+  members' main threads made to the job's store in a step (the look and the barrier; median over the steps);
 - ``epoch``: one replica group is killed (its heartbeat threads stopped and every store request of its members
   refused: what a SIGKILL leaves), then a survivor raises the fault flag as a failed collective does
   (``raise_fault_flag``) and every survivor calls ``wait_for_epoch``: the time from the flag to the last survivor
@@ -44,8 +46,8 @@ queries for 100 connections instead of about 4 per connection). ``--connect-rate
     python benchmarks/protocol_scale.py [--sizes 8,64,512,1024] [--ranks-per-replica 8] [--workers 4]
         [--repeats 7] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
 
-Last line, for the largest size measured: ``members=... epoch_s=... epoch_requests=... barrier_ms=... requests_per_s=...
-coordinator_cpu=...`` (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
+Last line, for the largest size measured: ``members=... epoch_s=... epoch_requests=... barrier_ms=...
+step_requests=... requests_per_s=... coordinator_cpu=...`` (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
 a kill < 1 s, commit barrier < 50 ms.
 """
 
@@ -152,7 +154,7 @@ def table_row(result: dict) -> str:
 def headline(result: dict) -> str:
     """The last line: the largest size measured."""
     values = {"epoch_s": ("epoch_s", ".3f"), "epoch_requests": ("epoch_requests", ".0f"),
-              "barrier_ms": ("barrier_median_ms", ".1f"),
+              "barrier_ms": ("barrier_median_ms", ".1f"), "step_requests": ("step_requests", ".0f"),
               "requests_per_s": ("requests_per_s", ".0f"), "coordinator_cpu": ("coordinator_cpu", ".1f")}
     return " ".join([f"members={result['members']}"] + [f"{name}={_fmt(result.get(key), spec, 'nan')}"
                                                          for name, (key, spec) in values.items()])
@@ -228,8 +230,8 @@ class RequestCounter:
 class CountingStore:
     """A member's store client, counting every request; ``dead`` refuses them all (a killed process makes none)."""
 
-    def __init__(self, store, counter: RequestCounter):
-        self._store, self._counter = store, counter
+    def __init__(self, store, *counters: RequestCounter):
+        self._store, self._counters = store, counters
         self.dead = False
 
     def __getattr__(self, name: str):
@@ -240,7 +242,8 @@ class CountingStore:
         def call(*args, **kwargs):
             if self.dead:
                 raise ConnectionError("simulated kill: this member makes no more store requests")
-            self._counter.add()
+            for counter in self._counters:
+                counter.add()
             return method(*args, **kwargs)
 
         self.__dict__[name] = call  # found directly from now on
@@ -333,6 +336,8 @@ class _Host:
         self.counter = RequestCounter()
         self.group_counter = RequestCounter()
         """Requests to the replica groups' own stores (torchrun's in a job; a HashStore per group here)."""
+        self.main_counter = RequestCounter()
+        """Requests of the members' main threads to the job's store (a step's look at the flag and its barrier)."""
 
     def left_out(self) -> None:
         """A member's replica was left out of an epoch (``ReplicaMember.on_excluded``, called on its heartbeat
@@ -354,7 +359,7 @@ class _Host:
 
         config = RecoverConfig.from_dict(fields)
         self.syncs, self.killed, self.dropped, self.counter = [], set(), set(), RequestCounter()
-        self.group_counter = RequestCounter()
+        self.group_counter, self.main_counter = RequestCounter(), RequestCounter()
         group_stores = {}  # a group's ranks are all in this process (assign_groups): a store in memory
         self.warnings.seen.clear()
         self.warnings.late.clear()
@@ -366,7 +371,7 @@ class _Host:
             member = ReplicaMember(config, replica=replica, rank=rank, ranks_per_replica=ranks_per_replica,
                                    address=address, on_excluded=self.left_out,
                                    group_store=(lambda g=group: g) if group is not None else None)
-            member.store = CountingStore(member.store, self.counter)
+            member.store = CountingStore(member.store, self.counter, self.main_counter)
             member._hb_store = CountingStore(member._hb_store, self.counter)  # before register() starts the thread
             self.syncs.append(ReplicaSync(config, member, EventLog(None, f"{replica}/{rank}")))
         for sync in self.syncs:
@@ -380,9 +385,16 @@ class _Host:
         return _in_threads(self.syncs, work, timeout_s + 5)
 
     def barrier(self, step: int, at: float, timeout_s: float) -> list:
-        """Every member enters ``commit_barrier(step)`` at ``at``: (entered, decided, decision) each, or
-        ``("left out", replica)`` for a member whose replica the coordinator left out meanwhile."""
+        """Every member looks at the fault flag (``catch_up``, as before a step's reduction), then enters
+        ``commit_barrier(step)`` at ``at``: (entered, decided, decision) each, or ``("left out", replica)`` for a
+        member whose replica the coordinator left out meanwhile."""
         def work(sync):
+            try:
+                sync.catch_up(step)
+            except Exception:
+                if sync.member.replica in self.dropped:
+                    return "left out", sync.member.replica
+                raise
             _sleep_until(at)
             entered = time.time()
             try:
@@ -438,6 +450,9 @@ class _Host:
 
     def count_group(self) -> int:
         return self.group_counter.value()
+
+    def count_main(self) -> int:
+        return self.main_counter.value()
 
     def member_warnings(self) -> dict:
         return {"counts": self.warnings.counts(leaving_out=self.killed), "late": self.warnings.late}
@@ -573,8 +588,10 @@ class Outcome(Exception):
 
 def measure_barrier(workers: Workers, step: int, members: int, timeout_s: float) -> dict:
     at = time.time() + LEAD_S
+    counted = sum(workers.ask("count_main", wait_s=30))
     results = [r for answer in workers.ask("barrier", timeout_s + 10, step=step, at=at, timeout_s=timeout_s)
                for r in answer]
+    requests = sum(workers.ask("count_main", wait_s=30)) - counted
     left_out = sorted({r[1] for r in results if isinstance(r, tuple) and r[0] == "left out"})
     if left_out:
         raise Outcome(f"step {step}: live replica group(s) {left_out} left out of a new epoch during the barrier")
@@ -586,7 +603,7 @@ def measure_barrier(workers: Workers, step: int, members: int, timeout_s: float)
         raise Outcome(f"step {step}'s commit barrier decided {sorted(decisions)}: a fault flag was raised")
     last_entry = max(r[0] for r in results)
     return {"latency_ms": 1000 * (max(r[1] for r in results) - last_entry),
-            "entry_spread_ms": 1000 * (last_entry - min(r[0] for r in results))}
+            "entry_spread_ms": 1000 * (last_entry - min(r[0] for r in results)), "requests": requests}
 
 
 def measure_epoch(workers: Workers, epoch: int, members: tuple[int, ...], events_path: str, timeout_s: float) -> dict:
@@ -707,7 +724,8 @@ def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int) -
         latencies = [s["latency_ms"] for s in steps]
         result.update(barrier_ms=latencies, barrier_median_ms=statistics.median(latencies),
                       barrier_p90_ms=percentile(latencies, 0.9),
-                      barrier_entry_spread_ms=statistics.median(s["entry_spread_ms"] for s in steps))
+                      barrier_entry_spread_ms=statistics.median(s["entry_spread_ms"] for s in steps),
+                      step_requests=statistics.median(s["requests"] for s in steps))
     if groups < 2:
         result["note"] = "one replica group: no survivor to form an epoch after a kill"
     if not kills:
@@ -746,7 +764,8 @@ def describe(result: dict) -> str:
             f"(load {result['host_load_before']:.1f} before)")
     if "barrier_ms" in result:
         line += (f"; barrier ms {', '.join(f'{x:.1f}' for x in result['barrier_ms'])} (entries spread "
-                 f"{result['barrier_entry_spread_ms']:.0f} ms)")
+                 f"{result['barrier_entry_spread_ms']:.0f} ms; the members' main threads made "
+                 f"{result['step_requests']:.0f} requests to the job's store per step, median)")
     for k in result.get("kills", []):
         line += (f"; kill of group {k['victim']}: coordinator noticed the flag +{k['noticed_s']:.3f} s, published "
                  f"+{k['published_s']:.3f} s, last survivor in +{_fmt(k['epoch_s'], '.3f')} s, "

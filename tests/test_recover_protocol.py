@@ -722,3 +722,102 @@ def test_a_flag_while_a_rank_never_arrives_wakes_every_waiting_rank_with_abort()
                      for key, f in futures.items()}
     assert set(decisions.values()) == {"abort"}
     assert not job.check([GroupKeys.fault(0)])  # nobody timed out: the passed-on decision woke every rank
+
+
+def test_a_group_looks_at_the_flag_as_one_and_its_other_ranks_never_ask_the_job_store():
+    """Before a collective each rank looks at its epoch's fault flag (``catch_up``). The leader looks and passes its
+    answer on in the group's store; rank 1 takes it. A flag raised between the leader's look and rank 1's does not
+    split the group (rank 1 stays in epoch 0 with its leader, although the job's store holds the flag); at the next
+    look both move, and rank 1 enters the leader's epoch and reads the ledger's epochs (one it went past included)
+    in the group's store. Rank 1 makes no request of the job's store."""
+    from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag
+    from titan_recover.recover.groups.protocol import encode_members
+
+    syncs, job, groups = _two_groups_of_two()
+    leader, other = syncs[(0, 0)], syncs[(0, 1)]
+    other.member.store = _CountingStore(other.member.store)
+    leader.catch_up(step=1)
+    raise_fault_flag(job, 0, "replica 1 rank 0: collective failed")
+    other.catch_up(step=1)
+    assert (leader.epoch, other.epoch) == (0, 0)
+
+    for epoch, members in ((1, (0, 1)), (2, (0,))):  # the coordinator published two epochs since
+        job.set(GroupKeys.members(epoch), encode_members(members, f"epoch {epoch}"))
+    job.set(GroupKeys.EPOCH, "2")
+    leader.build_group = other.build_group = lambda *args, **kwargs: None  # no collective in this test
+    leader.catch_up(step=1)
+    other.catch_up(step=1)
+    assert (leader.epoch, other.epoch) == (2, 2) and other.members == (0,)
+    assert [other.members_of(e) for e in (1, 2)] == [(0, 1), (0,)]
+    assert other.member.store.calls == []
+
+
+def test_a_rank_whose_leader_is_in_another_epoch_at_a_look_stops_with_a_sentence():
+    from titan_recover.recover.groups.keys import GroupKeys
+
+    syncs, _, groups = _two_groups_of_two()
+    groups[0].set(GroupKeys.look(1), "3 stay")
+    with pytest.raises(RuntimeError, match="replica 0 rank 1 is in epoch 0 and its group's leader in epoch 3"):
+        syncs[(0, 1)].catch_up(step=1)
+
+
+def test_a_groups_store_keeps_only_the_last_barriers_keys_whatever_the_steps():
+    """Steps of looks and commit barriers: once every rank of a group counted in at a barrier, its leader hands the
+    group's keys of the barrier before and of the looks so far to its heartbeat thread, which deletes them. After
+    any number of steps a group's store holds the last barrier's three keys (the heartbeat thread's deletion is
+    called directly here: these members run no heartbeat thread)."""
+    from titan_recover.recover.groups.keys import GroupKeys
+
+    syncs, job, groups = _two_groups_of_two()
+    for step in range(1, 6):
+        for sync in syncs.values():
+            sync.catch_up(step)
+        assert set(_barrier_in_threads(syncs, step).values()) == {"commit"}
+        for replica in (0, 1):
+            syncs[(replica, 0)].member._delete_discarded()
+            assert groups[replica].num_keys() == 3  # reduced, decision and ready of this step
+    last = [GroupKeys.reduced(0, 5), GroupKeys.decision(0, 5), GroupKeys.group_ready(0, 5)]
+    assert all(g.check(last) for g in groups.values())
+    assert not any(g.check([GroupKeys.look(5)]) or g.check([GroupKeys.decision(0, 4)]) for g in groups.values())
+
+
+def test_only_a_groups_leader_holds_a_step_for_a_restarting_group_and_its_other_ranks_wait_in_the_groups_store():
+    """``rejoin_wait_s``: replica 1 was dropped and has a restart left. Replica 0's leader holds the step boundary,
+    looking in the job's store, until the new start's ranks all asked to join; its other rank waits for the
+    leader's word in the group's store and makes no request of the job's store. With every group a member, no
+    rank makes any request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.events import EventLog
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.member import ReplicaMember
+    from titan_recover.recover.groups.replica_sync import ReplicaSync
+    from titan_recover.recover.phoenix.admission import Admission
+
+    job, group = job_store(), HashStore()
+    config = RecoverConfig(replicas=2, max_restarts=1, rejoin_wait_s=60.0)
+    admissions = []
+    for rank in (0, 1):
+        member = ReplicaMember(config, replica=0, rank=rank, ranks_per_replica=2, address=f"127.0.0.1:{job.port}",
+                               group_store=lambda: group)
+        member.epoch, member.members, member.admitted = 1, (0,), True
+        member.store = _CountingStore(member.store)
+        admissions.append(Admission(ReplicaSync(config, member, EventLog(None, f"0/{rank}"))))
+    leader, other = (a.sync.member for a in admissions)
+    job.set(GroupKeys.dropped(1), f"0|{time.time()}")
+    with ThreadPoolExecutor(2) as pool:
+        holding = [pool.submit(a._hold_for_restarts, 3) for a in admissions]
+        _until(lambda: "check" in leader.store.calls, "the leader looks for replica 1's new start")
+        assert not any(h.done() for h in holding)
+        for rank in (0, 1):
+            job.set(GroupKeys.join_request(1, rank), "1")
+        for h in holding:
+            h.result(timeout=30)
+    assert other.store.calls == [] and group.check([GroupKeys.held(3)])
+    leader.store.calls.clear()
+    for a in admissions:
+        a.sync.member.members = (0, 1)
+        a._hold_for_restarts(4)
+    assert leader.store.calls == other.store.calls == []

@@ -116,6 +116,19 @@ class GroupKeys:
         return f"entered/e{after}"
 
     @staticmethod
+    def look(n: int) -> str:
+        """In the replica group's own store: the leader's ``n``-th look at its epoch's fault flag before a
+        collective, ``"{epoch} move"`` or ``"{epoch} stay"``, which the group's other ranks take as theirs
+        (``ReplicaSync.catch_up``)."""
+        return f"look/{n}"
+
+    @staticmethod
+    def held(step: int) -> str:
+        """In the replica group's own store: its leader stopped holding the boundary before ``step`` for a
+        restarting group (``recover.rejoin_wait_s``); the group's other ranks waited for it."""
+        return f"held/s{step}"
+
+    @staticmethod
     def reduced(epoch: int, step: int | str) -> str:
         """Groups whose ranks finished the step's reduction (counted by the leaders); in a group's own store, its
         other ranks that did."""
@@ -228,6 +241,6 @@ def read_dropped(store: Store, replica: int) -> tuple[int, float] | None:
 def read_join_requests(store: Store, replica: int, ranks: int) -> dict[int, int] | None:
     """rank -> incarnation of ``replica``'s ranks that asked to join, or None until every rank has."""
     keys = [GroupKeys.join_request(replica, r) for r in range(ranks)]
-    if not all(store.check([k]) for k in keys):
+    if not store.check(keys):  # every key, one request
         return None
     return {r: int(v) for r, v in enumerate(store.multi_get(keys))}

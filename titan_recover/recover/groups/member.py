@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, TYPE_CHECKING
@@ -121,6 +122,9 @@ class ReplicaMember:
         self._hb_group_store = group_store() if group_store is not None else None
         """The heartbeat thread's client of it (a blocked wait holds a client): ranks other than the leader beat
         into it and read the mirrored fault flag there."""
+        self._discarded: deque[str] = deque()
+        """Keys of the group's store that no rank of the group reads any more, for the heartbeat thread to delete
+        (:meth:`discard`): off the step's path."""
         self._relayed: dict[int, Heartbeat] = {}  # the leader's latest beat of every rank of its group
         self._mirror_from = 0  # the leader mirrored every raised flag of the epochs before this one
         self._thread: threading.Thread | None = None
@@ -166,8 +170,22 @@ class ReplicaMember:
         return int(self.store.get(GroupKeys.EPOCH)) if self.store.check([GroupKeys.EPOCH]) else -1
 
     def members_of(self, epoch: int) -> tuple[int, ...]:
-        """Members the coordinator published for ``epoch`` (kept in the store for the whole run)."""
+        """Members the coordinator published for ``epoch``, read in the job's store."""
         return decode_members(self.store.get(GroupKeys.members(epoch)))[0]
+
+    def entered_members_of(self, epoch: int) -> tuple[int, ...]:
+        """Members of ``epoch``, an epoch this rank entered or went past on its way to its current one (what a
+        ledger's transitions read): a rank other than the leader reads them in its group's store, where its leader
+        put every epoch it entered or went past (:meth:`_pass_on_entered`)."""
+        if self.group_store is None or self.leader:
+            return self.members_of(epoch)
+        return decode_members(self.group_store.get(GroupKeys.members(epoch)))[0]
+
+    def fault_flag(self, epoch: int) -> bytes | None:
+        """The value of ``epoch``'s fault flag (``time|reason``) if raised, else None: the leader (or the one rank)
+        reads the job's store, another rank its leader's mirror in the group's store."""
+        store = self.group_store if self.group_store is not None and not self.leader else self.store
+        return store.get(GroupKeys.fault(epoch)) if store.check([GroupKeys.fault(epoch)]) else None
 
     def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason). The leader (or
@@ -202,8 +220,15 @@ class ReplicaMember:
 
     def _pass_on_entered(self, after: int, epoch: int, entered: str) -> str:
         """The leader: tell its group's other ranks what the wait after ``after`` ended with, under every epoch
-        from ``after`` to ``epoch - 1`` (a rank of the group may wait after any of those it is still in)."""
+        from ``after`` to ``epoch - 1`` (a rank of the group may wait after any of those it is still in), after
+        the members of every epoch it went past and of the one it entered (a rank's ledger reads each of them:
+        :meth:`entered_members_of`)."""
         if self.group_store is not None:
+            entered_epoch, members, _ = decode_entered(entered)
+            if entered_epoch is not None and self.replica in decode_members(members)[0]:  # else nobody reads them
+                for passed in range(after + 1, epoch):
+                    self.group_store.set(GroupKeys.members(passed), self.store.get(GroupKeys.members(passed)))
+                self.group_store.set(GroupKeys.members(epoch), members)
             for skipped in range(after, epoch):
                 self.group_store.set(GroupKeys.entered(skipped), entered)
         return entered
@@ -258,6 +283,11 @@ class ReplicaMember:
                 )
             wait_for_key(self.store, GroupKeys.members(epoch + 1), max(0.01, min(slice_s, deadline - time.monotonic())))
 
+    def discard(self, keys: list[str]) -> None:
+        """Hand keys of the group's own store that no rank of the group reads any more to the heartbeat thread,
+        which deletes them after its next beat."""
+        self._discarded.extend(keys)
+
     def fault_seen(self, epoch: int) -> bool:
         """The heartbeat thread saw the fault flag of ``epoch`` (or of a later one): no store request. Until this
         start is admitted the thread watches no flag; callers then look in the store themselves."""
@@ -287,6 +317,11 @@ class ReplicaMember:
             self._relayed.update({r: Heartbeat.decode(v) for r, v in zip(others, values) if v is not None})
         self._hb_store.set(GroupKeys.heartbeat(self.replica), encode_group_beat(self._relayed))
 
+    def _delete_discarded(self) -> None:
+        """Delete the keys the main thread discarded (:meth:`discard`) from the group's store."""
+        while self._discarded:
+            self._hb_group_store.delete_key(self._discarded.popleft())
+
     def _fault_raised(self, epoch: int) -> bool:
         """Whether ``epoch``'s fault flag is raised. The leader reads the job's store and mirrors a raised flag into
         the group's store, where the other ranks look (so they make no request of the job's store per beat)."""
@@ -294,7 +329,7 @@ class ReplicaMember:
             return self._hb_group_store.check([GroupKeys.fault(epoch)])
         raised = self._hb_store.check([GroupKeys.fault(epoch)])
         if raised and self._hb_group_store is not None:
-            self._hb_group_store.set(GroupKeys.fault(epoch), "1")
+            self._hb_group_store.set(GroupKeys.fault(epoch), self._hb_store.get(GroupKeys.fault(epoch)))
         return raised
 
     def _abort_barrier(self, epoch: int, step: int | str) -> None:
@@ -312,7 +347,8 @@ class ReplicaMember:
 
     def _heartbeat_loop(self) -> None:
         """Every ``heartbeat_interval_s``: beat, and look at the current epoch's fault flag (the leader in the job's
-        store, the other ranks in the group's: :meth:`_beat`, :meth:`_fault_raised`), then :meth:`_watch_epochs`."""
+        store, the other ranks in the group's: :meth:`_beat`, :meth:`_fault_raised`), then :meth:`_watch_epochs`, then
+        delete the group's keys the main thread discarded."""
         interval = self.config.heartbeat_interval_s
         watch = _EpochWatch()
         last_beat = idle_from = time.monotonic()
@@ -332,6 +368,7 @@ class ReplicaMember:
                 try:
                     if self.admitted:
                         self._watch_epochs(watch)
+                    self._delete_discarded()
                 finally:
                     idle_from = time.monotonic()
                     store_s = idle_from - beaten

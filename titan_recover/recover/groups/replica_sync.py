@@ -29,7 +29,13 @@ from titan_recover.recover.groups.keys import (
     read_dropped,
     read_join_requests,
 )
-from titan_recover.recover.groups.member import pass_on, propose_decision, ReplicaMember, wait_for_key
+from titan_recover.recover.groups.member import (
+    pass_on,
+    propose_decision,
+    ReplicaMember,
+    wait_for_key,
+    wait_slices,
+)
 from titan_recover.recover.groups.protocol import CommitDecision, decide_commit, ready_to_join
 
 if TYPE_CHECKING:
@@ -57,6 +63,11 @@ class ReplicaSync:
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
         self.committed_epoch = -1  # epoch of the last commit (start-up broadcast or step): quotas start from it
         self.committed_members: tuple[int, ...] = ()
+        self._looks = 0
+        """Looks at the fault flag so far (:meth:`catch_up`): every rank of a group takes the same ones."""
+        self._collected: tuple[int, tuple[int, int | str] | None] = (0, None)
+        """The leader: looks up to this one are deleted from the group's store, and the group's last barrier that
+        every rank counted in at (its keys go at the next one: :meth:`_collect_group_keys`)."""
         self.collector = KeyCollector(member.store)
         """Deletes the keys no member can read any more after each commit this rank stores (groups/collect.py)."""
 
@@ -118,17 +129,52 @@ class ReplicaSync:
         return group
 
     def members_of(self, epoch: int) -> tuple[int, ...]:
-        return self.member.members_of(epoch)
+        """Members of ``epoch``, one this rank entered or went past (a ledger's transitions)."""
+        return self.member.entered_members_of(epoch)
 
     def catch_up(self, step: int | None) -> None:
-        """Before a collective: if the coordinator has moved on (a fault elsewhere), move to its epoch."""
-        if self.member.current_epoch() > self.epoch or self.member.store.check([GroupKeys.fault(self.epoch)]):
+        """Before a collective: if a fault was flagged in this rank's epoch (elsewhere), move to the coordinator's
+        next epoch. The coordinator leaves an epoch only after its flag, or to admit joiners, which every member
+        enters by itself at the same step boundary (:class:`~titan_recover.recover.phoenix.admission.Admission`).
+        The group looks as one (:meth:`_look`), so that its ranks take the same transitions between their
+        collectives inside the replica."""
+        if self._look():
             self.next_epoch(step)
+
+    def _look(self) -> bool:
+        """Whether this rank's epoch is flagged, the same answer on every rank of its group: the leader (or the one
+        rank) looks, at what its heartbeat thread saw, else with one request to the job's store, and passes its
+        answer on in the group's store (``look/{n}``); the group's other ranks take it from there."""
+        self._looks += 1
+        member, local, key = self.member, self.member.group_store, GroupKeys.look(self._looks)
+        if local is not None and not member.leader:
+            return self._look_of_leader(key)
+        flagged = member.fault_seen(self.epoch) or member.store.check([GroupKeys.fault(self.epoch)])
+        if local is not None:
+            local.set(key, f"{self.epoch} {'move' if flagged else 'stay'}")
+        return flagged
+
+    def _look_of_leader(self, key: str) -> bool:
+        """A rank other than the leader: its leader's answer (:meth:`_look`), waited for in the group's store."""
+        member, timeout_s = self.member, self.config.agree_timeout_s
+        deadline = time.monotonic() + timeout_s
+        for slice_s in wait_slices():
+            member.progress()
+            if wait_for_key(member.group_store, key, max(0.01, min(slice_s, deadline - time.monotonic()))):
+                epoch, _, answer = member.group_store.get(key).decode().partition(" ")
+                if int(epoch) != self.epoch:  # the group's ranks took different transitions: never go on
+                    raise RuntimeError(f"replica {member.replica} rank {member.rank} is in epoch {self.epoch} "
+                                       f"and its group's leader in epoch {epoch} at the same look at the fault flag")
+                return answer == "move"
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"replica {member.replica} rank {member.rank}: its group's leader (rank 0) passed on no look at "
+                    f"the fault flag within {timeout_s} s (recover.agree_timeout_s): it is stuck or gone")
 
     def next_epoch(self, step: int | None) -> None:
         noticed = time.time()
-        flag = self.member.store.get(GroupKeys.fault(self.epoch)) if self.member.store.check([GroupKeys.fault(self.epoch)]) else None
-        fault_time, reason = fault_time_and_reason(flag) if flag else (noticed, "coordinator moved on")
+        flag = self.member.fault_flag(self.epoch)  # None: an admission, or the leader's mirror is not in yet
+        fault_time = fault_time_and_reason(flag)[0] if flag else noticed
         old = self.epoch
         epoch, members, why = self.member.wait_for_epoch(old, self.config.agree_timeout_s)
         agreed = time.time()
@@ -269,6 +315,7 @@ class ReplicaSync:
                 decided = self._wait_for_group(step)
                 if decided is not None:
                     return decided
+                self._collect_group_keys(step)
             return self._count_in(step, admit)
         finally:
             self.member.waiting_on = None
@@ -294,6 +341,17 @@ class ReplicaSync:
             return self._timed_out(step, "its group's ranks")
         decided = GroupKeys.decision(self.epoch, step)
         return local.get(decided).decode() if local.check([decided]) else None
+
+    def _collect_group_keys(self, step: int | str) -> None:
+        """The leader, once every rank of its group counted in at ``step``: they are past the group's previous such
+        barrier and every look before this one, so those keys leave the group's store (deleted by the heartbeat
+        thread, off the step's path). A barrier decided before every rank was in (an abort) keeps its keys."""
+        looked, previous = self._collected
+        keys = [GroupKeys.look(n) for n in range(looked + 1, self._looks + 1)]
+        if previous is not None:
+            keys += [GroupKeys.reduced(*previous), GroupKeys.decision(*previous), GroupKeys.group_ready(*previous)]
+        self._collected = (self._looks, (self.epoch, step))
+        self.member.discard(keys)
 
     def _count_in(self, step: int | str, admit: bool) -> str:
         """The leader (or the one rank) counts its group in in the job's store."""

@@ -244,7 +244,7 @@ class SyncMode(Mode):
         store, epoch = self.member.store, self.sync.epoch
         while store.check([GroupKeys.members(epoch + 1)]):
             epoch += 1
-        return min(self.sync.members_of(epoch), default=None)
+        return min(self.member.members_of(epoch), default=None)
 
     def _optimizer_step(self, step: int, outcome: StepOutcome) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, as TorchTitan's ``Trainer.train_step`` does; ``drop``

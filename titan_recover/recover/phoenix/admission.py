@@ -17,11 +17,16 @@ import torch
 
 from titan_recover.recover.ftpg.base import FaultDetected
 from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag, read_dropped, read_join_requests
+from titan_recover.recover.groups.member import wait_for_key, wait_slices
 from titan_recover.recover.groups.protocol import decode_admission, encode_admission
 from titan_recover.recover.groups.replica_sync import ReplicaSync
 from titan_recover.recover.phoenix.state_transfer import ChecksumError, transfer, TrainingState
 
 logger = logging.getLogger(__name__)
+
+REJOIN_POLL_S = 0.1
+"""How often a group's leader looks whether a dropped group's new start asked to join, while it holds a step
+boundary for it (``recover.rejoin_wait_s``): two requests to the job's store per look."""
 
 
 class Admission:
@@ -29,6 +34,8 @@ class Admission:
 
     def __init__(self, sync: ReplicaSync):
         self.sync = sync
+        self._last_held: int | None = None
+        """The leader: the last step boundary it held and said so in its group's store (``held/s{step}``)."""
 
     def admit_pending(self, step: int, state: TrainingState) -> None:
         """At the start of ``step``: run the admission decided by the previous commit (members), or wait to be
@@ -87,27 +94,62 @@ class Admission:
     def _hold_for_restarts(self, step: int) -> None:
         """``recover.rejoin_wait_s``: hold this step boundary for a dropped group that the launcher restarts
         (it has restarts left, ``recover.max_restarts``) until it asks to join, so that it is admitted at this
-        step's commit, or until ``rejoin_wait_s`` after it was dropped."""
+        step's commit, or until ``rejoin_wait_s`` after it was dropped. The group's leader (or its one rank) looks
+        in the job's store and, done, says so in its group's store (``held/s{step}``), where the other ranks wait."""
         sync = self.sync
         if sync.config.rejoin_wait_s <= 0 or (sync.final_step is not None and step >= sync.final_step):
             return  # no admission after the final step's commit: nothing to wait for
+        outside = [replica for replica in range(sync.groups) if replica not in sync.members]
+        if not outside:
+            return  # every group is a member: no request at all (the same on every rank of the group)
+        member, local = sync.member, sync.member.group_store
+        if local is not None and not member.leader:
+            self._held_by_leader(step)
+            return
+        for replica in outside:
+            self._hold_for(replica, step)
+        if local is not None:
+            local.set(GroupKeys.held(step), "1")
+            if self._last_held is not None:  # its ranks read it before that step's commit, which is past
+                member.discard([GroupKeys.held(self._last_held)])
+            self._last_held = step
+
+    def _hold_for(self, replica: int, step: int) -> None:
+        """Hold for ``replica`` (not a member) if it was dropped and will be restarted: until every rank of its new
+        start asked to join, or ``rejoin_wait_s`` after the drop."""
+        sync = self.sync
         store, ranks = sync.member.store, sync.member.ranks_per_replica
-        for replica in range(sync.groups):
-            dropped = None if replica in sync.members else read_dropped(store, replica)
-            if dropped is None or dropped[0] >= sync.config.max_restarts:
-                continue  # a member, never dropped, or not restarted again
-            incarnation, when = dropped
-            deadline = when + sync.config.rejoin_wait_s
-            started = time.time()
-            while time.time() < deadline:
-                asked = read_join_requests(store, replica, ranks)
-                if asked is not None and all(v > incarnation for v in asked.values()):
-                    break
-                sync.member.progress(step=step, phase="rejoin_wait")
-                time.sleep(0.05)
-            if time.time() - started > 0.1:
-                sync.events.emit("rejoin_wait", step=step, replica=replica, dropped_incarnation=incarnation,
+        dropped = read_dropped(store, replica)
+        if dropped is None or dropped[0] >= sync.config.max_restarts:
+            return  # a member, never dropped, or not restarted again
+        incarnation, when = dropped
+        deadline = when + sync.config.rejoin_wait_s
+        started = time.time()
+        while time.time() < deadline:
+            asked = read_join_requests(store, replica, ranks)
+            if asked is not None and all(v > incarnation for v in asked.values()):
+                break
+            sync.member.progress(step=step, phase="rejoin_wait")
+            time.sleep(REJOIN_POLL_S)
+        if time.time() - started > 0.1:
+            sync.events.emit("rejoin_wait", step=step, replica=replica, dropped_incarnation=incarnation,
                              waited_s=time.time() - started, ready=time.time() < deadline)
+
+    def _held_by_leader(self, step: int) -> None:
+        """A rank other than the leader: wait until its leader stopped holding ``step``'s boundary."""
+        sync = self.sync
+        timeout_s = sync.config.rejoin_wait_s + sync.config.agree_timeout_s
+        deadline = time.monotonic() + timeout_s
+        for slice_s in wait_slices():
+            sync.member.progress(step=step, phase="rejoin_wait")
+            if wait_for_key(sync.member.group_store, GroupKeys.held(step),
+                            max(0.01, min(slice_s, deadline - time.monotonic()))):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"replica {sync.member.replica} rank {sync.member.rank}: its group's leader (rank 0) held step "
+                    f"{step}'s boundary for a restarting group longer than {timeout_s} s (recover.rejoin_wait_s + "
+                    "recover.agree_timeout_s): it is stuck or gone")
 
     def _wait_until_admitted(self) -> tuple[int, tuple[int, ...]]:
         sync = self.sync
