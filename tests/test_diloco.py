@@ -566,6 +566,45 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     assert sum(r.get("events/fault_injected", 0) for r in rows) == len(by_kind["fault_injected"])
 
 
+@pytest.mark.multiprocess
+def test_one_node_on_the_embedded_store_a_hung_syncer_is_ended_and_restarted_while_learners_train(tmp_path):
+    """The default one-node path (the embedded store, one launcher): 2 learners of the tiny model; the syncer hangs
+    (SIGSTOP) right after its 3rd merge. It holds no lease, so nothing takes over until its launcher sees its beat
+    still for ``syncer_timeout_s``: it kills it and restarts it from its checkpoint. The learners train on
+    meanwhile, the restarted syncer merges on from the checkpoint's state, counts the budget trained, and the
+    launcher exits 0."""
+    from conftest import launch
+
+    steps, period, learners, syncer_timeout_s = 32, 4, 2, 3.0
+    proc = launch(
+        "train_configs/diloco.toml", "--model.flavor", "tiny", "--recover.replicas", str(learners),
+        "--training.steps", str(steps), "--recover.diloco.inner_steps", str(period),
+        "--recover.diloco.max_window_s", "2", "--recover.diloco.checkpoint_interval_s", "1",
+        "--recover.diloco.eval_interval_s", "0", "--recover.diloco.syncer_timeout_s", str(syncer_timeout_s),
+        "--metrics.no_enable_wandb", "--dump_folder", str(tmp_path),
+        "--chaos.faults", '[{kind = "hang", process = "syncer", step = 3, phase = "merge"}]', timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "the syncer made no progress for" in proc.stderr and "restarting it from its checkpoint" in proc.stderr
+    events = read_events(tmp_path / "events.jsonl")
+    by_kind = collections.defaultdict(list)
+    for e in events:
+        by_kind[e["event"]].append(e)
+    [hang] = [e for e in by_kind["fault_injected"] if e.get("process") == "syncer"]
+    started = by_kind["syncer_started"]
+    assert [e["resumed"] for e in started] == [False, True], started
+    assert started[1]["time"] - hang["time"] >= syncer_timeout_s  # ended by its launcher, not before its bound
+    assert started[1]["merges"] >= 1  # resumed a checkpoint with merges in it
+    stopped = hang["time"]  # the learners trained while the syncer was stopped and before it was restarted
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {m["replica"] for m in metrics if stopped < m["time"] < started[1]["time"]} == set(range(learners))
+    assert sorted(collections.Counter(e["block"] for e in by_kind["block_claimed"])) == list(range(steps * learners))
+    merges = by_kind["fragment_merged"]
+    assert any(e["time"] > started[1]["time"] for e in merges)  # the restart merged on
+    [finished] = by_kind["syncer_finished"]
+    assert finished["blocks_done"] == steps * learners
+    assert processes_of_run(str(tmp_path)) == []
+
+
 def test_a_block_given_back_is_taken_once_and_given_back_once():
     from titan_recover.recover.diloco.blocks import claim_requeued, requeue_block
 

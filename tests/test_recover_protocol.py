@@ -784,8 +784,8 @@ def test_a_groups_store_keeps_only_the_last_barriers_keys_whatever_the_steps():
 def test_only_a_groups_leader_holds_a_step_for_a_restarting_group_and_its_other_ranks_wait_in_the_groups_store():
     """``rejoin_wait_s``: replica 1 was dropped and has a restart left. Replica 0's leader holds the step boundary,
     looking in the job's store, until the new start's ranks all asked to join; its other rank waits for the
-    leader's word in the group's store and makes no request of the job's store. With every group a member, no
-    rank makes any request."""
+    leader's word in the group's store and makes no request of the job's store; the same for the replicas the
+    admission then let in. With every group a member, no rank makes any request to hold."""
     from concurrent.futures import ThreadPoolExecutor
 
     from torch.distributed import HashStore
@@ -816,8 +816,54 @@ def test_only_a_groups_leader_holds_a_step_for_a_restarting_group_and_its_other_
         for h in holding:
             h.result(timeout=30)
     assert other.store.calls == [] and group.check([GroupKeys.held(3)])
+    # the replicas an admission from epoch 0 let in (the leader reads them, its rank takes them from it)
+    job.set(GroupKeys.admitted(1), "3|1")
+    assert [a._admitted_since(0) for a in admissions] == [(1,), (1,)]
+    assert other.store.calls == []
     leader.store.calls.clear()
     for a in admissions:
         a.sync.member.members = (0, 1)
         a._hold_for_restarts(4)
     assert leader.store.calls == other.store.calls == []
+
+
+def test_a_joining_groups_ranks_all_enter_the_epoch_its_leader_was_admitted_to():
+    """A restarted group of two ranks: each asks to join in the job's store; the leader waits for the epoch that
+    admits it and passes it on with the admission; rank 1 enters the same epoch from its group's store, its only
+    job-store request its join request, also when the coordinator moved on to a later epoch before rank 1 would
+    have looked. A job that ends first ends both waits with ``JobOver``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.member import JobOver, ReplicaMember
+    from titan_recover.recover.groups.protocol import encode_admission, encode_members
+
+    def joiners(incarnation):
+        job, group = job_store(), HashStore()
+        ranks = [ReplicaMember(RecoverConfig(replicas=2), replica=1, rank=r, ranks_per_replica=2,
+                               address=f"127.0.0.1:{job.port}", incarnation=incarnation, group_store=lambda: group)
+                 for r in (0, 1)]
+        ranks[1].store = _CountingStore(ranks[1].store)
+        return job, ranks
+
+    job, (leader, other) = joiners(1)
+    job.set(GroupKeys.members(2), encode_members((0,), "replica 1 rank(s) [0] did not join"))
+    job.set(GroupKeys.EPOCH, "2")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(other.wait_for_admission, 20.0)
+        job.set(GroupKeys.admitted(3), encode_admission(5, (1,)))
+        job.set(GroupKeys.members(3), encode_members((0, 1), "admitted [1] after step 5"))
+        job.set(GroupKeys.members(4), encode_members((0, 1), "a fault during the admission"))
+        job.set(GroupKeys.EPOCH, "4")
+        assert leader.wait_for_admission(5.0) == (4, (0, 1), "a fault during the admission", "5|1")
+        assert waiting.result(timeout=20) == (4, (0, 1), "a fault during the admission", "5|1")
+    assert other.epoch == 4 and other.admitted and other.store.calls == ["set"]
+    assert other.entered_members_of(4) == (0, 1)
+
+    job, (leader, other) = joiners(2)
+    job.set(GroupKeys.FINISHED, "trained")
+    for member in (leader, other):
+        with pytest.raises(JobOver, match="the job ended before this replica was admitted"):
+            member.wait_for_admission(5.0)

@@ -123,6 +123,19 @@ class GroupKeys:
         return f"look/{n}"
 
     @staticmethod
+    def admitted_to(incarnation: int) -> str:
+        """In the replica group's own store: what the leader's wait for admission of start ``incarnation`` found
+        (JSON: the epoch entered, as ``entered``, or the job's end; the admission's value), for the group's other
+        ranks."""
+        return f"admitted/i{incarnation}"
+
+    @staticmethod
+    def admitting(epoch: int) -> str:
+        """In the replica group's own store: the replicas admitted by the epochs after ``epoch`` up to the one its
+        leader entered when its members ran an admission from ``epoch``, for the group's other ranks."""
+        return f"admitting/e{epoch}"
+
+    @staticmethod
     def held(step: int) -> str:
         """In the replica group's own store: its leader stopped holding the boundary before ``step`` for a
         restarting group (``recover.rejoin_wait_s``); the group's other ranks waited for it."""

@@ -7,6 +7,7 @@ ends the process when its replica has been left out of an epoch, so that torchru
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -21,7 +22,7 @@ from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 
 from titan_recover.recover.groups.keys import decode_entered, encode_entered, GroupKeys
 from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
-from titan_recover.recover.groups.protocol import decode_members, encode_members
+from titan_recover.recover.groups.protocol import decode_admission, decode_members, encode_members
 from titan_recover.recover.stores import connect
 
 if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
@@ -235,17 +236,26 @@ class ReplicaMember:
 
     def _entered_by_leader(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """A rank other than the leader: what its leader's wait after ``after`` ended with, in the group's store."""
-        key, deadline = GroupKeys.entered(after), time.monotonic() + timeout_s
+        entered = self.from_leader(GroupKeys.entered(after), timeout_s)
+        if entered is None:
+            raise TooFewReplicas(
+                f"replica {self.replica} rank {self.rank}: its group's leader (rank 0) passed on no epoch after "
+                f"{after} within {timeout_s} s (recover.agree_timeout_s): the coordinator is gone and was not "
+                "restarted, or the leader is; stopping with the last committed step"
+            )
+        return self._enter(entered.decode())
+
+    def from_leader(self, key: str, timeout_s: float, **progress) -> bytes | None:
+        """A rank other than the leader: what its leader wrote under ``key`` in the group's store, waited for in
+        :func:`wait_slices` (this rank's progress recorded between them, with ``progress``), or None once
+        ``timeout_s`` passed without it."""
+        deadline = time.monotonic() + timeout_s
         for slice_s in wait_slices():
-            self.progress()
+            self.progress(**progress)
             if wait_for_key(self.group_store, key, max(0.01, min(slice_s, deadline - time.monotonic()))):
-                return self._enter(self.group_store.get(key).decode())
+                return self.group_store.get(key)
             if time.monotonic() > deadline:
-                raise TooFewReplicas(
-                    f"replica {self.replica} rank {self.rank}: its group's leader (rank 0) passed on no epoch after "
-                    f"{after} within {timeout_s} s (recover.agree_timeout_s): the coordinator is gone and was not "
-                    "restarted, or the leader is; stopping with the last committed step"
-                )
+                return None
 
     def _enter(self, entered: str) -> tuple[int, tuple[int, ...], str]:
         """Enter the epoch a wait ended with (``entered``); raise if it is a stop or leaves this replica out."""
@@ -259,11 +269,29 @@ class ReplicaMember:
         self.admitted = True
         return epoch, members, reason
 
-    def wait_for_admission(self, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
-        """A joiner asks to be admitted (``join_request``) and blocks until an epoch includes this replica (in the
-        store, on the next epoch's members key; ``finished`` and ``stop`` are looked at between
-        :func:`wait_slices`)."""
+    def wait_for_admission(self, timeout_s: float) -> tuple[int, tuple[int, ...], str, str]:
+        """A joiner: every rank asks to be admitted (``join_request``: the coordinator admits a group once every rank
+        of its new start asked); the leader (or the one rank) blocks until an epoch includes this replica (in the
+        job's store, on the next epoch's members key; ``finished`` and ``stop`` are looked at between
+        :func:`wait_slices`) and passes what it found on in its group's store (``admitted/i{incarnation}``), where
+        the group's other ranks wait for it, so that all of them enter the same epoch. Returns (epoch, members,
+        reason, the admission that let this replica in: ``admitted/e{x}``'s value, ``step|replicas``)."""
         self.store.set(GroupKeys.join_request(self.replica, self.rank), str(self.incarnation))
+        if self.group_store is not None and not self.leader:
+            return self._admitted_by_leader(timeout_s)
+        try:
+            epoch, raw = self._wait_admitted(timeout_s)
+        except JobOver as over:
+            self._pass_on_admission(encode_entered(None, stop=str(over)), "")
+            raise
+        admission = self._admission_into(epoch)
+        if self.group_store is not None:
+            self.group_store.set(GroupKeys.members(epoch), raw)  # the ledger's first epoch (entered_members_of)
+        self._pass_on_admission(encode_entered(epoch, raw), admission)
+        return self._enter_admitted(epoch, raw, admission)
+
+    def _wait_admitted(self, timeout_s: float) -> tuple[int, bytes]:
+        """The leader's wait for the first epoch that includes this replica: (epoch, its members' stored value)."""
         deadline = time.monotonic() + timeout_s
         for slice_s in wait_slices():
             self.progress()
@@ -271,17 +299,49 @@ class ReplicaMember:
                 raise JobOver(f"replica {self.replica}: the job ended before this replica was admitted")
             epoch = self.current_epoch()
             if epoch > self.epoch:
-                members, reason = decode_members(self.store.get(GroupKeys.members(epoch)))
-                if self.replica in members:
-                    self.epoch, self.members = epoch, members
-                    self.admitted = True
-                    return epoch, members, reason
+                raw = self.store.get(GroupKeys.members(epoch))
+                if self.replica in decode_members(raw)[0]:
+                    return epoch, raw
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"replica {self.replica} rank {self.rank}: not admitted within {timeout_s} s "
                     "(recover.startup_timeout_s); are the running replicas committing steps?"
                 )
             wait_for_key(self.store, GroupKeys.members(epoch + 1), max(0.01, min(slice_s, deadline - time.monotonic())))
+
+    def _admission_into(self, epoch: int) -> str:
+        """The admission that let this replica into ``epoch`` or an epoch before it (the admitting epoch may already
+        be behind a newer one: a fault during the admission)."""
+        for admitting in range(epoch, -1, -1):
+            if self.store.check([GroupKeys.admitted(admitting)]):
+                raw = self.store.get(GroupKeys.admitted(admitting)).decode()
+                if self.replica in decode_admission(raw)[1]:
+                    return raw
+        raise RuntimeError(f"replica {self.replica} is a member of epoch {epoch} without an admission")
+
+    def _pass_on_admission(self, entered: str, admission: str) -> None:
+        if self.group_store is not None:
+            self.group_store.set(GroupKeys.admitted_to(self.incarnation),
+                                 json.dumps({"entered": entered, "admission": admission}))
+
+    def _admitted_by_leader(self, timeout_s: float) -> tuple[int, tuple[int, ...], str, str]:
+        """A rank other than the leader: what its leader's admission wait found, in the group's store."""
+        bound = timeout_s + self.config.agree_timeout_s
+        found = self.from_leader(GroupKeys.admitted_to(self.incarnation), bound)
+        if found is None:
+            raise TimeoutError(f"replica {self.replica} rank {self.rank}: its group's leader (rank 0) passed on no "
+                               f"admission within {bound} s (recover.startup_timeout_s + recover.agree_timeout_s)")
+        found = json.loads(found)
+        epoch, value, _ = decode_entered(found["entered"])
+        if epoch is None:
+            raise JobOver(value)
+        return self._enter_admitted(epoch, value, found["admission"])
+
+    def _enter_admitted(self, epoch: int, raw: bytes | str, admission: str) -> tuple[int, tuple[int, ...], str, str]:
+        members, reason = decode_members(raw)
+        self.epoch, self.members = epoch, members
+        self.admitted = True
+        return epoch, members, reason, admission
 
     def discard(self, keys: list[str]) -> None:
         """Hand keys of the group's own store that no rank of the group reads any more to the heartbeat thread,

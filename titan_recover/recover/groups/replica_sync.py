@@ -34,7 +34,6 @@ from titan_recover.recover.groups.member import (
     propose_decision,
     ReplicaMember,
     wait_for_key,
-    wait_slices,
 )
 from titan_recover.recover.groups.protocol import CommitDecision, decide_commit, ready_to_join
 
@@ -157,19 +156,16 @@ class ReplicaSync:
     def _look_of_leader(self, key: str) -> bool:
         """A rank other than the leader: its leader's answer (:meth:`_look`), waited for in the group's store."""
         member, timeout_s = self.member, self.config.agree_timeout_s
-        deadline = time.monotonic() + timeout_s
-        for slice_s in wait_slices():
-            member.progress()
-            if wait_for_key(member.group_store, key, max(0.01, min(slice_s, deadline - time.monotonic()))):
-                epoch, _, answer = member.group_store.get(key).decode().partition(" ")
-                if int(epoch) != self.epoch:  # the group's ranks took different transitions: never go on
-                    raise RuntimeError(f"replica {member.replica} rank {member.rank} is in epoch {self.epoch} "
-                                       f"and its group's leader in epoch {epoch} at the same look at the fault flag")
-                return answer == "move"
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"replica {member.replica} rank {member.rank}: its group's leader (rank 0) passed on no look at "
-                    f"the fault flag within {timeout_s} s (recover.agree_timeout_s): it is stuck or gone")
+        answer = member.from_leader(key, timeout_s)
+        if answer is None:
+            raise RuntimeError(
+                f"replica {member.replica} rank {member.rank}: its group's leader (rank 0) passed on no look at the "
+                f"fault flag within {timeout_s} s (recover.agree_timeout_s): it is stuck or gone")
+        epoch, _, answer = answer.decode().partition(" ")
+        if int(epoch) != self.epoch:  # the group's ranks took different transitions: never go on
+            raise RuntimeError(f"replica {member.replica} rank {member.rank} is in epoch {self.epoch} and its "
+                               f"group's leader in epoch {epoch} at the same look at the fault flag")
+        return answer == "move"
 
     def next_epoch(self, step: int | None) -> None:
         noticed = time.time()

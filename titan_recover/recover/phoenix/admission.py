@@ -17,8 +17,7 @@ import torch
 
 from titan_recover.recover.ftpg.base import FaultDetected
 from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag, read_dropped, read_join_requests
-from titan_recover.recover.groups.member import wait_for_key, wait_slices
-from titan_recover.recover.groups.protocol import decode_admission, encode_admission
+from titan_recover.recover.groups.protocol import decode_admission, decode_members, encode_admission, encode_members
 from titan_recover.recover.groups.replica_sync import ReplicaSync
 from titan_recover.recover.phoenix.state_transfer import ChecksumError, transfer, TrainingState
 
@@ -139,39 +138,41 @@ class Admission:
         """A rank other than the leader: wait until its leader stopped holding ``step``'s boundary."""
         sync = self.sync
         timeout_s = sync.config.rejoin_wait_s + sync.config.agree_timeout_s
-        deadline = time.monotonic() + timeout_s
-        for slice_s in wait_slices():
-            sync.member.progress(step=step, phase="rejoin_wait")
-            if wait_for_key(sync.member.group_store, GroupKeys.held(step),
-                            max(0.01, min(slice_s, deadline - time.monotonic()))):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"replica {sync.member.replica} rank {sync.member.rank}: its group's leader (rank 0) held step "
-                    f"{step}'s boundary for a restarting group longer than {timeout_s} s (recover.rejoin_wait_s + "
-                    "recover.agree_timeout_s): it is stuck or gone")
+        if sync.member.from_leader(GroupKeys.held(step), timeout_s, step=step, phase="rejoin_wait") is None:
+            raise RuntimeError(
+                f"replica {sync.member.replica} rank {sync.member.rank}: its group's leader (rank 0) held step "
+                f"{step}'s boundary for a restarting group longer than {timeout_s} s (recover.rejoin_wait_s + "
+                "recover.agree_timeout_s): it is stuck or gone")
 
     def _wait_until_admitted(self) -> tuple[int, tuple[int, ...]]:
         sync = self.sync
         started = time.time()
-        sync.member.wait_for_admission(sync.config.startup_timeout_s)
+        _, _, _, admission = sync.member.wait_for_admission(sync.config.startup_timeout_s)
         sync.build_group()
-        # the admitting epoch may already be behind a newer one (a fault during the admission): look back
-        for epoch in range(sync.epoch, -1, -1):
-            if sync.member.store.check([GroupKeys.admitted(epoch)]):
-                step, admitting = decode_admission(sync.member.store.get(GroupKeys.admitted(epoch)))
-                if sync.member.replica in admitting:
-                    sync.events.emit("admitted", epoch=sync.epoch, members=list(sync.members), after_step=step,
-                                     waited_s=time.time() - started)
-                    return step, admitting
-        raise RuntimeError(f"replica {sync.member.replica} is a member of epoch {sync.epoch} without an admission")
+        step, admitting = decode_admission(admission)
+        sync.events.emit("admitted", epoch=sync.epoch, members=list(sync.members), after_step=step,
+                         waited_s=time.time() - started)
+        return step, admitting
 
     def _admitted_since(self, epoch: int) -> tuple[int, ...]:
+        """Replicas admitted by the epochs after ``epoch`` up to this rank's: the leader (or the one rank) reads
+        them in the job's store and passes them on in its group's store (``admitting/e{epoch}``), where the
+        group's other ranks read them."""
         sync = self.sync
+        member, local, key = sync.member, sync.member.group_store, GroupKeys.admitting(epoch)
+        if local is not None and not member.leader:
+            found = member.from_leader(key, sync.config.agree_timeout_s)
+            if found is None:
+                raise RuntimeError(f"replica {member.replica} rank {member.rank}: its group's leader (rank 0) passed "
+                                   f"on no admission after epoch {epoch} within {sync.config.agree_timeout_s} s "
+                                   "(recover.agree_timeout_s): it is stuck or gone")
+            return decode_members(found)[0]
         admitting: set[int] = set()
         for e in range(epoch + 1, sync.epoch + 1):
-            if sync.member.store.check([GroupKeys.admitted(e)]):
-                admitting |= set(decode_admission(sync.member.store.get(GroupKeys.admitted(e)))[1])
+            if member.store.check([GroupKeys.admitted(e)]):
+                admitting |= set(decode_admission(member.store.get(GroupKeys.admitted(e)))[1])
+        if local is not None:
+            local.set(key, encode_members(sorted(admitting), ""))
         return tuple(sorted(admitting))
 
     def _transfer(self, state: TrainingState, donor: int, joiners: tuple[int, ...], step: int) -> None:
