@@ -549,6 +549,8 @@ def test_the_leader_relays_its_groups_beats_flag_and_join_so_other_ranks_never_a
         raise_fault_flag(job, 0, "a peer died")
         _until(lambda: ranks[1].fault_seen(0), "the flag reaches rank 1")
         assert group.check([GroupKeys.fault(0)])
+        _until(lambda: ranks[1].fault_flag(0) is not None, "the flag's value follows the join")
+        assert ranks[1].fault_flag(0) == job.get(GroupKeys.fault(0))  # when and why, read in the group's store
         _until(lambda: job.add(GroupKeys.joined_count(1), 0) == 1, "the group is counted in")
         ranks_in, writer = job.get(GroupKeys.join(1, 0)).decode().split("|")
         assert ranks_in == "0,1" and group.add(GroupKeys.joined_ranks(1), 0) == 2

@@ -184,9 +184,11 @@ class ReplicaMember:
 
     def fault_flag(self, epoch: int) -> bytes | None:
         """The value of ``epoch``'s fault flag (``time|reason``) if raised, else None: the leader (or the one rank)
-        reads the job's store, another rank its leader's mirror in the group's store."""
+        reads the job's store, another rank its leader's mirror in the group's store (None until the mirror holds
+        the value)."""
         store = self.group_store if self.group_store is not None and not self.leader else self.store
-        return store.get(GroupKeys.fault(epoch)) if store.check([GroupKeys.fault(epoch)]) else None
+        flag = store.get(GroupKeys.fault(epoch)) if store.check([GroupKeys.fault(epoch)]) else None
+        return flag if flag is not None and b"|" in flag else None  # a mirror without its value yet: not known
 
     def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """Block until an epoch newer than ``after`` is published; returns (epoch, members, reason). The leader (or
@@ -389,8 +391,15 @@ class ReplicaMember:
             return self._hb_group_store.check([GroupKeys.fault(epoch)])
         raised = self._hb_store.check([GroupKeys.fault(epoch)])
         if raised and self._hb_group_store is not None:
-            self._hb_group_store.set(GroupKeys.fault(epoch), self._hb_store.get(GroupKeys.fault(epoch)))
+            self._hb_group_store.set(GroupKeys.fault(epoch), "1")  # its value follows the join (_mirror_reason)
         return raised
+
+    def _mirror_reason(self, epoch: int) -> None:
+        """The leader, after its join: the flag's value (``time|reason``) into the group's store, where the other
+        ranks read when and why it was raised (:meth:`fault_flag`). Not before the join: one more request to the job's
+        store would delay every rank's join."""
+        if self.leader and self._hb_group_store is not None:
+            self._hb_group_store.set(GroupKeys.fault(epoch), self._hb_store.get(GroupKeys.fault(epoch)))
 
     def _abort_barrier(self, epoch: int, step: int | str) -> None:
         """The flag of ``epoch`` came while the main thread waits in that epoch's commit barrier of ``step``:
@@ -462,6 +471,7 @@ class ReplicaMember:
             barrier = self.waiting_on
             if barrier is not None and barrier[0] <= watch.watching:
                 self._abort_barrier(*barrier)
+            self._mirror_reason(watch.watching)
 
     def _join(self, epoch: int) -> None:
         """Join ``epoch`` in the group's store (``rank_join`` and a count); the rank that brings the count to the
