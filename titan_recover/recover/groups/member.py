@@ -223,17 +223,18 @@ class ReplicaMember:
 
     def _pass_on_entered(self, after: int, epoch: int, entered: str) -> str:
         """The leader: tell its group's other ranks what the wait after ``after`` ended with, under every epoch
-        from ``after`` to ``epoch - 1`` (a rank of the group may wait after any of those it is still in), after
-        the members of every epoch it went past and of the one it entered (a rank's ledger reads each of them:
-        :meth:`entered_members_of`)."""
-        if self.group_store is not None:
-            entered_epoch, members, _ = decode_entered(entered)
-            if entered_epoch is not None and self.replica in decode_members(members)[0]:  # else nobody reads them
-                for passed in range(after + 1, epoch):
-                    self.group_store.set(GroupKeys.members(passed), self.store.get(GroupKeys.members(passed)))
-                self.group_store.set(GroupKeys.members(epoch), members)
-            for skipped in range(after, epoch):
-                self.group_store.set(GroupKeys.entered(skipped), entered)
+        from ``after`` to ``epoch - 1`` (a rank of the group may wait after any of those it is still in); then
+        the members of the epoch it entered and of every epoch it went past (a rank's ledger reads each of them:
+        :meth:`entered_members_of`, whose read waits for the key)."""
+        if self.group_store is None:
+            return entered
+        for skipped in range(after, epoch):
+            self.group_store.set(GroupKeys.entered(skipped), entered)
+        entered_epoch, members, _ = decode_entered(entered)
+        if entered_epoch is not None and self.replica in decode_members(members)[0]:  # else nobody reads them
+            self.group_store.set(GroupKeys.members(epoch), members)
+            for passed in range(after + 1, epoch):
+                self.group_store.set(GroupKeys.members(passed), self.store.get(GroupKeys.members(passed)))
         return entered
 
     def _entered_by_leader(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
