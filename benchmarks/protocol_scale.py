@@ -45,7 +45,7 @@ store for 5 s, about once per 25 connections. The benchmark's processes therefor
 queries for 100 connections instead of about 4 per connection). ``--connect-rate`` paces the connections instead.
 
     python benchmarks/protocol_scale.py [--sizes 8,64,512,1024] [--ranks-per-replica 8] [--workers 4]
-        [--repeats 7] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
+        [--repeats 7] [--no-look] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
 
 Last line, for the largest size measured: ``members=... epoch_s=... epoch_requests=... barrier_ms=...
 step_requests=... requests_per_s=... coordinator_cpu=...`` (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
@@ -389,13 +389,14 @@ class _Host:
             return time.time(), epoch, list(members)
         return _in_threads(self.syncs, work, timeout_s + 5)
 
-    def barrier(self, step: int, at: float, timeout_s: float) -> list:
+    def barrier(self, step: int, at: float, timeout_s: float, look: bool = True) -> list:
         """Every member looks at its epoch's fault flag (``catch_up``, as a step does before its reduction), then
         enters ``commit_barrier(step)`` at ``at``: (entered, decided, decision) each, or ``("left out", replica)``
-        for a member whose replica the coordinator left out meanwhile."""
+        for a member whose replica the coordinator left out meanwhile. ``look`` False: the barrier alone."""
         def work(sync):
             try:
-                sync.catch_up(step)
+                if look:
+                    sync.catch_up(step)
             except Exception:
                 if sync.member.replica in self.dropped:
                     return "left out", sync.member.replica
@@ -591,11 +592,11 @@ class Outcome(Exception):
     size's outcome, with what was measured before it."""
 
 
-def measure_barrier(workers: Workers, step: int, members: int, timeout_s: float) -> dict:
+def measure_barrier(workers: Workers, step: int, members: int, timeout_s: float, look: bool = True) -> dict:
     counted = sum(workers.ask("count_main", wait_s=30))
     at = time.time() + LEAD_S + LOOK_LEAD_S
-    results = [r for answer in workers.ask("barrier", timeout_s + 10, step=step, at=at, timeout_s=timeout_s)
-               for r in answer]
+    results = [r for answer in workers.ask("barrier", timeout_s + 10, step=step, at=at, timeout_s=timeout_s,
+                                           look=look) for r in answer]
     requests = sum(workers.ask("count_main", wait_s=30)) - counted
     left_out = sorted({r[1] for r in results if isinstance(r, tuple) and r[0] == "left out"})
     if left_out:
@@ -687,7 +688,7 @@ def run_size(size: int, args, workers: Workers) -> dict:
             steps, kills = [], []
             try:
                 for step in range(1, args.repeats + 1):
-                    steps.append(measure_barrier(workers, step, size, args.wait_timeout))
+                    steps.append(measure_barrier(workers, step, size, args.wait_timeout, look=not args.no_look))
                 current = tuple(range(groups))
                 while len(kills) < args.kills and len(current) >= 2 and not (kills and kills[-1]["stopped"]):
                     kills.append(measure_epoch(workers, len(kills), current, events, args.wait_timeout))
@@ -840,6 +841,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-replica", type=int, default=8)
     parser.add_argument("--workers", type=int, default=4, help="processes the members are spread over")
     parser.add_argument("--repeats", type=int, default=7, help="commit barrier steps per size")
+    parser.add_argument("--no-look", action="store_true",
+                        help="barrier steps without the members' looks at the fault flag before them")
     parser.add_argument("--kills", type=int, default=3, help="replica groups killed one after another per size")
     parser.add_argument("--window", type=float, default=5.0, help="steady-state window (s) for requests and CPU")
     parser.add_argument("--settle", type=float, default=1.0, help="wait (s) after epoch 0 before the window")
