@@ -395,8 +395,10 @@ class _Host:
         for a member whose replica the coordinator left out meanwhile. ``look`` False: the barrier alone."""
         def work(sync):
             try:
-                if look:
-                    sync.catch_up(step)
+                # the group's look (older code: each rank's catch_up, which moves on by itself); a flag moves a
+                # step to the next epoch, which these members (no process groups) do not take: an outcome
+                if look and (sync.look() if hasattr(sync, "look") else sync.catch_up(step)):
+                    return "flagged", sync.member.replica
             except Exception:
                 if sync.member.replica in self.dropped:
                     return "left out", sync.member.replica
@@ -601,6 +603,8 @@ def measure_barrier(workers: Workers, step: int, members: int, timeout_s: float,
     left_out = sorted({r[1] for r in results if isinstance(r, tuple) and r[0] == "left out"})
     if left_out:
         raise Outcome(f"step {step}: live replica group(s) {left_out} left out of a new epoch during the barrier")
+    if any(isinstance(r, tuple) and r[0] == "flagged" for r in results):
+        raise Outcome(f"step {step}: the members' look found the epoch's fault flag raised before the barrier")
     _failures(results, f"the commit barrier of step {step}")
     decisions = {r[2] for r in results}
     if len(results) != members:

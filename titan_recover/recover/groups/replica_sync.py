@@ -135,12 +135,12 @@ class ReplicaSync:
         """Before a collective: if a fault was flagged in this rank's epoch (elsewhere), move to the coordinator's
         next epoch. The coordinator leaves an epoch only after its flag, or to admit joiners, which every member
         enters by itself at the same step boundary (:class:`~titan_recover.recover.phoenix.admission.Admission`).
-        The group looks as one (:meth:`_look`), so that its ranks take the same transitions between their
+        The group looks as one (:meth:`look`), so that its ranks take the same transitions between their
         collectives inside the replica."""
-        if self._look():
+        if self.look():
             self.next_epoch(step)
 
-    def _look(self) -> bool:
+    def look(self) -> bool:
         """Whether this rank's epoch is flagged, the same answer on every rank of its group: the leader (or the one
         rank) looks, at what its heartbeat thread saw, else with one request to the job's store, and passes its
         answer on in the group's store (``look/{n}``); the group's other ranks take it from there."""
@@ -154,7 +154,7 @@ class ReplicaSync:
         return flagged
 
     def _look_of_leader(self, key: str) -> bool:
-        """A rank other than the leader: its leader's answer (:meth:`_look`), waited for in the group's store."""
+        """A rank other than the leader: its leader's answer (:meth:`look`), waited for in the group's store."""
         member, timeout_s = self.member, self.config.agree_timeout_s
         answer = member.from_leader(key, timeout_s)
         if answer is None:
