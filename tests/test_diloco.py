@@ -509,9 +509,8 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
 
     # nobody waited: every merge closed within its grace window (never beyond max_window_s), and rounds closed
     # without the slow learner and without the dead one
-    slack = 0.5  # the syncer's poll interval and scheduling on 2 busy cores
-    for e in merges:
-        assert e["window_s"] <= min(e["window_deadline_s"], max_window_s) + slack, e
+    for e in merges:  # a window that ended between two passes of the syncer's loop closes at the second one
+        assert e["window_s"] <= min(e["window_deadline_s"], max_window_s) + e["tick_gap_s"] + 0.01, e
         expected = token_weights({int(i): n for i, n in e["tokens"].items()})
         assert e["weights"] == {str(i): w for i, w in expected.items()}, e  # token-weighted, as logged
         assert abs(sum(e["weights"].values()) - 1) < 1e-12

@@ -80,6 +80,10 @@ class Syncer:
         self.end_reason = ""
         self.val_loss: float | None = None
         self._liveness_at = 0.0
+        self._ticked_at: float | None = None
+        self._tick_gap_s = 0.0
+        """Time from the loop's previous pass to this one: a round whose window ended between them closes in
+        this pass, late by at most this much (logged with each merge)."""
         self._beaten = 0.0
         self._someone_alive_at = time.monotonic()
         """When a learner was last alive (or this syncer started): none for ``startup_timeout_s`` ends the job."""
@@ -195,6 +199,7 @@ class Syncer:
         record = merge_record(closed, fragment=fragment, version=version, generation=self.generation,
                               alive=self.alive, quorum=quorum, min_quorum=self.options.min_quorum, now=now,
                               final=final)
+        record["tick_gap_s"] = self._tick_gap_s
         self.events.emit("fragment_merged", **record)
         self.metrics.log(now, self.progress, len(self.alive), merge=record)
         self._inject_faults()
@@ -233,6 +238,8 @@ class Syncer:
 
     def _tick(self, now: float) -> int:
         """One pass of the loop: liveness, deltas, merges, and the checkpoint and evaluation when due."""
+        self._tick_gap_s = now - self._ticked_at if self._ticked_at is not None else 0.0
+        self._ticked_at = now
         self.beat()
         if now - self._liveness_at > LIVENESS_EVERY_S:
             self._judge_liveness()
