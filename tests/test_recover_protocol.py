@@ -754,13 +754,19 @@ def test_a_group_looks_at_the_flag_as_one_and_its_other_ranks_never_ask_the_job_
     assert other.member.store.calls == []
 
 
-def test_a_rank_whose_leader_is_in_another_epoch_at_a_look_stops_with_a_sentence():
+def test_a_rank_whose_leader_is_in_another_epoch_at_a_look_or_passes_nothing_on_stops_with_a_sentence():
     from titan_recover.recover.groups.keys import GroupKeys
 
     syncs, _, groups = _two_groups_of_two()
     groups[0].set(GroupKeys.look(1), "3 stay")
     with pytest.raises(RuntimeError, match="replica 0 rank 1 is in epoch 0 and its group's leader in epoch 3"):
         syncs[(0, 1)].catch_up(step=1)
+    # a leader that passes nothing on: the wait ends by its bound with a sentence naming what and which setting
+    from titan_recover.recover.groups.member import TooFewReplicas
+    with pytest.raises(TooFewReplicas, match=r"replica 1 rank 1: its group's leader \(rank 0\) passed on no look at "
+                                             r"the fault flag within 0.05 s \(recover.agree_timeout_s\): it is gone"):
+        syncs[(1, 1)].member.from_leader(GroupKeys.look(1), 0.05, waiting_for="look at the fault flag",
+                                         bound="recover.agree_timeout_s", error=TooFewReplicas, then="it is gone")
 
 
 def test_a_groups_store_keeps_only_the_last_barriers_keys_whatever_the_steps():

@@ -239,26 +239,26 @@ class ReplicaMember:
 
     def _entered_by_leader(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:
         """A rank other than the leader: what its leader's wait after ``after`` ended with, in the group's store."""
-        entered = self.from_leader(GroupKeys.entered(after), timeout_s)
-        if entered is None:
-            raise TooFewReplicas(
-                f"replica {self.replica} rank {self.rank}: its group's leader (rank 0) passed on no epoch after "
-                f"{after} within {timeout_s} s (recover.agree_timeout_s): the coordinator is gone and was not "
-                "restarted, or the leader is; stopping with the last committed step"
-            )
+        entered = self.from_leader(GroupKeys.entered(after), timeout_s, waiting_for=f"epoch after {after}",
+                                   bound="recover.agree_timeout_s", error=TooFewReplicas,
+                                   then="the coordinator is gone and was not restarted, or the leader is; stopping "
+                                        "with the last committed step")
         return self._enter(entered.decode())
 
-    def from_leader(self, key: str, timeout_s: float, **progress) -> bytes | None:
+    def from_leader(self, key: str, timeout_s: float, *, waiting_for: str, bound: str,
+                    error: type[Exception] = RuntimeError, then: str = "it is stuck or gone", **progress) -> bytes:
         """A rank other than the leader: what its leader wrote under ``key`` in the group's store, waited for in
-        :func:`wait_slices` (this rank's progress recorded between them, with ``progress``), or None once
-        ``timeout_s`` passed without it."""
+        :func:`wait_slices` (this rank's progress recorded between them, with ``progress``). Once ``timeout_s``
+        passed without it, raises ``error`` with a sentence naming ``waiting_for``, the ``bound`` (the setting it
+        follows) and ``then``."""
         deadline = time.monotonic() + timeout_s
         for slice_s in wait_slices():
             self.progress(**progress)
             if wait_for_key(self.group_store, key, max(0.01, min(slice_s, deadline - time.monotonic()))):
                 return self.group_store.get(key)
             if time.monotonic() > deadline:
-                return None
+                raise error(f"replica {self.replica} rank {self.rank}: its group's leader (rank 0) passed on no "
+                            f"{waiting_for} within {timeout_s} s ({bound}): {then}")
 
     def _enter(self, entered: str) -> tuple[int, tuple[int, ...], str]:
         """Enter the epoch a wait ended with (``entered``); raise if it is a stop or leaves this replica out."""
@@ -329,12 +329,10 @@ class ReplicaMember:
 
     def _admitted_by_leader(self, timeout_s: float) -> tuple[int, tuple[int, ...], str, str]:
         """A rank other than the leader: what its leader's admission wait found, in the group's store."""
-        bound = timeout_s + self.config.agree_timeout_s
-        found = self.from_leader(GroupKeys.admitted_to(self.incarnation), bound)
-        if found is None:
-            raise TimeoutError(f"replica {self.replica} rank {self.rank}: its group's leader (rank 0) passed on no "
-                               f"admission within {bound} s (recover.startup_timeout_s + recover.agree_timeout_s)")
-        found = json.loads(found)
+        found = json.loads(self.from_leader(GroupKeys.admitted_to(self.incarnation),
+                                            timeout_s + self.config.agree_timeout_s, waiting_for="admission",
+                                            bound="recover.startup_timeout_s + recover.agree_timeout_s",
+                                            error=TimeoutError))
         epoch, value, _ = decode_entered(found["entered"])
         if epoch is None:
             raise JobOver(value)

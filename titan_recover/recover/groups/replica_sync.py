@@ -155,12 +155,9 @@ class ReplicaSync:
 
     def _look_of_leader(self, key: str) -> bool:
         """A rank other than the leader: its leader's answer (:meth:`look`), waited for in the group's store."""
-        member, timeout_s = self.member, self.config.agree_timeout_s
-        answer = member.from_leader(key, timeout_s)
-        if answer is None:
-            raise RuntimeError(
-                f"replica {member.replica} rank {member.rank}: its group's leader (rank 0) passed on no look at the "
-                f"fault flag within {timeout_s} s (recover.agree_timeout_s): it is stuck or gone")
+        member = self.member
+        answer = member.from_leader(key, self.config.agree_timeout_s, waiting_for="look at the fault flag",
+                                    bound="recover.agree_timeout_s")
         epoch, _, answer = answer.decode().partition(" ")
         if int(epoch) != self.epoch:  # the group's ranks took different transitions: never go on
             raise RuntimeError(f"replica {member.replica} rank {member.rank} is in epoch {self.epoch} and its "

@@ -137,12 +137,10 @@ class Admission:
     def _held_by_leader(self, step: int) -> None:
         """A rank other than the leader: wait until its leader stopped holding ``step``'s boundary."""
         sync = self.sync
-        timeout_s = sync.config.rejoin_wait_s + sync.config.agree_timeout_s
-        if sync.member.from_leader(GroupKeys.held(step), timeout_s, step=step, phase="rejoin_wait") is None:
-            raise RuntimeError(
-                f"replica {sync.member.replica} rank {sync.member.rank}: its group's leader (rank 0) held step "
-                f"{step}'s boundary for a restarting group longer than {timeout_s} s (recover.rejoin_wait_s + "
-                "recover.agree_timeout_s): it is stuck or gone")
+        sync.member.from_leader(GroupKeys.held(step), sync.config.rejoin_wait_s + sync.config.agree_timeout_s,
+                                waiting_for=f"end of its hold before step {step} for a restarting group",
+                                bound="recover.rejoin_wait_s + recover.agree_timeout_s", step=step,
+                                phase="rejoin_wait")
 
     def _wait_until_admitted(self) -> tuple[int, tuple[int, ...]]:
         sync = self.sync
@@ -161,12 +159,9 @@ class Admission:
         sync = self.sync
         member, local, key = sync.member, sync.member.group_store, GroupKeys.admitting(epoch)
         if local is not None and not member.leader:
-            found = member.from_leader(key, sync.config.agree_timeout_s)
-            if found is None:
-                raise RuntimeError(f"replica {member.replica} rank {member.rank}: its group's leader (rank 0) passed "
-                                   f"on no admission after epoch {epoch} within {sync.config.agree_timeout_s} s "
-                                   "(recover.agree_timeout_s): it is stuck or gone")
-            return decode_members(found)[0]
+            return decode_members(member.from_leader(key, sync.config.agree_timeout_s,
+                                                      waiting_for=f"admission after epoch {epoch}",
+                                                      bound="recover.agree_timeout_s"))[0]
         admitting: set[int] = set()
         for e in range(epoch + 1, sync.epoch + 1):
             if member.store.check([GroupKeys.admitted(e)]):
