@@ -23,10 +23,17 @@ through which the group's leader rank relays their beats. Measured:
   latency runs from the last member's entry to the last member holding the decision. Median and p90 over
   ``--repeats`` steps. ``step_requests``: the requests the members' main threads made to the job's store in a step
   (the look and the barrier; median over the steps);
+- ``wake``: after each barrier step, the floor under it on the same host at the same time: the parent writes one
+  key to the job's store at an agreed time; each group's leader waits for it there and passes it on in its group's
+  store, where the other ranks wait for it, as a barrier's decision travels, without the counting in before it.
+  From the write to the last member holding the key; median over the steps. A barrier wakes every member twice
+  (the leaders when their groups are in, then everyone at the decision);
 - ``epoch``: one replica group is killed (its heartbeat threads stopped and every store request of its members
   refused: what a SIGKILL leaves), then a survivor raises the fault flag as a failed collective does
   (``raise_fault_flag``) and every survivor calls ``wait_for_epoch``: the time from the flag to the last survivor
-  having entered the new epoch. Median over ``--kills`` kills, each of another group. The coordinator's own
+  having entered the new epoch. Median over ``--kills`` kills, each of another group. Each kill's line also says
+  when the coordinator noticed the flag and published the epoch, and when the first survivor, the last group
+  leader (which reads the epoch in the job's store) and the last survivor were in. The coordinator's own
   detection of a silent member (``heartbeat_timeout_s``) is not measured here. ``epoch_requests``: the members'
   requests to the job's store over the same phase (from the command to the last survivor in, the beats of those
   seconds included; median over the kills): what an epoch change costs the job's store.
@@ -48,7 +55,7 @@ queries for 100 connections instead of about 4 per connection). ``--connect-rate
         [--repeats 7] [--no-look] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
 
 Last line, for the largest size measured: ``members=... epoch_s=... epoch_requests=... barrier_ms=...
-step_requests=... requests_per_s=... coordinator_cpu=...`` (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
+step_requests=... requests_per_s=... coordinator_cpu=... wake_ms=...`` (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
 a kill < 1 s, commit barrier < 50 ms.
 """
 
@@ -146,21 +153,23 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 
 TABLE_HEADER = (f"{'size':>5} {'members':>7} {'groups':>6}  {'hosting':<17} {'requests/s':>10} {'coord CPU %':>11} "
-                f"{'barrier med ms':>14} {'p90 ms':>8} {'epoch_s':>8}  note")
+                f"{'barrier med ms':>14} {'p90 ms':>8} {'wake ms':>8} {'epoch_s':>8}  note")
 
 
 def table_row(result: dict) -> str:
     return (f"{result['size']:>5} {result['members']:>7} {result['groups']:>6}  {result['hosting']:<17} "
             f"{_fmt(result.get('requests_per_s'), '.0f'):>10} {_fmt(result.get('coordinator_cpu'), '.1f'):>11} "
             f"{_fmt(result.get('barrier_median_ms'), '.1f'):>14} {_fmt(result.get('barrier_p90_ms'), '.1f'):>8} "
-            f"{_fmt(result.get('epoch_s'), '.3f'):>8}  {result.get('note', '')}").rstrip()
+            f"{_fmt(result.get('wake_median_ms'), '.1f'):>8} {_fmt(result.get('epoch_s'), '.3f'):>8}  "
+            f"{result.get('note', '')}").rstrip()
 
 
 def headline(result: dict) -> str:
     """The last line: the largest size measured."""
     values = {"epoch_s": ("epoch_s", ".3f"), "epoch_requests": ("epoch_requests", ".0f"),
               "barrier_ms": ("barrier_median_ms", ".1f"), "step_requests": ("step_requests", ".0f"),
-              "requests_per_s": ("requests_per_s", ".0f"), "coordinator_cpu": ("coordinator_cpu", ".1f")}
+              "requests_per_s": ("requests_per_s", ".0f"), "coordinator_cpu": ("coordinator_cpu", ".1f"),
+              "wake_ms": ("wake_median_ms", ".1f")}
     return " ".join([f"members={result['members']}"] + [f"{name}={_fmt(result.get(key), spec, 'nan')}"
                                                          for name, (key, spec) in values.items()])
 
@@ -414,6 +423,25 @@ class _Host:
             return entered, time.time(), decision
         return _in_threads(self.syncs, work, timeout_s)
 
+    def wake(self, key: str, timeout_s: float) -> list:
+        """The path of a barrier's decision without the barrier (the floor under its latency on this host): each
+        group's leader waits for ``key`` in the job's store, where the parent writes it once, and passes it on in
+        its group's store, where the group's other ranks wait for it. Each returns (when it began waiting, when it
+        held the key)."""
+        from titan_recover.recover.groups.member import wait_for_key
+
+        def work(sync):
+            member = sync.member
+            follows = member.group_store is not None and not member.leader
+            began = time.time()
+            if not wait_for_key(member.group_store if follows else member.store, key, timeout_s):
+                raise TimeoutError(f"{key} not seen within {timeout_s} s")
+            if member.group_store is not None and not follows:
+                member.group_store.set(key, "1")
+            return began, time.time()
+        live = [s for s in self.syncs if s.member.replica not in self.killed | self.dropped]
+        return _in_threads(live, work, timeout_s + 5)
+
     def kill(self, replica: int) -> int:
         """What a SIGKILL of the replica's processes leaves: no more heartbeats, no store request of theirs."""
         victims = [s for s in self.syncs if s.member.replica == replica]
@@ -429,7 +457,7 @@ class _Host:
 
     def epoch(self, after: int, at: float, raiser: tuple[int, int], reason: str, timeout_s: float) -> list:
         """Every live member waits for the epoch after ``after``; ``raiser`` raises the fault flag first. Each
-        returns (time it entered, epoch, members), or ``("left out", replica)``,
+        returns (time it entered, epoch, members, its rank), or ``("left out", replica)``,
         or ``("stopped", replica)`` (the new epoch had too few replicas: the job stops)."""
         from titan_recover.recover.groups.keys import raise_fault_flag
         from titan_recover.recover.groups.member import Excluded, TooFewReplicas
@@ -446,7 +474,7 @@ class _Host:
                 if isinstance(error, Excluded) or sync.member.replica in self.dropped:
                     return "left out", sync.member.replica
                 raise
-            return time.time(), entered_epoch, list(members)
+            return time.time(), entered_epoch, list(members), sync.member.rank
         live = [s for s in self.syncs if s.member.replica not in self.killed | self.dropped]
         return _in_threads(live, work, timeout_s + 5)
 
@@ -616,6 +644,30 @@ def measure_barrier(workers: Workers, step: int, members: int, timeout_s: float,
             "entry_spread_ms": 1000 * (last_entry - min(r[0] for r in results)), "requests": requests}
 
 
+def measure_wake(workers: Workers, store: TCPStore, n: int, members: int, timeout_s: float) -> dict:
+    """One write to the job's store at an agreed time, waited for by every member as a barrier's decision is
+    (:meth:`_Host.wake`): from the write to the last member holding it. A member that began waiting after the
+    write (a thread that started late) is counted apart and left out of the latency, as the barrier's latency
+    runs from its last entry."""
+    key, at, written = f"protocol_scale/wake/{n}", time.time() + LEAD_S + LOOK_LEAD_S, []
+
+    def write():
+        _sleep_until(at)
+        written.append(time.time())
+        store.set(key, "1")
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    results = [r for answer in workers.ask("wake", timeout_s + 10, key=key, timeout_s=timeout_s) for r in answer]
+    writer.join(timeout_s)
+    _failures(results, f"the wake {n}")
+    if len(results) != members or not written:
+        raise RuntimeError(f"wake {n}: {len(results)} of {members} members held the key")
+    on_time = [woke for began, woke in results if began <= written[0]]
+    return {"wake_ms": 1000 * (max(on_time) - written[0]) if on_time else math.nan,
+            "late_waiters": len(results) - len(on_time)}
+
+
 def measure_epoch(workers: Workers, epoch: int, members: tuple[int, ...], events_path: str, timeout_s: float) -> dict:
     """Kill the highest member replica, raise the flag from the lowest one's rank 0, time the next epoch."""
     from titan_recover.recover.events import read_events
@@ -638,7 +690,8 @@ def measure_epoch(workers: Workers, epoch: int, members: tuple[int, ...], events
         raise RuntimeError(f"after killing replica {victim}: no epoch {epoch + 1} formed; members: {results[:3]}")
     flagged = event["fault_raised_at"]  # the raiser's own stamp, in the flag
     new_members = tuple(event["members"])
-    record = {"victim": victim, "killed_members": killed, "members": new_members, "epoch_s": None,
+    record = {"victim": victim, "killed_members": killed, "members": new_members, "epoch_s": None, "first_in_s": None,
+              "last_leader_in_s": None,
               "dropped_live": sorted(set(survivors) - set(new_members)),
               "stopped": any(r[0] == "stopped" for r in ended),
               "noticed_s": event["coordinator_noticed_at"] - flagged, "published_s": event["time"] - flagged,
@@ -649,6 +702,8 @@ def measure_epoch(workers: Workers, epoch: int, members: tuple[int, ...], events
             raise RuntimeError(f"after killing replica {victim}: survivors entered {sorted(formed)}, the coordinator "
                                f"formed epoch {epoch + 1} of {new_members}")
         record["epoch_s"] = max(r[0] for r in entered) - flagged
+        record["first_in_s"] = min(r[0] for r in entered) - flagged
+        record["last_leader_in_s"] = max(r[0] for r in entered if r[3] == 0) - flagged
     return record
 
 
@@ -689,10 +744,11 @@ def run_size(size: int, args, workers: Workers) -> dict:
             result["setup_s"] = time.monotonic() - started
             time.sleep(args.settle)
             result.update(measure_load(workers, control.coordinator.pid, args.window))
-            steps, kills = [], []
+            steps, wakes, kills = [], [], []
             try:
-                for step in range(1, args.repeats + 1):
+                for step in range(1, args.repeats + 1):  # a barrier step, then its floor on the same host
                     steps.append(measure_barrier(workers, step, size, args.wait_timeout, look=not args.no_look))
+                    wakes.append(measure_wake(workers, control.store, step, size, args.wait_timeout))
                 current = tuple(range(groups))
                 while len(kills) < args.kills and len(current) >= 2 and not (kills and kills[-1]["stopped"]):
                     kills.append(measure_epoch(workers, len(kills), current, events, args.wait_timeout))
@@ -700,7 +756,7 @@ def run_size(size: int, args, workers: Workers) -> dict:
             except Outcome as outcome:
                 result["note"] = str(outcome)
             finally:
-                summarise(result, steps, kills, groups)
+                summarise(result, steps, kills, groups, wakes)
                 result["member_warnings"], late = {}, []
                 for answer in workers.ask("member_warnings", wait_s=30):
                     for kind, n in answer["counts"].items():
@@ -728,8 +784,13 @@ def run_size(size: int, args, workers: Workers) -> dict:
         return result
 
 
-def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int) -> None:
-    """The size's figures from the barrier steps and kills measured (all of them, or those before an outcome)."""
+def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int, wakes: list[dict] = ()) -> None:
+    """The size's figures from the barrier steps, wakes and kills measured (all of them, or those before an
+    outcome)."""
+    if wakes:
+        result.update(wake_ms=[w["wake_ms"] for w in wakes],
+                      wake_median_ms=statistics.median(w["wake_ms"] for w in wakes),
+                      wake_late_waiters=sum(w["late_waiters"] for w in wakes))
     if steps:
         latencies = [s["latency_ms"] for s in steps]
         result.update(barrier_ms=latencies, barrier_median_ms=statistics.median(latencies),
@@ -744,6 +805,7 @@ def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int) -
     timed = [k["epoch_s"] for k in kills if k["epoch_s"] is not None]
     if timed:
         result["epoch_s"] = statistics.median(timed)
+        result["published_s"] = statistics.median(k["published_s"] for k in kills if k["epoch_s"] is not None)
     result["epoch_requests"] = statistics.median(k["requests"] for k in kills)
     dropped = sum(len(k["dropped_live"]) for k in kills)
     if dropped:
@@ -776,9 +838,14 @@ def describe(result: dict) -> str:
         line += (f"; barrier ms {', '.join(f'{x:.1f}' for x in result['barrier_ms'])} (entries spread "
                  f"{result['barrier_entry_spread_ms']:.0f} ms; the members' main threads made "
                  f"{result['step_requests']:.0f} requests to the job's store per step, median)")
+    if "wake_ms" in result:
+        late = result["wake_late_waiters"]
+        line += (f"; wake ms {', '.join(_fmt(x, '.1f') for x in result['wake_ms'])}"
+                 + (f" ({late} member waits began after the write, left out)" if late else ""))
     for k in result.get("kills", []):
         line += (f"; kill of group {k['victim']}: coordinator noticed the flag +{k['noticed_s']:.3f} s, published "
-                 f"+{k['published_s']:.3f} s, last survivor in +{_fmt(k['epoch_s'], '.3f')} s, "
+                 f"+{k['published_s']:.3f} s, first survivor in +{_fmt(k.get('first_in_s'), '.3f')} s, last "
+                 f"leader +{_fmt(k.get('last_leader_in_s'), '.3f')} s, last survivor +{_fmt(k['epoch_s'], '.3f')} s, "
                  f"{k['requests']} requests to the job's store from the phase's start to the last survivor in "
                  f"({k['requests_window_s']:.2f} s, beats included)")
         if k["dropped_live"]:
@@ -805,6 +872,8 @@ def plot(results: list[dict], path: str, join_window_s: float, title: str) -> No
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     epoch = [r for r in results if r.get("epoch_s") is not None]
     left.plot([r["members"] for r in epoch], [r["epoch_s"] for r in epoch], "o-", label="flag -> last survivor in")
+    left.plot([r["members"] for r in epoch], [r["published_s"] for r in epoch], "^:", color="black",
+              label="flag -> coordinator published")
     dropped = [r for r in epoch if any(k["dropped_live"] for k in r["kills"])]
     if dropped:
         left.plot([r["members"] for r in dropped], [r["epoch_s"] for r in dropped], "x", color="red", markersize=12,
@@ -816,6 +885,9 @@ def plot(results: list[dict], path: str, join_window_s: float, title: str) -> No
     xs = [r["members"] for r in barrier]
     right.plot(xs, [r["barrier_median_ms"] for r in barrier], "o-", label="median")
     right.plot(xs, [r["barrier_p90_ms"] for r in barrier], "s--", label="p90")
+    floor = [r for r in barrier if r.get("wake_median_ms") is not None]
+    right.plot([r["members"] for r in floor], [r["wake_median_ms"] for r in floor], "^:", color="black",
+               label="one write to every member, same path (median)")
     right.axhline(TARGET_BARRIER_MS, color="grey", linestyle="--", label=f"target {TARGET_BARRIER_MS:g} ms")
     right.set(yscale="log", ylabel="ms", title="commit barrier latency")
     sizes = [r["members"] for r in results]
