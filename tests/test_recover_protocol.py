@@ -610,7 +610,7 @@ def test_a_groups_other_ranks_enter_the_epoch_their_leader_found_without_asking_
     """The leader waits for the next epoch in the job's store and passes what it found on in its group's store: the
     group's other rank enters the same epoch from there, with no request of the job's store, also when it waits
     after an epoch the leader went past (the leader entered epoch 3 from epoch 1); a stop and an epoch that leaves
-    the group out reach it the same way."""
+    the group out reach it the same way. The leader reads what woke it in one request."""
     from concurrent.futures import ThreadPoolExecutor
 
     from torch.distributed import HashStore
@@ -640,6 +640,7 @@ def test_a_groups_other_ranks_enter_the_epoch_their_leader_found_without_asking_
 
         job.set(GroupKeys.members(4), encode_members((0,), "replica 1 rank(s) [1] did not join"))
         job.set(GroupKeys.EPOCH, "4")
+        leader.store = _CountingStore(leader.store)
         for member in (leader, other):
             with pytest.raises(Excluded, match="replica 1 left out of epoch 4"):
                 member.wait_for_epoch(3, 5.0)
@@ -649,6 +650,9 @@ def test_a_groups_other_ranks_enter_the_epoch_their_leader_found_without_asking_
             with pytest.raises(TooFewReplicas, match="only 1 replica"):
                 member.wait_for_epoch(4, 5.0)
     assert other.store.calls == []
+    # the leader, woken by the next epoch's members, looks at the stop, then reads the newest epoch and its members
+    # in one request; woken by a stop, it reads the stop's reason and whether it is untrusted
+    assert leader.store.calls == ["wait", "check", "multi_get"] + ["wait", "check", "get", "check"]
 
 
 def _two_groups_of_two(config=None):

@@ -209,9 +209,8 @@ class ReplicaMember:
                                          untrusted=self.store.check([GroupKeys.STOP_UNTRUSTED]))
                 return self._enter(self._pass_on_entered(after, after + 1, entered))
             if published:
-                epoch = max(after + 1, self.current_epoch())  # the newest, if the coordinator moved on since
-                entered = encode_entered(epoch, self.store.get(GroupKeys.members(epoch)))
-                return self._enter(self._pass_on_entered(after, epoch, entered))
+                epoch, members = self._published_after(after)
+                return self._enter(self._pass_on_entered(after, epoch, encode_entered(epoch, members)))
             if time.monotonic() > deadline:
                 # no coordinator decided within the bound (the launcher restarts a dead one well within it): stop
                 # with the last committed step rather than train on without anyone to judge failures
@@ -220,6 +219,18 @@ class ReplicaMember:
                     f"{timeout_s} s (recover.agree_timeout_s): the coordinator is gone and was not restarted; "
                     "stopping with the last committed step"
                 )
+
+    def _published_after(self, after: int) -> tuple[int, bytes]:
+        """Once epoch ``after + 1`` is published: the newest epoch (the coordinator may have moved on since) and its
+        members' stored value. One request where that is ``after + 1``: ``epoch`` and the members read together
+        (``epoch`` exists from epoch 0's publication on, and the coordinator writes an epoch's members before
+        ``epoch``); a second only where the coordinator moved on."""
+        if after < 0:  # epoch 0's members can be read before ``epoch`` is written
+            epoch = max(0, self.current_epoch())
+            return epoch, self.store.get(GroupKeys.members(epoch))
+        newest, members = self.store.multi_get([GroupKeys.EPOCH, GroupKeys.members(after + 1)])
+        epoch = max(after + 1, int(newest))
+        return epoch, members if epoch == after + 1 else self.store.get(GroupKeys.members(epoch))
 
     def _pass_on_entered(self, after: int, epoch: int, entered: str) -> str:
         """The leader: tell its group's other ranks what the wait after ``after`` ended with, under every epoch
