@@ -55,7 +55,8 @@ queries for 100 connections instead of about 4 per connection). ``--connect-rate
         [--repeats 7] [--no-look] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
 
 Last line, for the largest size measured: ``members=... epoch_s=... epoch_requests=... barrier_ms=...
-step_requests=... requests_per_s=... coordinator_cpu=... wake_ms=...`` (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
+step_requests=... requests_per_s=... coordinator_cpu=... wake_ms=... enter_s=...`` (``enter_s``: from the
+coordinator's publication of the new epoch to the last survivor in, median over the kills) (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
 a kill < 1 s, commit barrier < 50 ms.
 """
 
@@ -169,7 +170,7 @@ def headline(result: dict) -> str:
     values = {"epoch_s": ("epoch_s", ".3f"), "epoch_requests": ("epoch_requests", ".0f"),
               "barrier_ms": ("barrier_median_ms", ".1f"), "step_requests": ("step_requests", ".0f"),
               "requests_per_s": ("requests_per_s", ".0f"), "coordinator_cpu": ("coordinator_cpu", ".1f"),
-              "wake_ms": ("wake_median_ms", ".1f")}
+              "wake_ms": ("wake_median_ms", ".1f"), "enter_s": ("enter_s", ".3f")}
     return " ".join([f"members={result['members']}"] + [f"{name}={_fmt(result.get(key), spec, 'nan')}"
                                                          for name, (key, spec) in values.items()])
 
@@ -806,6 +807,7 @@ def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int, w
     if timed:
         result["epoch_s"] = statistics.median(timed)
         result["published_s"] = statistics.median(k["published_s"] for k in kills if k["epoch_s"] is not None)
+        result["enter_s"] = statistics.median(k["epoch_s"] - k["published_s"] for k in kills if k["epoch_s"] is not None)
     result["epoch_requests"] = statistics.median(k["requests"] for k in kills)
     dropped = sum(len(k["dropped_live"]) for k in kills)
     if dropped:
