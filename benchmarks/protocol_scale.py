@@ -55,8 +55,9 @@ queries for 100 connections instead of about 4 per connection). ``--connect-rate
         [--repeats 7] [--no-look] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
 
 Last line, for the largest size measured: ``members=... epoch_s=... epoch_requests=... barrier_ms=...
-step_requests=... requests_per_s=... coordinator_cpu=... wake_ms=... enter_s=...`` (``enter_s``: from the
-coordinator's publication of the new epoch to the last survivor in, median over the kills) (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
+step_requests=... requests_per_s=... coordinator_cpu=... wake_ms=... enter_s=... published_s=...`` (``enter_s``:
+from the coordinator's publication of the new epoch to the last survivor in; ``published_s``: from the flag to the
+publication; medians over the kills) (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
 a kill < 1 s, commit barrier < 50 ms.
 """
 
@@ -170,7 +171,8 @@ def headline(result: dict) -> str:
     values = {"epoch_s": ("epoch_s", ".3f"), "epoch_requests": ("epoch_requests", ".0f"),
               "barrier_ms": ("barrier_median_ms", ".1f"), "step_requests": ("step_requests", ".0f"),
               "requests_per_s": ("requests_per_s", ".0f"), "coordinator_cpu": ("coordinator_cpu", ".1f"),
-              "wake_ms": ("wake_median_ms", ".1f"), "enter_s": ("enter_s", ".3f")}
+              "wake_ms": ("wake_median_ms", ".1f"), "enter_s": ("enter_s", ".3f"),
+              "published_s": ("published_s", ".3f")}
     return " ".join([f"members={result['members']}"] + [f"{name}={_fmt(result.get(key), spec, 'nan')}"
                                                          for name, (key, spec) in values.items()])
 

@@ -20,7 +20,7 @@ sys.modules.setdefault("protocol_scale", scale)  # its dataclass looks its modul
 _spec.loader.exec_module(scale)
 
 HEADLINE = re.compile(r"^members=(\d+) epoch_s=(\S+) epoch_requests=(\S+) barrier_ms=(\S+) step_requests=(\S+) "
-                      r"requests_per_s=(\S+) coordinator_cpu=(\S+) wake_ms=(\S+) enter_s=(\S+)$")
+                      r"requests_per_s=(\S+) coordinator_cpu=(\S+) wake_ms=(\S+) enter_s=(\S+) published_s=(\S+)$")
 
 
 def test_sizes_are_positive_multiples_of_the_ranks_per_replica():
@@ -71,16 +71,16 @@ def test_headline_and_table_row_of_a_measured_size_and_of_a_size_without_a_kill(
     measured = {"size": 64, "members": 64, "groups": 8, "hosting": "4 proc x 16 thr", "requests_per_s": 3139.4,
                 "coordinator_cpu": 13.42, "barrier_median_ms": 11.23, "barrier_p90_ms": 17.8, "epoch_s": 0.5234,
                 "epoch_requests": 412.0, "step_requests": 24.0, "wake_median_ms": 4.56,
-                "enter_s": 0.0123}
+                "enter_s": 0.0123, "published_s": 0.5111}
     assert scale.headline(measured) == ("members=64 epoch_s=0.523 epoch_requests=412 barrier_ms=11.2 "
                                         "step_requests=24 requests_per_s=3139 coordinator_cpu=13.4 wake_ms=4.6 "
-                                        "enter_s=0.012")
+                                        "enter_s=0.012 published_s=0.511")
     row = scale.table_row(measured)
     assert row.split() == ["64", "64", "8", "4", "proc", "x", "16", "thr", "3139", "13.4", "11.2", "17.8", "4.6",
                            "0.523"]
-    single = {key: value for key, value in measured.items() if key not in ("epoch_requests", "enter_s")}
+    single = {key: value for key, value in measured.items() if key not in ("epoch_requests", "enter_s", "published_s")}
     single.update(epoch_s=None, note="one replica group: no survivor to form an epoch after a kill")
-    assert HEADLINE.match(scale.headline(single)).group(2, 3, 9) == ("nan", "nan", "nan")
+    assert HEADLINE.match(scale.headline(single)).group(2, 3, 9, 10) == ("nan",) * 4
     assert " - " in scale.table_row(single) and scale.table_row(single).endswith("after a kill")
 
 

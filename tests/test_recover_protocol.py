@@ -655,6 +655,73 @@ def test_a_groups_other_ranks_enter_the_epoch_their_leader_found_without_asking_
     assert leader.store.calls == ["wait", "check", "multi_get"] + ["wait", "check", "get", "check"]
 
 
+def test_missing_keys_are_found_by_halving_a_check_of_all_of_them():
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import missing_keys
+
+    store = _CountingStore(HashStore())
+    keys = [f"join/e1/{g}" for g in range(128)]
+    for key in keys:
+        if key not in ("join/e1/5", "join/e1/77"):
+            store.store.set(key, "1")
+    assert missing_keys(store, keys) == ["join/e1/5", "join/e1/77"]
+    assert 2 < len(store.calls) <= 2 * 2 * 7 + 1  # two of 128: a few checks, not 128
+    store.calls.clear()
+    assert missing_keys(store, keys[:5] + keys[6:77]) == [] and store.calls == ["check"]  # every one there: one
+    store.calls.clear()
+    assert missing_keys(store, keys, expected=40) == ["join/e1/5", "join/e1/77"]
+    assert len(store.calls) == 128  # halving would cost more than a check each: one each
+    assert missing_keys(store, []) == []
+
+
+def test_the_coordinator_reads_joins_in_a_few_requests_and_evictions_only_when_a_vote_named_some(tmp_path):
+    """128 groups, one of which never joins: the coordinator finds it without a request per group; a vote's
+    evictions are read only once its marker says there are some (the next epoch, where every member joins: one
+    request for the joins), and the voted-out group is left out."""
+    from titan_recover.recover.groups.coordinator import Coordinator
+    from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag
+    from titan_recover.recover.groups.protocol import decode_members
+
+    class Keys(_CountingStore):
+        """Also records the keys of every ``check``."""
+
+        def __init__(self, store):
+            super().__init__(store)
+            self.checked = []
+
+        def check(self, keys):
+            self.checked.append(list(keys))
+            return self.store.check(keys)
+
+    groups = 128
+    store = job_store()
+    config = RecoverConfig(replicas=groups, join_window_s=0.3, min_replicas=1)
+    coordinator = Coordinator(config, store, replicas=groups, ranks_per_replica=1, run_dir=str(tmp_path))
+    coordinator.incarnation = {g: 0 for g in range(groups)}
+    coordinator._publish(0, tuple(range(groups)), (), "all replicas registered", timing={})
+    coordinator.store = counted = Keys(store)
+    for epoch, evicted in ((0, None), (1, 9)):
+        raise_fault_flag(store, epoch, f"replica 5 rank 0: collective failed (epoch {epoch})")
+        if evicted is not None:
+            store.set(GroupKeys.evicted(epoch, evicted), "step 3: its parameters differ")
+            store.set(GroupKeys.evictions(epoch), "1")
+        for g in coordinator.members:
+            if g != 5:
+                store.set(GroupKeys.join(epoch + 1, g), "0|0")
+                store.add(GroupKeys.joined_count(epoch + 1), 1)
+        counted.checked.clear()
+        before = len(coordinator.members)
+        coordinator._form_next_epoch()
+        joins = [keys for keys in counted.checked if keys[0].startswith("join/")]
+        evictions = [keys for keys in counted.checked if keys[0].startswith("evicted/")]
+        assert len(joins) <= 1 + 2 * 7 + 1, len(joins)  # all of them, two halves a level, group 5's report
+        assert len(evictions) == (1 if evicted is None else 1 + before)  # the marker, then each member's key
+        members, reason = decode_members(store.get(GroupKeys.members(epoch + 1)))
+        assert members == tuple(g for g in range(groups) if g not in (5, evicted))
+        assert ("replica 5 rank(s) [0] did not join" if evicted is None else "replica 9 declared failed") in reason
+
+
 def _two_groups_of_two(config=None):
     """Replica groups 0 and 1 of two ranks each, members of epoch 0, with the job's store and a store per group
     (HashStores, as torchrun's would be): their ``ReplicaSync`` by (replica, rank), and the job's store."""

@@ -22,6 +22,7 @@ from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.keys import (
     fault_time_and_reason,
     GroupKeys,
+    missing_keys,
     raise_fault_flag,
     read_join_requests,
 )
@@ -172,14 +173,18 @@ class Coordinator:
     def _done(self, replica: int, rank: int) -> bool:
         return self.store.check([GroupKeys.done(replica, rank)])
 
-    def _joined(self, epoch: int) -> dict[int, set[int]]:
+    def _joined(self, epoch: int, expected_missing: int | None = None) -> dict[int, set[int]]:
         """Every member's ranks that joined ``epoch`` (alive): all of them once the group's join is complete, else
-        those its leader reported so far; a few requests a group. A group whose leader finished training counts
-        whole: its last step is committed (done, not dead)."""
+        those its leader reported so far. The complete joins in one request when every group is in, a few per
+        group that is not (:func:`missing_keys`; ``expected_missing``: how many are not, by the groups' counter),
+        and two more for each of those. A group whose leader finished training counts whole: its last step is
+        committed (done, not dead)."""
         any_done, every, joined = self._any_done(), set(range(self.ranks)), {}
+        keys = {GroupKeys.join(epoch, replica): replica for replica in self.members}
+        incomplete = {keys[key] for key in missing_keys(self.store, list(keys), expected_missing)}
         for replica in self.members:
             so_far = GroupKeys.joining(epoch, replica)
-            if self.store.check([GroupKeys.join(epoch, replica)]) or (any_done and self._done(replica, 0)):
+            if replica not in incomplete or (any_done and self._done(replica, 0)):
                 joined[replica] = every
             else:
                 joined[replica] = (set(decode_members(self.store.get(so_far))[0]) if self.store.check([so_far])
@@ -254,7 +259,8 @@ class Coordinator:
         self.events.emit("fault_flag", epoch=self.epoch, reason=reason, raised_at=fault_time)
         target = self.epoch + 1
         self._inject("epoch", target)
-        for replica in self.members:  # members that voted a replica out (docs/scout.md)
+        voted = self.store.check([GroupKeys.evictions(self.epoch)])  # members that voted replicas out (scout.md)
+        for replica in self.members if voted else ():
             if replica not in self.excluded and self.store.check([GroupKeys.evicted(self.epoch, replica)]):
                 self.excluded.add(replica)
                 self.events.emit("replica_evicted", epoch=self.epoch, replica=replica,
@@ -265,10 +271,11 @@ class Coordinator:
         while True:
             window.tick(time.monotonic())
             over = window.elapsed_s > self.config.join_window_s
-            # one read per look; the groups' joins one by one only once enough groups are in, at the end, or near
-            # the end of the job (a group whose leader finished counts as joined)
-            if over or self._any_done() or self.store.add(GroupKeys.joined_count(target), 0) >= len(candidates):
-                joined = self._joined(target)
+            # one read per look; the groups' joins only once enough groups are in, at the end, or near the end of
+            # the job (a group whose leader finished counts as joined)
+            count = self.store.add(GroupKeys.joined_count(target), 0)
+            if over or count >= len(candidates) or self._any_done():
+                joined = self._joined(target, expected_missing=max(0, len(self.members) - count))
                 if over or all_joined(candidates, joined, self.ranks):
                     break
             self._beat()

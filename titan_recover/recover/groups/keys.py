@@ -8,6 +8,7 @@ values are in :mod:`~titan_recover.recover.groups.protocol`; the contract is doc
 
 from __future__ import annotations
 
+import math
 import time
 
 from torch.distributed import Store
@@ -191,6 +192,12 @@ class GroupKeys:
         return f"evicted/e{epoch}/{replica}"
 
     @staticmethod
+    def evictions(epoch: int) -> str:
+        """Written after ``epoch``'s ``evicted`` keys and before the fault flag: the coordinator reads those keys,
+        one per member, only when this one exists."""
+        return f"evicted/e{epoch}/any"
+
+    @staticmethod
     def of_epoch(epoch: int) -> tuple[list[str], list[str]]:
         """Every key of ``epoch`` in the job's store, as ``(keys, prefixes)``: a prefix ends with ``/`` so that
         epoch 1's never matches epoch 10's keys. What is deleted once no member can read the epoch any more
@@ -249,6 +256,21 @@ def read_dropped(store: Store, replica: int) -> tuple[int, float] | None:
         return None
     incarnation, _, when = store.get(GroupKeys.dropped(replica)).decode().partition("|")
     return int(incarnation), float(when)
+
+
+def missing_keys(store: Store, keys: list[str], expected: int | None = None) -> list[str]:
+    """The keys of ``keys`` that ``store`` does not hold, in order: one ``check`` of all of them (all there: one
+    request), halved where it fails, so ``m`` missing keys of ``n`` cost at most ``2 m log2(n)`` requests or so
+    instead of ``n``. ``expected``: about how many are missing, where known; when halving would cost more than a
+    ``check`` per key, each key is checked on its own."""
+    if expected is not None and 2 * expected * math.ceil(math.log2(max(2, len(keys)))) >= len(keys):
+        return [key for key in keys if not store.check([key])]
+    if not keys or store.check(keys):
+        return []
+    if len(keys) == 1:
+        return list(keys)
+    half = len(keys) // 2
+    return missing_keys(store, keys[:half]) + missing_keys(store, keys[half:])
 
 
 def read_join_requests(store: Store, replica: int, ranks: int) -> dict[int, int] | None:

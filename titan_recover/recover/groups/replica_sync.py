@@ -266,6 +266,8 @@ class ReplicaSync:
         store = self.member.store
         for replica in refusal.evict:
             store.set(GroupKeys.evicted(self.epoch, replica), f"step {step}: {refusal.reason}")
+        if refusal.evict:  # after the names, before the flag: the coordinator looks for them only then
+            store.set(GroupKeys.evictions(self.epoch), "1")
         if refusal.stop is not None:
             store.set(GroupKeys.STOP_UNTRUSTED, "1")
             store.set(GroupKeys.STOP, refusal.stop)
