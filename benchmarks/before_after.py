@@ -13,7 +13,8 @@ runs measured it.
     python benchmarks/before_after.py --summarise docs/results/before_after_X.txt --out FILE
 
 ``--summarise`` runs nothing: it prints an earlier output's header and rounds again, then their summary as this
-script makes it now (for files written before it summarised runs that did not measure a key).
+script makes it now (for files written before it summarised runs that did not measure a key). ``--keep DIR``
+writes every run's whole output to ``DIR/round<r>_<side>.txt``.
 
 Both checkouts run with this interpreter. Last line: ``<key>_before=<median> <key>_after=<median> ...`` and
 ``rounds=N``, with ``<key>_<side>_measured=<runs>`` after a key some run of that side did not measure. Output also written to ``docs/results/before_after_<benchmark>.txt`` (``--out`` to change;
@@ -66,10 +67,15 @@ def cell(values: list[float]) -> str:
     return text + (f" ({measured} of {len(values)} runs)" if measured < len(values) else "")
 
 
-def run(tree: pathlib.Path, script: list[str], timeout: float) -> dict[str, float]:
+def run(tree: pathlib.Path, script: list[str], timeout: float, keep: pathlib.Path | None = None) -> dict[str, float]:
+    """One run of the benchmark in ``tree``: its headline. ``keep``: also write its whole stdout there (what a
+    headline leaves out, e.g. why a key was not measured)."""
     with tempfile.TemporaryDirectory() as results:  # the run's own results file lands here, not in the checkout
         proc = subprocess.run([sys.executable, *script], cwd=tree, capture_output=True, text=True, timeout=timeout,
                               env=dict(os.environ, **{RESULTS_ENV: results}))
+    if keep is not None:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        keep.write_text(proc.stdout)
     if proc.returncode != 0:
         raise RuntimeError(f"{script[0]} failed in {tree} (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
                            f"{proc.stderr[-2000:]}")
@@ -83,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summarise", type=pathlib.Path, help="an earlier output: summarise its rounds again")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one benchmark run may take")
+    parser.add_argument("--keep", type=pathlib.Path,
+                        help="a folder for every run's whole output (round<r>_<side>.txt), not only its headline")
     add_out_argument(parser, "before_after_<benchmark>")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- benchmark script and its arguments")
     args = parser.parse_args(argv)
@@ -105,7 +113,8 @@ def compare(args, script: list[str]) -> int:
     for r in range(args.rounds):
         order = ("before", "after") if r % 2 == 0 else ("after", "before")
         for side in order:
-            values = run(getattr(args, side), script, args.timeout)
+            keep = args.keep / f"round{r}_{side}.txt" if args.keep else None
+            values = run(getattr(args, side), script, args.timeout, keep)
             results[side].append(values)
             print(f"round {r} {side:6s} " + " ".join(f"{k}={v:g}" for k, v in values.items()), flush=True)
     print_summary(results, args.rounds)

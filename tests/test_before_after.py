@@ -28,3 +28,12 @@ def test_the_headline_is_the_last_line_with_key_value_pairs():
     output = "round 0\nmembers=4 epoch_s=nan note=x\n\n"
     values = before_after.headline(output)
     assert values["members"] == 4 and math.isnan(values["epoch_s"]) and "note" not in values
+
+
+def test_a_run_gives_its_headline_and_keeps_its_whole_output_when_asked(tmp_path):
+    script = tmp_path / "bench.py"
+    script.write_text('print("size 4: the look found the flag raised")\nprint("members=4 epoch_s=nan")\n')
+    kept = tmp_path / "kept" / "round0_before.txt"
+    values = before_after.run(tmp_path, [str(script)], timeout=60, keep=kept)
+    assert values["members"] == 4 and math.isnan(values["epoch_s"])
+    assert "the look found the flag raised" in kept.read_text()
