@@ -17,9 +17,9 @@ script makes it now (for files written before it summarised runs that did not me
 writes every run's whole output to ``DIR/round<r>_<side>.txt``.
 
 Both checkouts run with this interpreter. Last line: ``<key>_before=<median> <key>_after=<median> ...`` and
-``rounds=N``, with ``<key>_<side>_measured=<runs>`` after a key some run of that side did not measure. Output also written to ``docs/results/before_after_<benchmark>.txt`` (``--out`` to change;
-benchmarks/report.py); the runs it makes write their own results files into a temporary folder, not into either
-checkout's docs/results/.
+``rounds=N``, with ``<key>_<side>_measured=<runs>`` after a key some run of that side did not measure. Output also
+written to ``docs/results/before_after_<benchmark>.txt`` (``--out`` to change; benchmarks/report.py); the runs it
+makes write their own results files into a temporary folder, not into either checkout's docs/results/.
 """
 
 from __future__ import annotations

@@ -52,13 +52,14 @@ store for 5 s, about once per 25 connections. The benchmark's processes therefor
 queries for 100 connections instead of about 4 per connection). ``--connect-rate`` paces the connections instead.
 
     python benchmarks/protocol_scale.py [--sizes 8,64,512,1024] [--ranks-per-replica 8] [--workers 4]
-        [--repeats 7] [--no-look] [--kills 3] [--out FILE.json] [--plot FILE.png] [--recover-json '{"join_window_s": 1.0}']
+        [--repeats 7] [--no-look] [--kills 3] [--out FILE.json] [--plot FILE.png]
+        [--recover-json '{"join_window_s": 1.0}']
 
 Last line, for the largest size measured: ``members=... epoch_s=... epoch_requests=... barrier_ms=...
 step_requests=... requests_per_s=... coordinator_cpu=... wake_ms=... enter_s=... published_s=...`` (``enter_s``:
 from the coordinator's publication of the new epoch to the last survivor in; ``published_s``: from the flag to the
-publication; medians over the kills) (``nan`` where not measured). The issue's targets at the largest size: epoch formation after
-a kill < 1 s, commit barrier < 50 ms.
+publication; medians over the kills) (``nan`` where not measured). The issue's targets at the largest size: epoch
+formation after a kill < 1 s, commit barrier < 50 ms.
 """
 
 from __future__ import annotations
@@ -787,7 +788,7 @@ def run_size(size: int, args, workers: Workers) -> dict:
         return result
 
 
-def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int, wakes: list[dict] = ()) -> None:
+def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int, wakes: list[dict]) -> None:
     """The size's figures from the barrier steps, wakes and kills measured (all of them, or those before an
     outcome)."""
     if wakes:
@@ -805,11 +806,11 @@ def summarise(result: dict, steps: list[dict], kills: list[dict], groups: int, w
     if not kills:
         return
     result["kills"] = kills
-    timed = [k["epoch_s"] for k in kills if k["epoch_s"] is not None]
+    timed = [k for k in kills if k["epoch_s"] is not None]
     if timed:
-        result["epoch_s"] = statistics.median(timed)
-        result["published_s"] = statistics.median(k["published_s"] for k in kills if k["epoch_s"] is not None)
-        result["enter_s"] = statistics.median(k["epoch_s"] - k["published_s"] for k in kills if k["epoch_s"] is not None)
+        result["epoch_s"] = statistics.median(k["epoch_s"] for k in timed)
+        result["published_s"] = statistics.median(k["published_s"] for k in timed)
+        result["enter_s"] = statistics.median(k["epoch_s"] - k["published_s"] for k in timed)
     result["epoch_requests"] = statistics.median(k["requests"] for k in kills)
     dropped = sum(len(k["dropped_live"]) for k in kills)
     if dropped:
