@@ -6,6 +6,8 @@ the job trains at full strength again, with a warm spare and with a restart.
                              loopback (benchmarks/state_transfer.py, run here as a subprocess: 2.3 GiB of state,
                              ``--rounds`` interleaved rounds, the median of the rounds' ratios;
                              ``transfer_ratio_min`` / ``_max`` their spread)
+    unverified_ratio         the same against the transfer without its digests (what the xxHash3 of every chunk
+                             costs on this host)
     spare_full_strength_s    3 replicas + 1 spare, replica 1 killed in step ``--kill-step``: fault injected ->
                              first commit of a step in which 3 replicas held quota again (event ``full_strength``)
     restart_full_strength_s  3 replicas, ``max_restarts = 1``, the same kill, no rejoin wait (the others train on):
@@ -17,8 +19,8 @@ importing torch and TorchTitan and building the model on this machine while the 
 
     python benchmarks/rejoin.py [--flavor tiny] [--steps 150] [--rounds 11] [--out FILE]
 
-Last line: ``transfer_ratio=... transfer_ratio_min=... transfer_ratio_max=... spare_full_strength_s=...
-restart_full_strength_s=...``. Target: transfer_ratio >= 0.8. Output also written to docs/results/rejoin.txt
+Last line: ``transfer_ratio=... transfer_ratio_min=... transfer_ratio_max=... unverified_ratio=...
+spare_full_strength_s=... restart_full_strength_s=...``. Target: transfer_ratio >= 0.8. Output also written to docs/results/rejoin.txt
 (benchmarks/report.py).
 """
 
@@ -102,7 +104,8 @@ def measure(args) -> None:
         parts.append(f"{t['bytes'] / 2**20:.1f} MB in {t['seconds']:.3f} s ({t['mb_per_s']:.0f} MB/s)")
     print(f"spare: full strength {spare_s:.3f} s after the kill; restart: {restart_s:.3f} s (" + ", ".join(parts) + ")")
     print(f"transfer_ratio={moved['transfer_ratio']:.3f} transfer_ratio_min={moved['transfer_ratio_min']:.3f} "
-          f"transfer_ratio_max={moved['transfer_ratio_max']:.3f} spare_full_strength_s={spare_s:.3f} "
+          f"transfer_ratio_max={moved['transfer_ratio_max']:.3f} unverified_ratio={moved['unverified_ratio']:.3f} "
+          f"spare_full_strength_s={spare_s:.3f} "
           f"restart_full_strength_s={restart_s:.3f}")
 
 

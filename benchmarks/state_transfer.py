@@ -7,14 +7,18 @@ Two processes; the state is a stack of ``--layers`` square linear layers of widt
 one step (about 12 bytes per parameter: fp32 weights + two fp32 moments; the defaults make 2.3 GiB, so one raw
 broadcast lasts long enough on loopback to be timed stably: at 1.1 GiB and 5 rounds one run's round ratios spread
 from 0.49 to 1.07, docs/benchmarks.md). ``--rounds`` interleaved rounds: each round times one
-transfer and one raw broadcast back to back, the order alternating. Each round gives a ratio (raw / transfer of
-that round); printed: median, min and max of both times and of the ratio, and every round.
+transfer, one raw broadcast and one transfer without its digests (``checksummed=False``: what the xxHash3 of every
+chunk on both sides costs) back to back, each first in turn. Each round gives a ratio (raw / transfer of that round,
+and raw / transfer without digests); printed: median, min and max of the times and the ratios, and every round;
+then one thread's xxHash3 of the whole state and one copy of it in memory (the host's memory speed, which bounds a
+loopback transfer: each byte is copied into the kernel and out again).
 
     python benchmarks/state_transfer.py [--width 2048] [--layers 48] [--rounds 11] [--chunk-mb 64] [--out FILE]
 
 Last line: ``transfer_mb_s=... raw_mb_s=... transfer_ratio=... transfer_ratio_min=... transfer_ratio_max=...
-transfer_s=... raw_s=... state_mb=...`` (throughputs from the median times; ``transfer_ratio``: the median of the
-rounds' ratios). Target (issue "rejoin from peers' memory"): transfer_ratio >= 0.8. Output also written to
+unverified_ratio=... transfer_s=... raw_s=... unverified_s=... hash_s=... copy_s=... state_mb=...`` (throughputs from
+the median times; ``transfer_ratio``: the median of the rounds' ratios, ``unverified_ratio`` the same without
+digests). Target (issue "rejoin from peers' memory"): transfer_ratio >= 0.8. Output also written to
 docs/results/state_transfer.txt (benchmarks/report.py). benchmarks/rejoin.py runs this and adds the time to full
 strength with a spare or a restart.
 """
@@ -34,6 +38,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from report import add_out_argument, recorded  # noqa: E402
+
+KINDS = ("transfer", "raw", "unverified")
+"""What each round times: the state transfer, a raw broadcast of as many bytes, the transfer without its digests."""
 
 
 class _Step:
@@ -80,16 +87,17 @@ def _member(port: int, replica: int, args, results) -> None:
         flag = torch.zeros(1)
         group.allreduce_sum_(flag)
 
-    timings: dict[str, list[float]] = {"transfer": [], "raw": []}
+    timings: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for r in range(args.rounds):
-        for kind in ("transfer", "raw") if r % 2 == 0 else ("raw", "transfer"):
+        for kind in KINDS[r % len(KINDS):] + KINDS[: r % len(KINDS)]:  # each kind first in turn
             barrier()
             start = time.perf_counter()
-            if kind == "transfer":
-                transfer(state, broadcast, is_donor=replica == 0, chunk_bytes=args.chunk_mb * 2**20,
-                         broadcast_many=lambda tensors, on_each: group.broadcast_many_(tensors, 0, on_each))
-            else:
+            if kind == "raw":
                 broadcast(raw)
+            else:
+                transfer(state, broadcast, is_donor=replica == 0, chunk_bytes=args.chunk_mb * 2**20,
+                         broadcast_many=lambda tensors, on_each: group.broadcast_many_(tensors, 0, on_each),
+                         checksummed=kind == "transfer")
             barrier()
             timings[kind].append(time.perf_counter() - start)
     # what each side's digests cost alone: xxHash3 over every byte of the state, on this process's one thread
@@ -97,6 +105,12 @@ def _member(port: int, replica: int, args, results) -> None:
     for view in (bytes_view(t) for t in state.tensors()):
         checksum(view)
     timings["hash"] = [time.perf_counter() - start]
+    # the host's memory speed: one copy of the state's bytes between two buffers of this process
+    copy = torch.empty_like(raw)
+    copy.copy_(raw)  # first touch of the pages outside the timing
+    start = time.perf_counter()
+    copy.copy_(raw)
+    timings["copy"] = [time.perf_counter() - start]
     results.put((replica, total, timings))
 
 
@@ -140,20 +154,25 @@ def measure(args) -> None:
                 p.kill()
     total, timings = got[1]  # the joiner's clock: from before the first byte to its last check
     mb = total / 2**20
-    transfer_s, raw_s = statistics.median(timings["transfer"]), statistics.median(timings["raw"])
+    medians = {kind: statistics.median(timings[kind]) for kind in KINDS}
     ratios = [raw / moved for raw, moved in zip(timings["raw"], timings["transfer"])]
+    bare = [raw / moved for raw, moved in zip(timings["raw"], timings["unverified"])]
     print(f"state {mb:.1f} MB ({args.layers} x {args.width}^2 parameters + AdamW state), chunks of {args.chunk_mb} MB, "
           f"{args.rounds} interleaved rounds; seconds on the joiner's clock")
-    print(f"{'':24s} {'median [min, max]':26s} per round")
+    print(f"{'':26s} {'median [min, max]':26s} per round")
     for label, values in (("transfer", timings["transfer"]), ("raw broadcast", timings["raw"]),
-                          ("ratio raw / transfer", ratios)):
-        print(f"{label:24s} {spread(values):26s} " + " ".join(f"{v:.3f}" for v in values))
-    print(f"xxHash3 of the whole state on one thread, once: {timings['hash'][0]:.3f} s ({mb / timings['hash'][0]:.0f} "
-          f"MB/s); each side hashes every chunk as it arrives, on the cores the two processes' transfer uses")
-    print(f"transfer_mb_s={mb / transfer_s:.1f} raw_mb_s={mb / raw_s:.1f} transfer_ratio={statistics.median(ratios):.3f} "
-          f"transfer_ratio_min={min(ratios):.3f} transfer_ratio_max={max(ratios):.3f} transfer_s={transfer_s:.3f} "
-          f"raw_s={raw_s:.3f} state_mb={mb:.1f}")
-
+                          ("transfer without digests", timings["unverified"]), ("ratio raw / transfer", ratios),
+                          ("ratio raw / no digests", bare)):
+        print(f"{label:26s} {spread(values):26s} " + " ".join(f"{v:.3f}" for v in values))
+    hash_s, copy_s = timings["hash"][0], timings["copy"][0]
+    print(f"xxHash3 of the whole state on one thread, once: {hash_s:.3f} s ({mb / hash_s:.0f} MB/s); each side hashes "
+          f"every chunk as it arrives, on the cores the two processes' transfer uses")
+    print(f"one copy of the state's bytes in the joiner's memory: {copy_s:.3f} s ({mb / copy_s:.0f} MB/s)")
+    print(f"transfer_mb_s={mb / medians['transfer']:.1f} raw_mb_s={mb / medians['raw']:.1f} "
+          f"transfer_ratio={statistics.median(ratios):.3f} transfer_ratio_min={min(ratios):.3f} "
+          f"transfer_ratio_max={max(ratios):.3f} unverified_ratio={statistics.median(bare):.3f} "
+          f"transfer_s={medians['transfer']:.3f} raw_s={medians['raw']:.3f} "
+          f"unverified_s={medians['unverified']:.3f} hash_s={hash_s:.3f} copy_s={copy_s:.3f} state_mb={mb:.1f}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -96,7 +96,7 @@ class DeferredCopies(StagedCopies):
 
 
 def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_bytes: int = 2**20, tamper=None,
-                 ring: int = 4, copies=None, windows=None):
+                 ring: int = 4, copies=None, windows=None, checksummed: bool = True):
     """Donor and receiver each call transfer(); returns (donor stats, receiver stats or the exception). ``copies``:
     a factory of each side's staging; ``windows``: a list that records every window each side issued, as the
     set of host storages it used."""
@@ -119,7 +119,7 @@ def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_
             pipe.put(t.clone())
         results["donor"] = transfer(donor.state(), broadcast, is_donor=True, chunk_bytes=chunk_bytes,
                                     direct_bytes=direct_bytes, ring=ring, broadcast_many=many(broadcast),
-                                    copies=copies() if copies else None)
+                                    copies=copies() if copies else None, checksummed=checksummed)
 
     def receiver_side():
         count = {"n": 0}
@@ -132,7 +132,8 @@ def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_
             t.copy_(got)
         try:
             results["receiver"] = transfer(receiver.state(), broadcast, is_donor=False, ring=ring,
-                                           broadcast_many=many(broadcast), copies=copies() if copies else None)
+                                           broadcast_many=many(broadcast), copies=copies() if copies else None,
+                                           checksummed=checksummed)
         except Exception as error:  # noqa: BLE001 - handed to the test
             results["receiver"] = error
 
@@ -243,6 +244,29 @@ def test_a_corrupted_chunk_fails_its_checksum():
 
     _, received = run_transfer(donor, joiner, chunk_bytes=128, tamper=flip_a_bit_of_the_third_chunk)
     assert isinstance(received, ChecksumError) and "chunk(s) [2]" in str(received)
+
+
+def test_without_digests_the_same_bytes_arrive_and_a_flipped_bit_goes_unseen():
+    """``checksummed=False`` (what benchmarks/state_transfer.py times to price the digests) hashes nothing: a clean
+    transfer is still bitwise, and the flip the digests catch above is loaded as it came."""
+    donor, joiner = Replica(seed=0), Replica(seed=1)
+    donor.train_step(0)
+    _, received = run_transfer(donor, joiner, chunk_bytes=128, checksummed=False)
+    assert not isinstance(received, Exception), received
+    assert all(torch.equal(a, b) for a, b in zip(donor.state().tensors(), joiner.state().tensors()))
+
+    def flip_a_bit_of_the_third_chunk(n, t):
+        if n == 5:
+            t = t.clone()
+            t[0] ^= 1
+        return t
+
+    other = Replica(seed=2)
+    _, received = run_transfer(donor, other, chunk_bytes=128, tamper=flip_a_bit_of_the_third_chunk,
+                               checksummed=False)
+    assert not isinstance(received, Exception), received
+    assert other.step == donor.step == 1
+    assert not all(torch.equal(a, b) for a, b in zip(donor.state().tensors(), other.state().tensors()))
 
 
 def test_the_ring_plan_gives_every_window_at_most_ring_staged_chunks_and_reuses_the_buffers_in_turn():

@@ -204,12 +204,14 @@ class TransferStats:
 def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
              chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_bytes: int = DEFAULT_DIRECT_BYTES,
              broadcast_many: Callable[..., None] | None = None, ring: int = DEFAULT_RING,
-             copies: HostCopies | None = None) -> TransferStats:
+             copies: HostCopies | None = None, checksummed: bool = True) -> TransferStats:
     """Make every participant's state equal to the donor's (a collective: every participant calls it).
     ``broadcast_many(tensors, on_each)`` (optional): broadcast a list of tensors in order, all in flight at once,
     calling ``on_each(i)`` as each one is through (the fault-tolerant group's ``broadcast_many_``); default: one
     ``broadcast`` after the other. ``ring``: at most this many host buffers for the chunks that need one (the
     :class:`ChunkRing`); ``copies``: how bytes reach host memory (default: :func:`copies_for` the tensors).
+    ``checksummed=False``: no chunk is hashed and nothing is verified (every participant must pass the same; only
+    ``benchmarks/state_transfer.py`` does, to measure what the digests cost).
 
     On the wire: the header (:func:`_exchange_header`), the chunks in order, the donor's digests in one tensor."""
     if ring < 1:
@@ -222,7 +224,8 @@ def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
     header = _exchange_header(state, tensors, broadcast, is_donor=is_donor, chunk_bytes=chunk_bytes,
                               direct_bytes=direct_bytes)
     pieces = plan_pieces(sizes, header["chunk_bytes"], header["direct_bytes"])
-    chunks = ChunkRing(pieces, views, copies or copies_for(tensors), ring=ring, is_donor=is_donor)
+    chunks = ChunkRing(pieces, views, copies or copies_for(tensors), ring=ring, is_donor=is_donor,
+                       checksummed=checksummed)
     computed = chunks.run(broadcast_many or _one_after_another(broadcast))
     donors = computed.clone()
     broadcast(donors)
@@ -300,8 +303,9 @@ class ChunkRing:
     receiver's host-to-device copy of the previous one overlap, and at most ``ring`` buffers ever exist."""
 
     def __init__(self, pieces: list[tuple[bool, list[Segment]]], views: list[torch.Tensor], copies: HostCopies, *,
-                 ring: int, is_donor: bool):
+                 ring: int, is_donor: bool, checksummed: bool = True):
         self.pieces, self.views, self.copies, self.ring, self.is_donor = pieces, views, copies, ring, is_donor
+        self.checksummed = checksummed
         staged = [not (direct and copies.in_place(views[segments[0][0]])) for direct, segments in pieces]
         self.windows, self.slots = plan_ring(staged, ring)
         self.staged = [i for i, needs_buffer in enumerate(staged) if needs_buffer]
@@ -335,7 +339,8 @@ class ChunkRing:
         staged = self.slots[chunk] is not None
         if staged and not self.is_donor:
             self._write_back(chunk, buffer)
-        self.digests[chunk] = checksum(buffer)  # the host bytes that went through
+        if self.checksummed:
+            self.digests[chunk] = checksum(buffer)  # the host bytes that went through
         if staged and self.is_donor:  # hashed: the buffer may take the chunk that uses it next
             following = self.ordinal[chunk] + self.ring
             if following < len(self.staged):
