@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import textwrap
 
 import pytest
@@ -346,6 +347,19 @@ def test_the_launcher_splits_the_gpus_between_replica_groups(launcher, monkeypat
     assert code == 0 and "GPUs per group: 0: 0,1; 1: 2,3; 2: 0,1" in out, err
 
 
+def test_a_job_of_many_nodes_without_replica_groups_uses_every_gpu_of_each_node(launcher, monkeypatch):
+    """data_parallel_shard_degree = -1 follows the process count: on (mocked) nodes of 8 GPUs, 8 processes a node,
+    not the node's count split over the nodes."""
+    from titan_recover import platform
+
+    monkeypatch.setattr(platform, "active_device", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    code, out, err = launcher("train_configs/debug_model.toml", "--parallelism.data_parallel_shard_degree", "-1",
+                              "--nnodes", "2", "--rdzv-endpoint", "head:29500", "--dry-run")
+    assert code == 0 and "--nproc-per-node=8" in out and "--nnodes=2" in out, (out, err)
+
+
 def test_the_nccl_backend_on_a_cpu_job_is_refused_before_launch(launcher):
     code, _, err = launcher("train_configs/replicas.toml", "--recover.ftpg.backend", "nccl", "--dry-run")
     assert code == 2 and 'backend = "nccl" reduces on CUDA devices, and this job runs on cpu' in err, err
@@ -369,6 +383,29 @@ def test_a_replica_group_is_started_on_its_own_gpus(tmp_path):
     cpu = Recording(config, None, [], 2, 0)
     cpu.start_replica(ReplicaSlot(0, 0))
     assert started[-1][1].get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")  # no split on CPU
+
+
+def test_the_verdict_of_a_committed_job_stands_after_a_late_signal(tmp_path):
+    """A SIGTERM that arrives once the coordinator recorded the budget committed (the groups were closing) does not
+    turn the job's exit code into 128 + 15; before that verdict it does, and a stopped job says so."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.launcher import ReplicaJob
+
+    config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path)])
+    job = ReplicaJob(config, None, [], 1, 0)
+    job.store = HashStore()
+    job.slots = [SimpleNamespace(proc=SimpleNamespace(returncode=code)) for code in (0, -15)]
+    job.stopped_by = signal.SIGTERM
+    assert job.result() == 128 + signal.SIGTERM
+    job.store.set(GroupKeys.FINISHED, "trained")
+    assert job.result() == 0
+    job.stopped_by = None
+    job.store.set(GroupKeys.FINISHED, "stopped")
+    assert job.result() == 1
 
 
 def test_a_seed_checkpoint_is_refused_where_torchtitan_refuses_it():

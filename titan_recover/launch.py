@@ -267,7 +267,9 @@ def check_job(config, options: dict):
     if config.recover.store:
         print(f"[titan_recover] warning: recover.store = {config.recover.store!r} has no effect without replica "
               "groups (recover.replicas >= 2, mode sync or diloco)", file=sys.stderr)
-    if nproc is None:
+    if nproc is None and config.parallelism.data_parallel_shard_degree == -1:
+        nproc = _default_nproc(config, device)  # every device of this node (the shard degree follows the count)
+    elif nproc is None:
         total = _default_nproc(config, device)
         if total % nnodes:
             raise ConfigError(f"{total} processes cannot be spread evenly over --nnodes {nnodes}")

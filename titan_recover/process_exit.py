@@ -9,10 +9,13 @@ the launcher, the coordinator, the DiLoCo syncer) therefore ends through :func:`
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
+
+PR_SET_PDEATHSIG = 1
 
 
 def leave(code: int) -> NoReturn:
@@ -26,3 +29,17 @@ def leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def die_with_parent(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` when the process starting it dies (Linux ``PR_SET_PDEATHSIG``), so
+    killing a launcher, even with SIGKILL, leaves no orphan. The launchers give torchrun SIGTERM (it then ends its
+    workers) and their other children SIGKILL."""
+    parent = os.getpid()
+
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), sig)
+
+    return arm

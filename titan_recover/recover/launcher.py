@@ -18,7 +18,6 @@ budget committed.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 from torch.distributed import DistError, Store
 
+from titan_recover.process_exit import die_with_parent
 from titan_recover.recover.groups.member import COORDINATOR_ENV, INCARNATION_ENV, REPLICA_ENV, RUN_DIR_ENV
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
@@ -45,24 +45,9 @@ from titan_recover.recover.standby import LEADER_TTL_S
 from titan_recover.recover.stores import connect, job_url, parse_store_url
 
 GRACE_S = 10.0
-PR_SET_PDEATHSIG = 1
 NODE_ENV = "TITAN_RECOVER_NODE"
 """Set by the launcher in every child's environment: the node rank, so that a launcher's cleanup ends its own node's
 processes only (several "nodes" may share a machine in tests)."""
-
-
-def _die_with_launcher(sig: int):
-    """A ``preexec_fn``: the child gets ``sig`` when the launcher dies (Linux ``PR_SET_PDEATHSIG``), so killing the
-    launcher, even with SIGKILL, leaves no orphan. torchrun is given SIGTERM (it then ends its workers); the other
-    children SIGKILL."""
-    launcher = os.getpid()
-
-    def arm() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-        if os.getppid() != launcher:  # the launcher died before the signal was armed
-            os.kill(os.getpid(), sig)
-
-    return arm
 
 
 def _pump(stream, prefix: str, sink) -> None:
@@ -77,7 +62,7 @@ def _spawn(cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SI
            log: str | None = None) -> subprocess.Popen:
     """Start a child; its output goes to the console with ``prefix``, or appended to the file ``log``."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_die_with_launcher(death_signal))
+                            preexec_fn=die_with_parent(death_signal))
     sink = sys.stdout
     if log is not None:
         sink = open(log, "a", encoding="utf-8")
@@ -149,9 +134,13 @@ class ReplicaSlot:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal ``proc``'s process group, unless ``proc`` was reaped: its pid, and so its group id, may belong to
+    another process by now."""
+    if proc.poll() is not None:
+        return
     try:
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -240,6 +229,8 @@ class ReplicaJob:
         """Start a child; ``log``: the name of its output file under ``<run>/logs/`` (unless verbose)."""
         proc = _spawn(cmd, env, prefix, death_signal, log=self.log_path(log) if self.logs and log else None)
         self.children.append(proc)
+        if self.stopped_by is not None:  # a signal came while it was being started: it ends with the others
+            _signal_group(proc, signal.SIGTERM)
         return proc
 
     def log_path(self, name: str) -> str:
@@ -706,11 +697,18 @@ class ReplicaJob:
         finished = sum(1 for c in codes if c == 0)
         print(f"[titan_recover] replica exit codes {codes}; {finished} of {len(self.slots)} ended normally",
               file=sys.stderr, flush=True)
+        try:
+            verdict = self.store.get(GroupKeys.FINISHED).decode() if self.store.check([GroupKeys.FINISHED]) else ""
+        except DistError:
+            if self.stopped_by is None:
+                raise
+            verdict = ""  # stopped by a signal, and node 0's store went with its launcher
+        if verdict == "trained" and (self.syncer is None or self.syncer_done()):
+            return 0  # the budget was committed before any signal could stop it
         if self.stopped_by is not None:
             return 128 + self.stopped_by
         if self.syncer is not None and not self.finish_syncer():
             return 1
-        verdict = self.store.get(GroupKeys.FINISHED).decode() if self.store.check([GroupKeys.FINISHED]) else ""
         if verdict == "trained":
             return 0
         if self.recover.diloco_mode:
@@ -818,6 +816,10 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
     previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         job.open_job_store()
+        if job.stopped_by is not None:  # Ctrl-C / SIGTERM while this node waited for the job's store
+            print(f"[titan_recover] stopped by signal {job.stopped_by} before this node started anything",
+                  file=sys.stderr, flush=True)
+            return 128 + job.stopped_by
         job.start_job_log(toml_path)
         if job.runs_coordinator:
             job.start_coordinator()

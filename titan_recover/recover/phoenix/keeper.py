@@ -18,6 +18,7 @@ import sys
 import threading
 from datetime import timedelta
 
+from titan_recover.process_exit import die_with_parent
 from titan_recover.recover.phoenix.snapshots import KEEPERS_ENV
 from titan_recover.recover.servers import announce_port, wait_for_port
 
@@ -34,7 +35,7 @@ def run_with_keeper(cmd: list[str], env: dict, run_dir: str) -> int:
     if os.path.exists(address_file):
         os.remove(address_file)
     keeper = subprocess.Popen([sys.executable, "-m", MODULE, "--address-file", address_file], env=env,
-                              start_new_session=True)
+                              start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL))
     try:
         port = wait_for_port(address_file, keeper, "snapshot keeper")
         if port is None:
@@ -50,7 +51,7 @@ def run_with_keeper(cmd: list[str], env: dict, run_dir: str) -> int:
 
 def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
     """Run ``cmd`` to its end, passing Ctrl-C / SIGTERM on to it."""
-    job = subprocess.Popen(cmd, env=env)
+    job = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(signal.SIGTERM))  # torchrun ends its workers
     previous = {s: signal.signal(s, lambda signum, _f: job.send_signal(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return job.wait()
