@@ -295,6 +295,19 @@ def test_localize_config_errors_say_what_to_change():
     assert not LocalizeConfig(vote=False).witnesses and LocalizeConfig(vote=False, replay_interval=5).witnesses
 
 
+def test_a_checkpoint_is_verified_only_by_a_clean_vote_its_writer_took_part_in():
+    """Checkpoint 4 (interval 2) written by replica 0: step 5's clean vote verifies it while 0 votes; if step 5's
+    vote evicted 0 and the epoch without it then voted clean, the majority's state says nothing of what 0 wrote."""
+    from titan_recover.recover.scout.verified import verifies_previous
+
+    assert verifies_previous(5, 2, clean=True, previous_writer=0, members=(0, 1, 2))
+    assert not verifies_previous(5, 2, clean=True, previous_writer=0, members=(1, 2))  # the writer was evicted
+    assert not verifies_previous(5, 2, clean=False, previous_writer=0, members=(0, 1, 2))
+    assert not verifies_previous(5, 2, clean=True, previous_writer=None, members=(0, 1, 2))  # first step here
+    assert not verifies_previous(4, 2, clean=True, previous_writer=0, members=(0, 1, 2))  # no checkpoint at 3
+    assert not verifies_previous(1, 2, clean=True, previous_writer=0, members=(0, 1, 2))  # step 0 is no checkpoint
+
+
 def test_recovery_picks_the_newest_verified_complete_checkpoint(tmp_path):
     from titan_recover.recover.scout.verified import mark_verified, read_verified, step_to_load
 

@@ -54,7 +54,7 @@ from titan_recover.recover.phoenix.admission import Admission  # noqa: E402
 from titan_recover.recover.phoenix.state_transfer import local_tensor, TrainingState  # noqa: E402
 from titan_recover.recover.scout.beacon import Beacon, beacon_path  # noqa: E402
 from titan_recover.recover.scout.localize import Localizer  # noqa: E402
-from titan_recover.recover.scout.verified import mark_verified  # noqa: E402
+from titan_recover.recover.scout.verified import mark_verified, verifies_previous  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,9 @@ class SyncMode(Mode):
         """Tokens of the global batches committed before the step being trained."""
         self.stop_writer: int | None = None
         """After a stop that saves a checkpoint: the replica that writes it (:meth:`_stop_writer`)."""
+        self.previous_writer: int | None = None
+        """The replica that wrote the checkpoint of the step before the one being trained, if it saved one (None
+        before this process's first commit)."""
         incarnation = incarnation_from_env()
         self.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), f"{self.replica}/{self.rank}",
                                replica=self.replica, rank=self.rank)
@@ -223,6 +226,7 @@ class SyncMode(Mode):
         writer = self._checkpoint_writer()
         if writer:
             self._note_verified(step)
+        self.previous_writer = min(self.sync.committed_members)
         self.worker.write_gradient(outcome.reduced.gradient, self.per_step / outcome.committed)
         grad_norm = self._optimizer_step(step, outcome)
         tokens = train_state["ntokens_seen"] + outcome.committed * self.worker.tokens_per_microbatch
@@ -283,13 +287,14 @@ class SyncMode(Mode):
 
     def _note_verified(self, step: int) -> None:
         """This step committed after a clean parameter vote, which read the state saved at the previous step:
-        that checkpoint is verified (docs/scout.md). Called on the checkpoint writer only (one record per run)."""
+        that checkpoint is verified if its writer voted (docs/scout.md). Called on the checkpoint writer only (one
+        record per run)."""
         checkpoint, localizer = self.config.checkpoint, self.localizer
-        previous = step - 1
-        if (checkpoint.enable and localizer is not None and localizer.config.vote and localizer.clean
-                and self.rank == 0 and previous > 0 and previous % checkpoint.interval == 0):
-            mark_verified(self.parts.checkpointer.folder, previous)
-            self.events.emit("checkpoint_verified", step=previous)
+        if (checkpoint.enable and localizer is not None and localizer.config.vote and self.rank == 0
+                and verifies_previous(step, checkpoint.interval, localizer.clean, self.previous_writer,
+                                      self.sync.committed_members)):
+            mark_verified(self.parts.checkpointer.folder, step - 1)
+            self.events.emit("checkpoint_verified", step=step - 1)
 
     def metrics(self, outcome: StepOutcome) -> dict[str, float]:
         sync, groups = self.sync, self.config.recover.groups

@@ -3,7 +3,8 @@
 A checkpoint of step ``s`` holds the state after step ``s``'s optimizer step; the parameter vote of step ``s + 1``
 reads exactly that state on every member. When step ``s + 1`` commits with the vote on, every rank's vote was
 clean (any refusal aborts the commit for every member), so rank 0 of the replica that writes the checkpoints (the
-lowest member of the committing epoch) records ``s`` in ``<checkpoint folder>/verified_steps.json``. On load, the newest checkpoint whose step is recorded there is the one
+lowest member of the committing epoch) records ``s`` in ``<checkpoint folder>/verified_steps.json``, provided the
+replica that wrote checkpoint ``s`` is a member of that epoch (:func:`verifies_previous`). On load, the newest checkpoint whose step is recorded there is the one
 loaded (by :class:`titan_recover.checkpoint.RecoverCheckpointManager`); a folder with checkpoints but no record (a
 run without votes) loads TorchTitan's newest, with a warning.
 The final step of a run has no next vote: its checkpoint stays unverified.
@@ -20,6 +21,18 @@ logger = logging.getLogger(__name__)
 
 LEDGER = "verified_steps.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def verifies_previous(step: int, interval: int, clean: bool, previous_writer: int | None,
+                      members: tuple[int, ...] | list[int]) -> bool:
+    """Whether step ``step``, committed by ``members`` after a ``clean`` vote, verifies the checkpoint of the step
+    before it: that step saved a checkpoint (a multiple of ``interval``) and the replica that wrote it
+    (``previous_writer``, None where unknown, e.g. on the first step after a start) voted in the clean vote. A
+    writer evicted by this step's vote wrote a state the majority did not hold; the clean vote of the epoch without
+    it says nothing about that checkpoint."""
+    previous = step - 1
+    return (clean and previous > 0 and previous % interval == 0 and previous_writer is not None
+            and previous_writer in members)
 
 
 def read_verified(folder: str) -> list[int]:
