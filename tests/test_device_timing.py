@@ -134,14 +134,25 @@ def test_a_slow_fault_measures_the_microbatch_on_the_device_and_nothing_else_wai
         assert log == [] and device.queued_s == pytest.approx(3 * KERNEL_S)
 
 
-def test_synchronize_waits_for_an_accelerator_and_not_for_the_cpu(monkeypatch):
+def test_synchronize_waits_for_the_current_stream_of_an_accelerator_and_not_for_the_cpu(monkeypatch):
+    """On an accelerator: the current stream (the compute), never the whole device, which would also wait for a
+    cross-replica collective queued on its own stream for a peer that may be dead (docs/invariant.md)."""
     waited = []
-    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: waited.append(device))
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            waited.append(("stream", self.device))
+
+    monkeypatch.setattr(torch.accelerator, "current_stream", Stream)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: waited.append(("device", device)))
     platform.synchronize("cpu")
     platform.synchronize(torch.device("cpu"))
     assert waited == []
     platform.synchronize(torch.device("cuda", 1))
-    assert waited == [torch.device("cuda", 1)]
+    assert waited == [("stream", torch.device("cuda", 1))]
 
 
 def test_single_mode_measures_a_slow_ranks_microbatch_on_the_device(monkeypatch):

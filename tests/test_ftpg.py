@@ -270,6 +270,14 @@ def test_survivors_are_released_quickly(mode):
 
 
 # ---- pieces, the progress deadline, host staging (gloo members as threads of one process) -------------------
+def test_small_tensors_are_batched_only_with_their_own_dtype():
+    """gloo's coalesced all-reduce refuses a mix of dtypes (a float64 accumulation beside float32 parts)."""
+    tensors = [torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2)]
+    pieces = pieces_of(tensors, chunk_bytes=1024)
+    batches = batches_of(pieces, tensors, chunk_bytes=1024, small_bytes=512)
+    assert [[n for n, _ in batch] for batch in batches] == [[0, 1], [2], [3]]
+
+
 def test_a_collective_is_split_into_pieces_of_at_most_chunk_bytes_in_order():
     a, b, empty = torch.arange(10.0), torch.arange(3, dtype=torch.float64), torch.zeros(0)
     pieces = pieces_of([a, empty, b], chunk_bytes=16)  # 4 floats or 2 doubles a piece
@@ -348,6 +356,35 @@ class _StagedGloo(PolledGlooGroup):
         return self._staging
 
 
+class _StagedRecording(_StagedGloo):
+    ended = 0
+
+    def _staging_for(self, tensors):
+        staging = super()._staging_for(tensors)
+        group = self
+
+        class Recording(type(staging)):
+            def end(self):
+                group.ended += 1
+                super().end()
+
+        staging.__class__ = Recording
+        return staging
+
+
+def test_a_failed_staged_collective_still_orders_the_callers_stream_after_its_copies(monkeypatch):
+    """The copies back already queued when a staged collective fails must be waited for by whatever the caller
+    does next with its tensors (a restore, a recompute): ``end`` runs on failure too."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    store = HashStore()
+    raise_fault_flag(store, 0, "replica 1 lost")
+    member = _StagedRecording(store, config=FTPGConfig(chunk_mb=64 / 2**20, poll_s=0.01), epoch=0, members=(0, 1),
+                              replica=0, rank=0, timeout_s=10.0)
+    with pytest.raises(FaultDetected, match="replica 1 lost"):
+        member.allreduce_sum_(torch.ones(100))
+    assert member.ended == 1
+
+
 def test_staged_pieces_go_through_a_bounded_ring_and_come_back_whole(monkeypatch):
     monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
     config = FTPGConfig(chunk_mb=64 / 2**20, in_flight=2)  # 64-byte pieces: 16 floats
@@ -387,12 +424,10 @@ class _FakeCommunicator:
     def __init__(self, prefix: str, auto: bool):
         self.prefix, self.auto = prefix, auto
         self.works: list[_FakeWork] = []
-        self.timeouts: list[float] = []
         self.aborted = False
         self.made.append(self)
 
     def allreduce(self, tensors, opts):
-        self.timeouts.append(opts.timeout.total_seconds())
         work = _FakeWork(self, tensors[0])
         if self.auto:
             tensors[0].mul_(2)  # two members holding the same values
@@ -422,14 +457,90 @@ def _fake_nccl(epoch=0, timeout_s=5.0, auto=True, chunk_mb=16 / 2**20):
                replica=0, rank=2, timeout_s=timeout_s)
 
 
-def test_nccl_issues_every_piece_on_its_own_communicator_with_the_watchdog_behind_the_deadline():
+def test_nccl_connects_each_epoch_at_its_first_collective_and_issues_every_piece_there():
     first, second = _fake_nccl(epoch=0), _fake_nccl(epoch=1)
-    assert first.pg is not second.pg and (first.pg.prefix, second.pg.prefix) == ("ftpg/e0/p2", "ftpg/e1/p2")
+    assert first.pg is None and second.pg is None  # connected inside the first collective's guard
     t = torch.arange(40.0)  # 10 pieces of 16 bytes
     first.allreduce_sum_(t)
     assert t.tolist() == (2 * torch.arange(40.0)).tolist() and len(first.pg.works) == 10
-    assert first.pg.timeouts == sorted(first.pg.timeouts) and min(first.pg.timeouts) > 2 * first.timeout_s
-    assert second.pg.works == []  # the next epoch's communicator is its own
+    second.allreduce_sum_(torch.ones(4))
+    assert first.pg is not second.pg and (first.pg.prefix, second.pg.prefix) == ("ftpg/e0/p2", "ftpg/e1/p2")
+    assert len(second.pg.works) == 1  # the next epoch's communicator is its own
+    first.close()  # the next epoch's group exists: the previous communicator is aborted, never used again
+    assert first.pg.aborted and not second.pg.aborted
+    with pytest.raises(FaultDetected, match="failed group"):
+        first.allreduce_sum_(torch.ones(4))
+
+
+def test_the_nccl_communicator_is_left_to_the_group_not_to_nccls_watchdog(monkeypatch):
+    """The real ``_connect`` against a stand-in ``ProcessGroupNCCL``: built with asynchronous error handling off
+    (an error on a piece fails the piece; NCCL's watchdog does not end the process), the process's own setting
+    restored after, non-blocking, with a watchdog timeout far behind any progress deadline, connected eagerly."""
+    import torch.distributed as dist
+
+    from titan_recover.recover.ftpg import nccl
+
+    seen = {}
+
+    class Options:
+        def __init__(self):
+            self.config = type("Config", (), {})()
+            self._timeout = None
+
+    class StandIn:
+        def __init__(self, store, rank, size, options):
+            seen.update(handling=os.environ.get(nccl.ASYNC_ERROR_HANDLING_ENV), rank=rank, size=size,
+                        blocking=options.config.blocking, timeout=options._timeout)
+
+        def eager_connect_single_device(self, device):
+            seen["device"] = device
+
+    StandIn.Options = Options
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", StandIn, raising=False)
+    monkeypatch.setenv(nccl.ASYNC_ERROR_HANDLING_ENV, "3")
+    group = nccl.NcclGroup.__new__(nccl.NcclGroup)
+    group.timeout_s, group.device = 30.0, torch.device("cuda", 1)
+    group._connect(HashStore(), 1, 2)
+    assert seen == {"handling": "0", "rank": 1, "size": 2, "blocking": False, "timeout": nccl.WATCHDOG,
+                    "device": torch.device("cuda", 1)}
+    assert os.environ[nccl.ASYNC_ERROR_HANDLING_ENV] == "3"
+    assert nccl.WATCHDOG.total_seconds() > 1000 * group.timeout_s
+
+
+class _LostStore(HashStore):
+    """A store that refuses the fault flag (the job's store went down with the peer)."""
+
+    def compare_set(self, *args):
+        raise RuntimeError("connection reset by peer")
+
+    def set(self, *args):
+        raise RuntimeError("connection reset by peer")
+
+
+class _BrokenCommunicator(_FakeCommunicator):
+    """A communicator whose pieces fail (a peer's connection reset), as NCCL reports it without its watchdog."""
+
+    def __init__(self, prefix):
+        super().__init__(prefix, auto=False)
+
+    def allreduce(self, tensors, opts):
+        work = super().allreduce(tensors, opts)
+
+        def failed():
+            raise RuntimeError("NCCL error: remote process exited or there was a network error (peer gone)")
+
+        work.is_completed = failed
+        return work
+
+
+def test_a_failed_piece_aborts_the_communicator_first_even_when_the_flag_cannot_be_raised():
+    group = _fake_nccl(auto=False)
+    group.store = _LostStore()
+    group._connect = lambda *args: _BrokenCommunicator(args[0])
+    with pytest.raises(FaultDetected) as fault:
+        group.allreduce_sum_(torch.ones(4))
+    assert fault.value.raised_here and group.failed and group.pg.aborted
+    assert "peer gone" in fault.value.reason and "raising the epoch's fault flag failed" in fault.value.reason
 
 
 def test_a_fault_flag_aborts_the_nccl_communicator_and_releases_the_wait():

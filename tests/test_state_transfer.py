@@ -246,6 +246,24 @@ def test_a_corrupted_chunk_fails_its_checksum():
     assert isinstance(received, ChecksumError) and "chunk(s) [2]" in str(received)
 
 
+def test_a_damaged_header_fails_its_checksum_and_no_metadata_is_loaded():
+    """One digit of the header's JSON changed in transit (still valid JSON: a step, a rate, an RNG byte): the
+    header's digest, sent with the chunks', fails the transfer before the metadata is loaded."""
+    donor, joiner = Replica(seed=0), Replica(seed=1)
+    donor.train_step(0)
+
+    def change_a_digit_of_the_header(n, t):
+        if n == 2:  # 1 the header's length, 2 the header
+            t = t.clone()
+            digit = next(i for i, b in enumerate(t.tolist()) if chr(b).isdigit())
+            t[digit] = ord("7") if t[digit] != ord("7") else ord("3")
+        return t
+
+    _, received = run_transfer(donor, joiner, chunk_bytes=128, tamper=change_a_digit_of_the_header)
+    assert isinstance(received, ChecksumError) and "the header (metadata)" in str(received), received
+    assert "chunk(s)" not in str(received) and joiner.step == 0
+
+
 def test_without_digests_the_same_bytes_arrive_and_a_flipped_bit_goes_unseen():
     """``checksummed=False`` (what benchmarks/state_transfer.py times to price the digests) hashes nothing: a clean
     transfer is still bitwise, and the flip the digests catch above is loaded as it came."""

@@ -110,11 +110,15 @@ def activate(device: str | None = None) -> str:
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait until ``device`` has finished the work issued to it: an accelerator runs kernels after they are
-    launched, so a clock read without this measures launches, not work. A no-op on CPU (work runs when issued)."""
+    """Wait until ``device`` has finished the work this thread's current stream holds (the compute, and what it
+    was made to wait for, e.g. FSDP2's reduce-scatter at the end of a backward): an accelerator runs kernels after
+    they are launched, so a clock read without this measures launches, not work. Not the whole device: a
+    cross-replica collective queued on its own stream (NCCL's, overlapping the backward) may wait for a dead peer
+    until the fault flag aborts it, and waiting for it here would wait for that peer. A no-op on CPU (work runs when
+    issued)."""
     device = torch.device(device)
     if device.type != "cpu":
-        torch.accelerator.synchronize(device)
+        torch.accelerator.current_stream(device).synchronize()
 
 
 def _rss_bytes() -> int:

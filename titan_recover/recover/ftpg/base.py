@@ -53,6 +53,10 @@ class FaultTolerantGroup(abc.ABC):
     def size(self) -> int:
         return len(self.members)
 
+    def close(self) -> None:
+        """The owner is done with this group (the next epoch's replaces it): release what can be released without
+        blocking. Default: nothing (a gloo group whose peer died may block in its destructor, so it is kept)."""
+
     @abc.abstractmethod
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` (contiguous, on the group's device or the host) over the members, in place."""

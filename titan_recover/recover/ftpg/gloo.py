@@ -91,19 +91,22 @@ class PolledGlooGroup(PolledGroup):
         window: deque = deque()
         if staging is not None:
             staging.begin()
-        for i, batch in enumerate(batches):
-            if before_piece is not None:
-                holding = progress.clock()
-                for _, piece in batch:
-                    before_piece(*piece)
-                progress.held(holding)
-            window.append((i, batch, *self._issue(i, batch, root, staging)))
-            if len(window) >= self.config.in_flight:
+        try:
+            for i, batch in enumerate(batches):
+                if before_piece is not None:
+                    holding = progress.clock()
+                    for _, piece in batch:
+                        before_piece(*piece)
+                    progress.held(holding)
+                window.append((i, batch, *self._issue(i, batch, root, staging)))
+                if len(window) >= self.config.in_flight:
+                    through.mark(self._finish(name, window.popleft(), root, staging, progress, last_piece))
+            while window:
                 through.mark(self._finish(name, window.popleft(), root, staging, progress, last_piece))
-        while window:
-            through.mark(self._finish(name, window.popleft(), root, staging, progress, last_piece))
+        finally:  # also after a failure: whatever the caller does next with the tensors runs after the copies back
+            if staging is not None:
+                staging.end()
         if staging is not None:
-            staging.end()
             if on_each is not None:
                 staging.synchronize()
                 for i in range(len(tensors)):

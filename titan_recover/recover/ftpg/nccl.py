@@ -2,12 +2,20 @@
 
 Tensors never leave the device. Each epoch's group creates its own communicator from the epoch's store prefix
 (``ProcessGroupNCCL`` with ``config.blocking = False``: a non-blocking communicator, whose abort returns even while
-a kernel waits on a dead peer), connected eagerly on the device. A collective is issued in pieces, all at once
-(NCCL queues them on its stream in order), and the caller's thread polls each piece's completion
-(``work.is_completed()``, a query of its CUDA event) together with the epoch's fault flag and the progress
-deadline (:mod:`.polled`). On a fault the communicator is aborted (``ncclCommAbort``), which releases the kernels
-still waiting, and the group is never used again: the next epoch creates a new communicator. NCCL's own watchdog
-gets a per-piece timeout well behind the progress deadline, so it never fires first.
+a kernel waits on a dead peer), connected on the device at the group's first collective, inside the same guard as
+the collective (a peer lost while connecting is a fault of the epoch, not a crash). A collective is issued in
+pieces, all at once (NCCL queues them on its stream in order), and the caller's thread polls each piece's
+completion (``work.is_completed()``, a query of its CUDA event) together with the epoch's fault flag and the
+progress deadline (:mod:`.polled`). On a fault the communicator is aborted (``ncclCommAbort``), which releases the
+kernels still waiting, and the group is never used again: the next epoch creates a new communicator, and the
+previous epoch's is aborted once the new group exists (:meth:`NcclGroup.close`: its device buffers are freed).
+
+NCCL's own watchdog never decides for this group: the communicator is created with
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (read by each ``ProcessGroupNCCL`` when it is constructed; the process's
+other groups keep theirs), so an error on a piece (a peer's connection reset) marks the piece failed instead of
+tearing the process down, and the wait here turns it into a fault; and its timeout (the group's, which NCCL applies
+to every piece from its issue, whatever a collective's options say) is :data:`WATCHDOG`, far behind the progress
+deadline.
 
 Why this and not ``torch.distributed.shrink_group`` or a communicator in a subprocess (torchft's
 ``ProcessGroupBabyNCCL``): docs/replica_groups.md, "Backends". Not yet run on a GPU (docs/platform.md).
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -32,6 +41,14 @@ _QUERY_S = 0.0005
 on that completes on the host)."""
 
 
+WATCHDOG = timedelta(days=7)
+"""NCCL's timeout for this group's pieces: NCCL counts it from each piece's issue, for every piece of a collective
+issued at once, so any finite bound would fail a big collective that still makes progress; the progress deadline
+(:class:`~.polled.Progress`) and the fault flag end a stuck one, by aborting the communicator."""
+
+ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
 @register_backend("nccl")
 class NcclGroup(PolledGroup):
     """The NCCL communicator of one rank of each of one epoch's member replicas, on this rank's device."""
@@ -41,25 +58,35 @@ class NcclGroup(PolledGroup):
         if self.device.type != "cuda":
             raise ValueError(f"[recover.ftpg] backend = \"nccl\" needs CUDA tensors; this rank's device is "
                              f"{self.device} (use backend = \"auto\" or \"gloo\")")
-        prefix = PrefixStore(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), store)
-        self.pg = self._connect(prefix, self.group_rank, len(self.members))
+        self.pg = None
+        """The communicator, connected by the first collective (inside its guard)."""
+
+    def _communicator(self):
+        if self.pg is None:
+            prefix = PrefixStore(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.store)
+            self.pg = self._connect(prefix, self.group_rank, len(self.members))
+        return self.pg
 
     def _connect(self, store: Store, group_rank: int, size: int):
-        """A new non-blocking communicator of this epoch (tests replace it with a fake)."""
+        """A new non-blocking communicator of this epoch, connected (tests replace it with a fake)."""
         from torch.distributed import ProcessGroupNCCL
 
         # the time NCCL allows a non-blocking init or abort before giving up (torchft sets it the same way)
         os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(max(self.timeout_s, 1))))
         options = ProcessGroupNCCL.Options()
         options.config.blocking = False
-        options._timeout = timedelta(seconds=self._watchdog_s(0))
-        pg = ProcessGroupNCCL(store, group_rank, size, options)
+        options._timeout = WATCHDOG
+        with _environment(ASYNC_ERROR_HANDLING_ENV, "0"):  # errors are ours to handle: no teardown by the watchdog
+            pg = ProcessGroupNCCL(store, group_rank, size, options)
         pg.eager_connect_single_device(self.device)
         return pg
 
-    def _watchdog_s(self, index: int) -> float:
-        """NCCL's own timeout of piece ``index``: behind the progress deadline of every piece before it."""
-        return self.timeout_s * (index + 2) + 60.0
+    def close(self) -> None:
+        """Abort the communicator of a group that is done with (a new epoch's group replaces it): a non-blocking
+        abort returns at once and frees its device buffers."""
+        if self.pg is not None and not self.failed:
+            self.failed = True
+            self.pg.abort()
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         self.allreduce_many_([tensor])
@@ -84,11 +111,12 @@ class NcclGroup(PolledGroup):
     def _collective(self, name: str, tensors: list[torch.Tensor], root: int | None, on_each=None,
                     before_piece=None) -> None:
         pieces = pieces_of(tensors, self.config.chunk_bytes)
+        pg = self._communicator()
         works = []
-        for i, piece in enumerate(pieces):
+        for piece in pieces:
             if before_piece is not None:  # queued on the caller's stream, which NCCL's stream waits for
                 before_piece(*piece)
-            works.append(self._issue(i, piece[2], root))
+            works.append(self._issue(pg, piece[2], root))
         progress = Progress(self.timeout_s)
         last = {index: i for i, (index, _, _) in enumerate(pieces)}
         reported = 0
@@ -96,6 +124,7 @@ class NcclGroup(PolledGroup):
             self._wait(name, work, progress)
             index = pieces[i][0]
             if on_each is not None and last[index] == i:
+                torch.cuda.current_stream(self.device).synchronize()  # a callback reads the tensors on the host
                 while reported <= index:
                     on_each(reported)
                     reported += 1
@@ -103,16 +132,15 @@ class NcclGroup(PolledGroup):
             for index in range(reported, len(tensors)):
                 on_each(index)
 
-    def _issue(self, i: int, view: torch.Tensor, root: int | None):
+    @staticmethod
+    def _issue(pg, view: torch.Tensor, root: int | None):
         if root is None:
             opts = AllreduceOptions()
             opts.reduceOp = ReduceOp.SUM
-            opts.timeout = timedelta(seconds=self._watchdog_s(i))
-            return self.pg.allreduce([view], opts)
+            return pg.allreduce([view], opts)
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        opts.timeout = timedelta(seconds=self._watchdog_s(i))
-        return self.pg.broadcast([view], opts)
+        return pg.broadcast([view], opts)
 
     # ---- PolledGroup ------------------------------------------------------------------------------------------
     def _wait_for(self, work, seconds: float) -> bool:
@@ -124,4 +152,19 @@ class NcclGroup(PolledGroup):
         return True
 
     def _abort(self) -> None:
-        self.pg.abort()
+        if self.pg is not None:
+            self.pg.abort()
+
+
+@contextmanager
+def _environment(name: str, value: str):
+    """``name`` set to ``value`` inside the block, as it was after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before

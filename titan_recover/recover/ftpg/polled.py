@@ -49,14 +49,15 @@ def batches_of(pieces: list[Piece], tensors: list[torch.Tensor], chunk_bytes: in
     """The pieces, numbered, in batches issued as one operation each: consecutive whole tensors smaller than
     ``small_bytes`` share a batch up to ``chunk_bytes`` in all (one coalesced operation instead of one per small
     tensor, such as a model's many norm weights); every other piece is a batch of its own (a coalesced operation
-    copies its tensors into one buffer and back, which costs more than it saves for larger tensors)."""
+    copies its tensors into one buffer and back, which costs more than it saves for larger tensors). A batch holds
+    one dtype (gloo's coalesced all-reduce refuses a mix)."""
     batches: list[list[tuple[int, Piece]]] = []
     room = 0
     for n, piece in enumerate(pieces):
         index, start, view = piece
         nbytes = view.numel() * view.element_size()
         whole = start == 0 and view.numel() == tensors[index].numel() and nbytes < min(small_bytes, chunk_bytes)
-        if whole and batches and room >= nbytes:
+        if whole and batches and room >= nbytes and batches[-1][-1][1][2].dtype == view.dtype:
             batches[-1].append((n, piece))
             room -= nbytes
             continue
@@ -144,8 +145,11 @@ class PolledGroup(FaultTolerantGroup):
                 f"replica {self.replica} rank {self.rank}: {name} in epoch {self.epoch} failed: "
                 f"{type(error).__name__}: {str(error)[:200]}"
             )
-            raise_fault_flag(self.store, self.epoch, reason)
-            self._fail()
+            self._fail()  # first: releasing what is pending needs no store
+            try:
+                raise_fault_flag(self.store, self.epoch, reason)
+            except Exception as store_error:  # the store is lost too: the fault stands, with both reasons
+                reason += f"; raising the epoch's fault flag failed: {type(store_error).__name__}: {store_error}"
             raise FaultDetected(reason, raised_here=True) from error
 
     def _fail(self) -> None:

@@ -124,6 +124,8 @@ class ReplicaSync:
                             fault_seen=self.member.fault_seen if self.member.watches_faults else None, tag=tag)
         self._retired.append(group)
         if members is None:
+            if self.group is not None:
+                self.group.close()  # the previous epoch's (a NCCL communicator frees its device buffers)
             self.group = group
         return group
 

@@ -214,9 +214,10 @@ class SyncMode(Mode):
         self.step = step  # the step being trained (a stop during the admission below returns to step - 1)
         self.committed_tokens = self.parts.train_state.state_dict()["ntokens_seen"]
         # a replica admitted after the previous commit receives the state now (a joiner: its whole state, which
-        # moves the trainer's step to the donors')
+        # moves the trainer's step and tokens to the donors')
         self.admission.admit_pending(step, self.state)
         train_state = self.parts.train_state.state_dict()
+        self.committed_tokens = train_state["ntokens_seen"]
         step = self.step = train_state["step"]
         parts = self.parts
         parts.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)

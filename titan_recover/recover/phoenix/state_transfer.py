@@ -213,7 +213,8 @@ def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
     ``checksummed=False``: no chunk is hashed and nothing is verified (every participant must pass the same; only
     ``benchmarks/state_transfer.py`` does, to measure what the digests cost).
 
-    On the wire: the header (:func:`_exchange_header`), the chunks in order, the donor's digests in one tensor."""
+    On the wire: the header (:func:`_exchange_header`), the chunks in order, the donor's digests in one tensor (one
+    per chunk, then the header's: the metadata is loaded only after both verified)."""
     if ring < 1:
         raise ValueError(f"a state transfer needs a ring of at least one buffer, got {ring}")
     if not is_donor:
@@ -221,12 +222,14 @@ def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
     tensors = state.tensors()
     views = [bytes_view(t) for t in tensors]
     sizes = [v.numel() for v in views]
-    header = _exchange_header(state, tensors, broadcast, is_donor=is_donor, chunk_bytes=chunk_bytes,
-                              direct_bytes=direct_bytes)
+    header, text = _exchange_header(state, tensors, broadcast, is_donor=is_donor, chunk_bytes=chunk_bytes,
+                                    direct_bytes=direct_bytes)
     pieces = plan_pieces(sizes, header["chunk_bytes"], header["direct_bytes"])
     chunks = ChunkRing(pieces, views, copies or copies_for(tensors), ring=ring, is_donor=is_donor,
                        checksummed=checksummed)
-    computed = chunks.run(broadcast_many or _one_after_another(broadcast))
+    digests = chunks.run(broadcast_many or _one_after_another(broadcast))
+    header_digest = checksum(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)) if checksummed else 0
+    computed = torch.cat([digests, torch.tensor([header_digest], dtype=torch.int64)])
     donors = computed.clone()
     broadcast(donors)
     if not is_donor:
@@ -246,16 +249,21 @@ def _one_after_another(broadcast: Broadcast) -> Callable[..., None]:
 
 
 def _exchange_header(state: TrainingState, tensors: list[torch.Tensor], broadcast: Broadcast, *, is_donor: bool,
-                     chunk_bytes: int, direct_bytes: int) -> dict[str, Any]:
+                     chunk_bytes: int, direct_bytes: int) -> tuple[dict[str, Any], str]:
     """The donor's header (metadata, the layout of its tensors, its chunk sizes), sent by the donor and received by
-    every participant; raises :class:`StateMismatch` where this rank's tensors do not have the donor's layout."""
+    every participant, and its text as this side holds it (hashed with the chunks); raises :class:`StateMismatch`
+    where this rank's tensors do not have the donor's layout."""
     header = None
     if is_donor:
         header = json.dumps({"meta": state.metadata(), "spec": tensor_spec(tensors), "chunk_bytes": chunk_bytes,
                              "direct_bytes": direct_bytes})
-    received = json.loads(_send_text(header, broadcast))
+    text = _send_text(header, broadcast)
+    try:
+        received = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ChecksumError(f"the state transfer's header arrived damaged ({error})") from error
     _check_layout(received["spec"], tensor_spec(tensors))
-    return received
+    return received, text
 
 
 def _check_layout(donor: list[list], here: list[list]) -> None:
@@ -382,7 +390,12 @@ def _chunk_bytes(piece: tuple[bool, list[Segment]]) -> int:
 
 
 def _verify_chunks(computed: torch.Tensor, donors: torch.Tensor) -> None:
-    """A receiver's check: raise :class:`ChecksumError` naming every chunk whose digest differs from the donor's."""
+    """A receiver's check: raise :class:`ChecksumError` naming every chunk whose digest differs from the donor's
+    (the last digest is the header's)."""
     bad = (computed != donors).nonzero().flatten().tolist()
+    header = len(computed) - 1
     if bad:
-        raise ChecksumError(f"chunk(s) {bad} of the state transfer failed their checksum")
+        chunks = [i for i in bad if i != header]
+        raise ChecksumError("the state transfer failed its checksum: "
+                            + ", ".join(([f"chunk(s) {chunks}"] if chunks else [])
+                                        + (["the header (metadata)"] if header in bad else [])))
