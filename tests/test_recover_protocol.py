@@ -763,6 +763,45 @@ def test_the_commit_barrier_counts_groups_in_the_job_store_and_passes_the_decisi
     assert not job.check([GroupKeys.fault(0)])
 
 
+def test_an_admission_barrier_waits_while_the_transfer_moves_and_not_once_it_stands_still():
+    """Group 1 reaches the admission's barrier only after 4 timeouts (a long state transfer); group 0 waits for
+    it: as long as the transfer's counter moves (a chunk every fifth of a timeout) the wait goes on and the
+    admission commits; with the counter standing still the wait ends after a timeout or two, flag raised, aborted."""
+    import threading
+
+    from titan_recover.recover.groups.keys import GroupKeys
+
+    timeout = 0.3
+    for moves, expected in ((True, "commit"), (False, "abort")):
+        syncs, job, _ = _two_groups_of_two(RecoverConfig(replicas=2, heartbeat_interval_s=0.02, join_window_s=0.05,
+                                                         heartbeat_timeout_s=0.1, collective_timeout_s=timeout))
+        moving = GroupKeys.transferred(0)
+        stop = threading.Event()
+
+        def donor():  # the transfer's chunks, until the barrier is over
+            while not stop.wait(timeout / 5):
+                if moves:
+                    job.add(moving, 1)
+
+        def barrier(key):  # group 1's ranks come once their part of the transfer is through
+            if key[0] == 1:
+                time.sleep(4 * timeout)
+            return syncs[key].commit_barrier("admit5", moving=moving)
+
+        threading.Thread(target=donor, daemon=True).start()
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(4)
+        try:
+            futures = {key: pool.submit(barrier, key) for key in syncs}
+            decisions = {key: f.result(timeout=30) for key, f in futures.items()}
+        finally:
+            stop.set()
+            pool.shutdown(wait=False)
+        assert set(decisions.values()) == {expected}, (moves, decisions)
+        assert job.check([GroupKeys.fault(0)]) == (not moves)
+
+
 def test_a_rank_that_saw_a_fault_aborts_the_step_for_every_group():
     """Rank 1 of group 0 saw the fault flag before the barrier: it proposes ``abort`` without counting in; its
     leader, waiting for it, wakes by the passed-on decision, and group 1 (counted in) reads it from the job."""

@@ -181,6 +181,12 @@ class GroupKeys:
         return f"admission/e{epoch}"
 
     @staticmethod
+    def transferred(epoch: int) -> str:
+        """A counter the donor's ranks add to as each chunk of a state transfer in ``epoch`` is through: the
+        admission's other members wait for its decision while it moves (docs/phoenix.md)."""
+        return f"transferred/e{epoch}"
+
+    @staticmethod
     def admitted(epoch: int) -> str:
         """Published with an epoch that admits replicas: ``"{step}|{replicas}"`` (the step they enter after)."""
         return f"admitted/e{epoch}"
@@ -203,7 +209,7 @@ class GroupKeys:
         epoch 1's never matches epoch 10's keys. What is deleted once no member can read the epoch any more
         (:mod:`~titan_recover.recover.groups.collect`)."""
         keys = [GroupKeys.fault(epoch), GroupKeys.joined_count(epoch), GroupKeys.admission(epoch),
-                GroupKeys.admitted(epoch)]
+                GroupKeys.admitted(epoch), GroupKeys.transferred(epoch)]
         groups = GroupKeys.group_prefix(epoch, 0).rsplit("/", 1)[0] + "/"  # every fault-tolerant group's
         prefixes = [f"epoch/{epoch}/", f"join/e{epoch}/", f"reduced/e{epoch}/", f"decision/e{epoch}/",
                     f"evicted/e{epoch}/", f"founding/e{epoch}/", groups]

@@ -59,6 +59,8 @@ class ReplicaSync:
         """(step, replicas) admitted by the last commit: the transfer runs at the start of the next step."""
         self.group: FaultTolerantGroup | None = None
         self._retired: list[FaultTolerantGroup] = []  # every group built (see build_group)
+        self._moving: str | None = None
+        """The current commit barrier's progress counter (:meth:`commit_barrier`), or None."""
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
         self.committed_epoch = -1  # epoch of the last commit (start-up broadcast or step): quotas start from it
         self.committed_members: tuple[int, ...] = ()
@@ -295,7 +297,7 @@ class ReplicaSync:
                     dropped[replica] = last[0]
         return ready_to_join(self.members, requests, ranks, dropped)
 
-    def commit_barrier(self, step: int | str, admit: bool = False) -> str:
+    def commit_barrier(self, step: int | str, admit: bool = False, moving: str | None = None) -> str:
         """Every rank of every member finished the step's reduction: ``commit``; a fault came first: ``abort``.
         One leader rank per group takes part for its group (docs/replica_groups.md "The step"): the
         group's other ranks count themselves in in the group's own store and wait there for the decision, the
@@ -303,7 +305,10 @@ class ReplicaSync:
         ``commit``, a leader that saw a fault proposes ``abort``, the others block on the step's decision key
         until it is stored (by the last group, or ``abort`` by the heartbeat thread of a rank that sees the fault
         flag meanwhile) and pass it on to their group. ``collective_timeout_s`` without a decision (at either
-        level) raises the flag and aborts. The first proposal stored is every member's decision."""
+        level) raises the flag and aborts; with ``moving`` (a counter in the job's store, such as a state
+        transfer's), only ``collective_timeout_s`` in which neither a decision came nor the counter moved. The
+        first proposal stored is every member's decision."""
+        self._moving = moving
         self.member.waiting_on = (self.epoch, step)  # before looking at the flag: a flag after is answered there
         try:
             if self.member.group_store is not None and not self.member.leader:
@@ -326,7 +331,7 @@ class ReplicaSync:
             local.set(GroupKeys.group_ready(self.epoch, step), "in")  # the leader's wait ends
         self.member.progress()
         decided = GroupKeys.decision(self.epoch, step)
-        if wait_for_key(local, decided, self.config.collective_timeout_s):
+        if self._await(local, decided):
             return local.get(decided).decode()
         return self._timed_out(step, "its group's decision")
 
@@ -334,7 +339,7 @@ class ReplicaSync:
         """The leader: wait until the group's other ranks are in (None: count the group in) or a decision was
         passed on to the group already (returned)."""
         local = self.member.group_store
-        if not wait_for_key(local, GroupKeys.group_ready(self.epoch, step), self.config.collective_timeout_s):
+        if not self._await(local, GroupKeys.group_ready(self.epoch, step)):
             return self._timed_out(step, "its group's ranks")
         decided = GroupKeys.decision(self.epoch, step)
         return local.get(decided).decode() if local.check([decided]) else None
@@ -357,7 +362,7 @@ class ReplicaSync:
         proposal = decide_commit(store.add(key, 1), len(self.members), self._fault_seen())
         if proposal is None:
             self.member.progress()
-            if not wait_for_key(store, decided, self.config.collective_timeout_s):
+            if not self._await(store, decided):
                 return self._timed_out(step, "the other groups")
             decision = store.get(decided).decode()
             pass_on(self.member.group_store, self.epoch, step, decision)
@@ -369,6 +374,20 @@ class ReplicaSync:
         if decision == proposal and CommitDecision.decode(decision).outcome == "commit":
             self.collector.after_commit(self.epoch, step)  # this rank stored the commit: every member is in it
         return decision
+
+    def _await(self, store, key: str) -> bool:
+        """Wait for ``key`` in ``store``: ``collective_timeout_s``, again as long as the barrier's ``moving``
+        counter (in the job's store) changed meanwhile; False once a wait ended with it standing still."""
+        timeout = self.config.collective_timeout_s
+        if self._moving is None:
+            return wait_for_key(store, key, timeout)
+        seen = self.member.store.add(self._moving, 0)
+        while not wait_for_key(store, key, timeout):
+            now = self.member.store.add(self._moving, 0)
+            if now == seen:
+                return False
+            seen = now
+        return True
 
     def _timed_out(self, step: int | str, waiting_for: str) -> str:
         raise_fault_flag(self.member.store, self.epoch, f"replica {self.member.replica} rank {self.member.rank}: "

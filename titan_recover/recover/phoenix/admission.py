@@ -76,7 +76,7 @@ class Admission:
         try:
             if sync.member.replica == donor or sync.member.replica in joiners:
                 self._transfer(state, donor, joiners, step=admitted_after + 1)
-            decision = sync.commit_barrier(label)
+            decision = sync.commit_barrier(label, moving=GroupKeys.transferred(sync.epoch))
         except (FaultDetected, ChecksumError) as fault:
             if isinstance(fault, ChecksumError):
                 raise_fault_flag(sync.member.store, sync.epoch, f"replica {sync.member.replica}: {fault}")
@@ -184,9 +184,18 @@ class Admission:
             if sent[0] == 1 and sync.chaos is not None:  # the header's length went out, the state has not
                 sync.chaos.maybe_inject(step, "transfer")
 
+        moving = GroupKeys.transferred(sync.epoch)
+
+        def broadcast_many(tensors, on_each) -> None:
+            def through(i: int) -> None:
+                on_each(i)
+                if is_donor:  # the members waiting in the admission's barrier wait on while this moves
+                    sync.member.store.add(moving, 1)
+
+            group.broadcast_many_(tensors, donor, through)
+
         start = time.perf_counter()
-        stats = transfer(state, broadcast, is_donor=is_donor,
-                         broadcast_many=lambda tensors, on_each: group.broadcast_many_(tensors, donor, on_each))
+        stats = transfer(state, broadcast, is_donor=is_donor, broadcast_many=broadcast_many)
         seconds = time.perf_counter() - start
         sync.events.emit("state_transferred", epoch=sync.epoch, role="donor" if is_donor else "joiner",
                          donor=donor, joiners=list(joiners), bytes=stats.bytes, chunks=stats.chunks,
