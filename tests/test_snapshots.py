@@ -92,6 +92,27 @@ def test_a_snapshot_restores_a_fresh_replica_and_a_failed_send_keeps_the_previou
         assert torch.equal(value, expected[name]), name
     assert restorer.restore(durable_step=3) is None  # a durable checkpoint as new wins
 
+    # the restored process's first snapshot goes to the other slot: dying while it is sent leaves step 3 whole
+    restorer.store = DiesWhileSending(restorer.store)
+    fresh.train_step(3)
+    assert restorer.take(fresh.step)
+    restorer.wait()
+    again = Replica(seed=2)
+    assert Snapshots(again.state(), keepers=[keeper], rank=0, ranks=1, local_ranks=1,
+                     timeout_s=10).restore(durable_step=0) == 3
+
+
+def test_a_keeper_that_is_gone_leaves_a_start_without_snapshots_not_a_failed_start():
+    """The buddy keeper died (its port closed): the rank starts, its restore finds nothing and says so, and the
+    durable checkpoint is what the job resumes from."""
+    from torch.distributed import TCPStore as Store
+
+    closed = Store("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    address = f"127.0.0.1:{closed.port}"
+    del closed  # the keeper is gone
+    snapshots = Snapshots(Replica(seed=0).state(), keepers=[address], rank=0, ranks=1, local_ranks=1, timeout_s=1)
+    assert snapshots.restore(durable_step=0) is None
+
 
 class GatedCopies(DeferredCopies):
     """A side stream whose copies the sending thread can only see complete once the test opens the gate."""

@@ -160,8 +160,10 @@ class Snapshots:
         self.state, self.rank, self.ranks, self.events = state, rank, ranks, events
         self.timeout_s = timeout_s
         self.keepers = keepers
-        node = rank // local_ranks
-        self.store = _connect(keepers[buddy_node(node, len(keepers))], timeout_s)
+        self._buddy = buddy_node(rank // local_ranks, len(keepers))
+        self._store = None
+        """The buddy keeper's client, connected at first use (:attr:`store`): a keeper that is gone leaves a start
+        without snapshots, not a failed start."""
         self._peer_stores = {}
         self._local_ranks = local_ranks
         self._slot = 0
@@ -175,6 +177,17 @@ class Snapshots:
         """Time optimizer steps waited for a snapshot's copy (the only cost on the training thread)."""
         self.skipped = 0
         self.taken = 0
+
+    @property
+    def store(self):
+        """The client of this rank's buddy keeper (connected now if it is not yet)."""
+        if self._store is None:
+            self._store = _connect(self.keepers[self._buddy], self.timeout_s)
+        return self._store
+
+    @store.setter
+    def store(self, value) -> None:
+        self._store = value
 
     def _store_of(self, rank: int):
         node = buddy_node(rank // self._local_ranks, len(self.keepers))
@@ -294,6 +307,7 @@ class Snapshots:
         slot, meta = complete[self.rank][step]
         started = time.perf_counter()
         self._load(step, self._read(step, slot, meta), meta)
+        self._slot = 1 - slot  # the next snapshot goes to the other slot: the one restored stays whole until then
         if self.events is not None:
             self.events.emit("snapshot_restored", step=step, rank=self.rank, bytes=meta["bytes"],
                              durable_step=durable_step, seconds=time.perf_counter() - started)
