@@ -99,6 +99,19 @@ def test_add_is_atomic_across_clients(backend):
     assert backend.store.get("counter") == b"200"
 
 
+def test_adding_zero_reads_the_counter(backend):
+    """``add(key, 0)``, the counters' read: the value, 0 for a missing key (etcd: without a write, which would stay
+    in its history until compacted)."""
+    assert backend.store.add("zero", 0) == 0
+    assert backend.store.add("zero", 3) == 3 and backend.store.add("zero", 0) == 3
+    if backend.kind == "etcd":
+        assert not backend.store.check(["never"]) and backend.store.add("never", 0) == 0
+        assert not backend.store.check(["never"])  # read, not written
+        before = backend.store.cluster.txn([], [])["header"]["revision"]
+        backend.store.add("zero", 0)
+        assert backend.store.cluster.txn([], [])["header"]["revision"] == before  # no write: no new revision
+
+
 COMPARE_SET = [  # (key, expected, desired) -> the value returned, and the key's value after (None: absent)
     (("a", "", "v1"), b"v1", b"v1"),  # absent, "" expected: set
     (("a", "", "v2"), b"v1", b"v1"),  # present: "" does not match

@@ -388,7 +388,14 @@ class EtcdStore(Store):
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the integer in ``key`` (a missing key holds 0) and return the sum: a transaction
         that writes only if the key is unchanged since it was read, repeated until one does (bounded by the
-        store's timeout)."""
+        store's timeout). ``amount = 0`` is a read (the counters' readers call it often; every write stays in
+        etcd's history until compacted): a missing key reads 0 and stays missing."""
+        if amount == 0:
+            value = self._read([key])[0][0]
+            try:
+                return 0 if value is None else int(value)
+            except ValueError:
+                raise ValueError(f"add: key {key!r} holds {value!r}, not an integer") from None
         full = self.etcd_key(key)
         guard, base = if_absent(full), 0
         deadline = time.monotonic() + self.timeout.total_seconds()
