@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from torch.distributed import DistNetworkError, DistStoreError, PrefixStore, TCPStore
+from torch.distributed import DistNetworkError, DistStoreError, HashStore, PrefixStore, TCPStore
 
 from titan_recover.recover.groups.keys import raise_fault_flag
 from titan_recover.recover.stores import etcd_prefix, open_store, parse_store_url, StoreAddress, URL_FORMS
@@ -360,6 +360,38 @@ def _candidate(url: str, prefix: str, identity: str, events) -> None:
 
 
 @pytest.mark.multiprocess
+def test_a_standby_whose_lease_lapsed_stands_by_again_with_a_new_one(monkeypatch):
+    """etcd out of reach longer than the lease while a candidate stands by: its campaign raises (lease lost); the
+    candidate resigns that election and campaigns with a new one, instead of ending its process (which the
+    launcher would count against the role's restarts)."""
+    import threading as _threading
+
+    from titan_recover.recover import standby
+    from titan_recover.recover.stores import leader
+
+    made = []
+
+    class Election:
+        def __init__(self, store, key, identity, ttl_s):
+            self.identity, self.lost, self.lost_reason, self.resigned = identity, _threading.Event(), "", False
+            self.first = not made
+            made.append(self)
+
+        def campaign(self, timeout):
+            if self.first:
+                self.lost_reason = "no refresh answered for 1.5 s"
+                self.lost.set()
+                raise RuntimeError(f"{self.identity}: the lease was lost while campaigning")
+
+        def resign(self):
+            self.resigned = True
+
+    monkeypatch.setattr(leader, "LeaderElection", Election)
+    store = HashStore()
+    elected = standby.lead(store, "coordinator/leader", "node1/coordinator0", over_key="finished")
+    assert elected is made[1] and made[0].resigned and not made[1].resigned
+
+
 def test_a_standby_takes_over_when_the_leader_dies(etcd_server):
     """The leader's process is killed (its keepalive with it): the standby leads within the lease's TTL + 1 s."""
     from titan_recover.recover.stores.leader import LeaderElection

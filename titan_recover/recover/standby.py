@@ -38,6 +38,14 @@ def lead(store, key: str, identity: str, *, over_key: str):
             election.campaign(timedelta(seconds=CAMPAIGN_SLICE_S))
         except TimeoutError:
             continue
+        except RuntimeError:  # its lease lapsed while standing by (etcd out of reach a while): a new candidacy
+            if not election.lost.is_set():
+                raise
+            logger.warning("%s: the standby's lease was lost (%s); standing by again with a new one", identity,
+                           election.lost_reason)
+            election.resign()
+            election = LeaderElection(store, key, identity, ttl_s=LEADER_TTL_S)
+            continue
         if not store.check([over_key]):
             return election
         break  # led only because the last leader ended the job and resigned
