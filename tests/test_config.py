@@ -360,6 +360,20 @@ def test_a_job_of_many_nodes_without_replica_groups_uses_every_gpu_of_each_node(
     assert code == 0 and "--nproc-per-node=8" in out and "--nnodes=2" in out, (out, err)
 
 
+def test_a_replay_on_gpus_without_deterministic_kernels_is_refused_before_launch(launcher, monkeypatch):
+    from titan_recover import platform
+
+    code, _, err = launcher("train_configs/scout.toml", "--dry-run")
+    assert code == 0, err  # CPU kernels are deterministic
+    monkeypatch.setattr(platform, "active_device", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    code, _, err = launcher("train_configs/scout.toml", "--dry-run")
+    assert code == 2 and "replay_interval = 5 on GPUs needs deterministic kernels" in err, err
+    code, _, err = launcher("train_configs/scout.toml", "--debug.deterministic", "--dry-run")
+    assert code == 0, err
+
+
 def test_the_nccl_backend_on_a_cpu_job_is_refused_before_launch(launcher):
     code, _, err = launcher("train_configs/replicas.toml", "--recover.ftpg.backend", "nccl", "--dry-run")
     assert code == 2 and 'backend = "nccl" reduces on CUDA devices, and this job runs on cpu' in err, err

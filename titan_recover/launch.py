@@ -111,6 +111,18 @@ def check_replica_layout(config, layout, nnodes: int) -> None:
         )
 
 
+def check_replay_determinism(config, device: str) -> None:
+    """The replay vote compares two replicas' gradients of the same microbatch bit for bit: on a GPU only
+    deterministic kernels give the same bits (atomics in a backward do not), so a replay there without them would
+    evict healthy replicas or stop the job at its first replay."""
+    if device == "cuda" and config.recover.localize.replay_interval > 0 and not config.debug.deterministic:
+        raise ConfigError(
+            f"[recover.localize] replay_interval = {config.recover.localize.replay_interval} on GPUs needs "
+            "deterministic kernels (the replayed microbatch must give the same bits on two replicas): set "
+            "debug.deterministic = true, or replay_interval = 0"
+        )
+
+
 def node_plan(config, options: dict):
     """This node's part of a replica-group job (``recover/nodes.py``): ``--nnodes``, ``--node-rank`` and
     ``--rdzv-endpoint`` checked against the config; ConfigError saying what is wrong."""
@@ -261,6 +273,7 @@ def check_job(config, options: dict):
         layout = resolve_layout(config.parallelism, nproc)
         check_batch(config.training, config.parallelism, layout)
         check_replica_layout(config, layout, nnodes)
+        check_replay_determinism(config, device)
         plan = node_plan(config, options)
         evaluation_placement(config, group_placement(config, nproc, device, len(plan.groups)))
         return nproc, nnodes, layout
