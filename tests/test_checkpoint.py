@@ -194,3 +194,15 @@ def test_the_purge_keeps_complete_checkpoints_over_a_lost_writers_partial_one(tm
     writer.close()  # joins the purge thread
     # TorchTitan's own purge would keep step-6 and step-8 only, no complete checkpoint but the newest
     assert sorted(os.listdir(shared)) == ["step-4", "step-6", "step-8"]
+
+
+def test_a_joiner_whose_admission_had_not_committed_never_writes_the_stops_checkpoint():
+    """A stop during an admission: the stop's epoch still lists the joiner (replica 0, the lowest); the checkpoint
+    of the last committed step comes from the lowest replica that committed it, and from nobody if only joiners
+    are left (their state is partly received, or an older checkpoint's)."""
+    from titan_recover.recover.modes.sync import stop_writer
+
+    assert stop_writer((0, 2, 3), committed=(1, 2, 3)) == 2
+    assert stop_writer((0, 1, 2), committed=(0, 1, 2)) == 0  # admitted and committed since: a member like any
+    assert stop_writer((0,), committed=(1, 2)) is None
+    assert stop_writer((), committed=(1, 2)) is None

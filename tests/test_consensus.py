@@ -332,3 +332,4 @@ def test_recovery_picks_the_newest_verified_complete_checkpoint(tmp_path):
     (bare / "step-3" / ".metadata").write_text("x")
     mark_verified(str(bare), 7)
     assert step_to_load(str(bare)) == (None, "no verified checkpoint among [3]: loading the newest, unverified")
+

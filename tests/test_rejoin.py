@@ -109,3 +109,4 @@ def test_spare_is_promoted_after_a_kill(tmp_path, reference):
     assert not of(events, "state_transferred")  # a spare is warm: nothing to transfer
     assert sorted(logged[spare]) == list(range(1, STEPS + 1))
     assert_all_equal_reference(reference, tmp_path, events, replicas=[0, 2, spare])
+

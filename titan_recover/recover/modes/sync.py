@@ -244,12 +244,12 @@ class SyncMode(Mode):
 
     def _stop_writer(self) -> int | None:
         """At a stop: the replica that writes the stop's checkpoint, the lowest of those left in the epoch the
-        coordinator formed with the stop (published before the stop itself, so every survivor reads the same one);
-        None if none is left."""
+        coordinator formed with the stop (published before the stop itself, so every survivor reads the same one)
+        that hold the last committed state (:func:`stop_writer`); None if none is left."""
         store, epoch = self.member.store, self.sync.epoch
         while store.check([GroupKeys.members(epoch + 1)]):
             epoch += 1
-        return min(self.member.members_of(epoch), default=None)
+        return stop_writer(self.member.members_of(epoch), self.sync.committed_members)
 
     def _optimizer_step(self, step: int, outcome: StepOutcome) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, as TorchTitan's ``Trainer.train_step`` does; ``drop``
@@ -379,3 +379,11 @@ class SyncMode(Mode):
 
     def close(self) -> None:
         self.member.close()
+
+
+def stop_writer(left: tuple[int, ...], committed: tuple[int, ...]) -> int | None:
+    """The replica that writes a stop's checkpoint: the lowest of those ``left`` in the stop's epoch that were
+    members of the epoch that committed the last step (``committed``, the same on every survivor). A joiner whose
+    admission had not committed holds no such state (partly received, or an older checkpoint's), so it never
+    writes; None where only joiners are left."""
+    return min((m for m in left if m in committed), default=None)
