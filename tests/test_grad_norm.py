@@ -184,3 +184,40 @@ def test_each_tensors_norm_is_taken_in_its_dtype_at_least_float32_and_the_square
     expected = [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
     assert float(partial) == pytest.approx(math.fsum(float(n) ** 2 for n in expected), rel=1e-15)
     assert float(partial) != pytest.approx(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in grads), rel=1e-4)
+
+
+def test_gradients_the_replica_worker_builds_keep_a_partial_gradients_placement(tmp_path):
+    """A tensor-parallel norm weight (Replicate over the TP mesh) whose backward gives a Partial gradient (each TP
+    rank a summand): the zeros an overlapped step starts from, a backup restored after an aborted reduction and a
+    reduced sum written where the replica had no gradient are Partial too (labelled Replicate, each TP rank's
+    summand would be taken as the whole gradient). A sharded parameter needs no record (its gradient is placed as
+    itself)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from titan_recover.recover.modes.replica_worker import needs_gradient_placements, ReplicaWorker
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        norm = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, (Replicate(),)))
+        sharded = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, (Shard(0),)))
+        assert needs_gradient_placements(norm) and not needs_gradient_placements(sharded)
+        worker = ReplicaWorker.__new__(ReplicaWorker)
+        worker.params, worker.exact, worker._loaded = [norm, sharded], False, True
+        worker._grad_placements, worker._placements_unknown = [None, None], [0]
+        norm.grad = DTensor.from_local(torch.full((4,), 0.5), mesh, (Partial(),))  # as the backward gives it
+        worker._note_placements()
+        assert worker._placements_unknown == []
+        worker.replace_gradient([torch.full((4,), 2.0), torch.full((4,), 3.0)])  # a backup restored
+        assert norm.grad.placements == (Partial(),) and norm.grad.to_local().tolist() == [2.0] * 4
+        assert sharded.grad.placements == (Shard(0),)
+        norm.grad = sharded.grad = None
+        assert worker._zero_gradient(0).placements == (Partial(),)  # what an overlapped step starts from
+        worker.parts = SimpleNamespace(metrics_processor=None)
+        worker.write_gradient([torch.full((4,), 7.0), torch.full((4,), 1.0)], scale=1)  # computed nothing
+        assert norm.grad.placements == (Partial(),) and norm.grad.to_local().tolist() == [7.0] * 4
+    finally:
+        torch.distributed.destroy_process_group()

@@ -29,13 +29,23 @@ def local_parameters(model_parts) -> list[torch.Tensor]:
     return [local_tensor(p.data) for m in model_parts for p in m.parameters()]
 
 
-def _set_grad(p: torch.Tensor, local: torch.Tensor) -> None:
-    """Make ``local`` (this rank's part, shaped as ``p``'s local tensor) the gradient of ``p``."""
+def _set_grad(p: torch.Tensor, local: torch.Tensor, placements=None) -> None:
+    """Make ``local`` (this rank's part, shaped as ``p``'s local tensor) the gradient of ``p``, a DTensor with
+    ``placements`` (default: the parameter's; a gradient may differ, e.g. ``Partial`` for a tensor-parallel
+    parameter used in a sequence-parallel region: :func:`needs_gradient_placements`)."""
     if isinstance(p, DTensor):
-        p.grad = DTensor.from_local(local.view(local_tensor(p).shape), p.device_mesh, p.placements,
+        p.grad = DTensor.from_local(local.view(local_tensor(p).shape), p.device_mesh, placements or p.placements,
                                     run_check=False, shape=p.shape, stride=p.stride())
     else:
         p.grad = local.view_as(p)
+
+
+def needs_gradient_placements(p: torch.Tensor) -> bool:
+    """A DTensor parameter sharded on no mesh dimension (a tensor-parallel norm weight, replicated): its gradient
+    may be ``Partial`` (each rank holds a summand) where the parameter is ``Replicate``, so a gradient built for it
+    must take the placements its backward gives, not the parameter's. A sharded parameter's gradient has the
+    parameter's placements (FSDP2's reduce-scatter, a sharded TP weight)."""
+    return isinstance(p, DTensor) and not any(placement.is_shard() for placement in p.placements)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -93,6 +103,10 @@ class ReplicaWorker:
         self._accumulator: torch.Tensor | None = None
         self._on_final: Callable[[int], None] | None = None
         """Set while a microbatch runs whose backward reports final gradient parts (:meth:`compute`)."""
+        self._grad_placements: list = [None] * len(self.params)
+        """Each parameter's gradient placements as a backward made them (None: not seen yet), for the gradients
+        this worker builds itself (zeros, a restored backup, a reduced sum where it computed nothing)."""
+        self._placements_unknown = [i for i, p in enumerate(self.params) if needs_gradient_placements(p)]
         self.reports_final = reports_final
         if reports_final:
             for index, p in enumerate(self.params):
@@ -134,6 +148,8 @@ class ReplicaWorker:
         finally:
             self._on_final = None
         self.hooks.after_backward()
+        if self._placements_unknown:
+            self._note_placements()
         last_stage = not pp or self.parts.pp_has_last_stage
         signature = None
         if witness is not None:
@@ -175,6 +191,30 @@ class ReplicaWorker:
                 self._loaded = True
         return inputs, targets, loaded
 
+    def _note_placements(self) -> None:
+        """Record the placements of the gradients the backward made, for the parameters whose gradients may be
+        placed otherwise than the parameter (:func:`needs_gradient_placements`), until each was seen."""
+        for i in list(self._placements_unknown):
+            grad = self.params[i].grad
+            if isinstance(grad, DTensor):
+                self._grad_placements[i] = grad.placements
+                self._placements_unknown.remove(i)
+
+    def _placements(self, i: int):
+        """The placements of parameter ``i``'s gradient: the present gradient's, else as a backward made them,
+        else the parameter's."""
+        grad = self.params[i].grad
+        if isinstance(grad, DTensor):
+            return grad.placements
+        return self._grad_placements[i]
+
+    def _zero_gradient(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        if not isinstance(p, DTensor):
+            return torch.zeros_like(p)
+        return DTensor.from_local(torch.zeros_like(local_tensor(p)), p.device_mesh, self._placements(i) or p.placements,
+                                  run_check=False, shape=p.shape, stride=p.stride())
+
     def _move_gradients_to_accumulator(self) -> None:
         offset = 0
         with torch.no_grad():
@@ -194,10 +234,12 @@ class ReplicaWorker:
         when built without ``reports_final``."""
         if not self.reports_final or self.exact or self.parts.parallel_dims.pp_enabled:
             return None
+        if self._placements_unknown:  # a zero gradient would be placed as its parameter: wait for a backward
+            return None
         with torch.no_grad():
-            for p in self.params:
+            for i, p in enumerate(self.params):
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = self._zero_gradient(i)
         parts = [local_tensor(p.grad) for p in self.params]
         return parts if all(t.is_contiguous() for t in parts) else None
 
@@ -220,8 +262,8 @@ class ReplicaWorker:
         if self.exact:
             (self._accumulator,) = parts
             return
-        for p, part in zip(self.params, parts):
-            _set_grad(p, part)
+        for i, (p, part) in enumerate(zip(self.params, parts)):
+            _set_grad(p, part, self._placements(i))
 
     def discard(self) -> None:
         """After an aborted reduction without a backup: drop the step's accumulation (new storage from here on; the
@@ -242,9 +284,9 @@ class ReplicaWorker:
             if self.exact:
                 self._copy_into_grads(summed[0], scale)
             else:
-                for p, part in zip(self.params, summed):
+                for i, (p, part) in enumerate(zip(self.params, summed)):
                     if p.grad is None or local_tensor(p.grad).data_ptr() != part.data_ptr():
-                        _set_grad(p, part)
+                        _set_grad(p, part, self._placements(i))
                     if scale != 1:
                         local_tensor(p.grad).mul_(scale)
         if not self._loaded:  # a spare computed nothing; TorchTitan averages the loading times it logs
@@ -252,9 +294,9 @@ class ReplicaWorker:
 
     def _copy_into_grads(self, flat: torch.Tensor, scale: float) -> None:
         offset = 0
-        for p in self.params:
+        for i, p in enumerate(self.params):
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = self._zero_gradient(i)
             g = local_tensor(p.grad)
             part = flat[offset : offset + g.numel()].view_as(g)
             g.copy_((part * scale if scale != 1 else part).to(g.dtype))
