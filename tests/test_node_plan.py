@@ -15,7 +15,7 @@ from titan_recover.config.apply import ConfigError
 from titan_recover.config.render import render_toml
 from titan_recover.job_config import build_config
 from titan_recover.recover.job_store import agree_config, ConfigMismatch, join_embedded, NoJobStore, publish_config
-from titan_recover.recover.nodes import first_difference, node_groups, NodeKeys, parse_endpoint
+from titan_recover.recover.nodes import agreed_text, first_difference, node_groups, NodeKeys, parse_endpoint
 from titan_recover.recover.stores import job_url
 
 REPLICAS = "train_configs/replicas.toml"
@@ -103,12 +103,23 @@ def test_a_node_whose_config_differs_from_node_0s_is_refused_before_it_starts_an
     exit 2, the first differing key named, no process started."""
     args = [REPLICAS, "--model.flavor", "tiny", "--recover.replicas", "3", "--dump_folder", str(tmp_path)]
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    publish_config(store, render_toml(build_config(args[0], args[1:] + ["--training.steps", "8"])), "0")
+    publish_config(store, agreed_text(render_toml(build_config(args[0], args[1:] + ["--training.steps", "8"])), 2),
+                   "0")
     node1 = ("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{store.port}")
     code, _, err = launcher(*args, "--training.steps", "9", *node1)
     assert code == 2, err
     assert ("config error: this node's resolved config differs from node 0's" in err and
             "[training] steps: node 0 has 'steps = 8', this node has 'steps = 9'" in err), err
+
+
+def test_a_node_whose_replica_groups_have_another_process_count_is_refused(launcher, tmp_path):
+    """The same config, but node 0's groups have 4 processes (its --nproc-per-node, or its GPUs) and node 1's
+    2: groups of different sizes could never reduce together, so node 1 refuses before it starts anything."""
+    args = [REPLICAS, "--model.flavor", "tiny", "--recover.replicas", "3", "--dump_folder", str(tmp_path)]
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    publish_config(store, agreed_text(render_toml(build_config(args[0], args[1:])), 4), "0")
+    code, _, err = launcher(*args, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{store.port}")
+    assert code == 2 and "processes per replica group: node 0 has" in err and "= 4'" in err and "= 2'" in err, err
 
 
 def test_agreeing_nodes_adopt_node_0s_start_and_a_missing_store_is_a_clear_error():

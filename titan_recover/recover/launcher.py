@@ -39,7 +39,7 @@ from titan_recover.recover.groups.protocol import decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
                                              run_segment)
-from titan_recover.recover.nodes import address_towards, NodeKeys, NodePlan, single_node
+from titan_recover.recover.nodes import address_towards, agreed_text, NodeKeys, NodePlan, single_node
 from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.standby import LEADER_TTL_S
 from titan_recover.recover.stores import connect, job_url, parse_store_url
@@ -291,10 +291,11 @@ class ReplicaJob:
         else:
             host, port = plan.endpoint
             self.store, self.address = join_embedded(host, port, recover.startup_timeout_s, recover.agree_timeout_s)
+        agreed = agreed_text(self.config_text, self.ranks)
         if plan.rank == 0:
-            publish_config(self.store, self.config_text, self.base_env[JOB_START_ENV])
+            publish_config(self.store, agreed, self.base_env[JOB_START_ENV])
         else:
-            self.base_env[JOB_START_ENV] = agree_config(self.store, self.config_text, recover.startup_timeout_s)
+            self.base_env[JOB_START_ENV] = agree_config(self.store, agreed, recover.startup_timeout_s)
         if plan.many:
             print(f"[titan_recover] {plan.describe()}; the job's store: {self.address}", file=sys.stderr, flush=True)
 

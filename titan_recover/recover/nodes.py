@@ -88,6 +88,13 @@ def address_towards(host: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
+def agreed_text(config_text: str, ranks_per_replica: int) -> str:
+    """What every node must agree on before anything starts: the resolved config, and the processes of each
+    replica group (``--nproc-per-node`` or the node's GPUs, which the config does not hold): groups of different
+    sizes on two nodes could never reduce together."""
+    return f"# processes per replica group = {ranks_per_replica}\n{config_text}"
+
+
 def first_difference(reference: str, ours: str) -> str | None:
     """Where config text ``ours`` first differs from ``reference`` (both as ``--print-config`` renders them), as
     ``[section] key: node 0 has ..., this node has ...``; None if they are the same."""
