@@ -323,6 +323,44 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
     assert coordinator.store.check([GroupKeys.fault(0)])
 
 
+def test_a_stop_that_came_with_a_later_epoch_after_the_look_is_entered_as_a_stop():
+    """Epoch 1 is published; the rank, woken by it, looks at ``stop`` (none yet), then the coordinator publishes
+    epoch 2 with a stop (written before its members): the rank, reading the newest epoch (2), enters the stop,
+    not epoch 2 as a normal one."""
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.member import ReplicaMember, TooFewReplicas
+    from titan_recover.recover.groups.protocol import encode_members
+
+    job = job_store()
+    member = ReplicaMember(RecoverConfig(replicas=2), replica=0, rank=0, ranks_per_replica=1,
+                           address=f"127.0.0.1:{job.port}")
+
+    class PublishedDuringTheLook:
+        """The job's store, where epochs 1 and 2 and the stop land just after the rank's first look at ``stop``."""
+
+        def __init__(self, store):
+            self.store, self.looks = store, 0
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+        def check(self, keys):
+            seen = self.store.check(keys)
+            if keys == [GroupKeys.STOP] and self.looks == 0:
+                self.looks += 1
+                job.set(GroupKeys.STOP, "only 1 replica left: stopping")
+                job.set(GroupKeys.members(2), encode_members((0,), "replica 1 lost"))
+                job.set(GroupKeys.EPOCH, "2")
+            return seen
+
+    job.set(GroupKeys.members(0), encode_members((0, 1), "all replicas registered"))
+    job.set(GroupKeys.members(1), encode_members((0, 1), "replica 2 lost"))  # what the rank's wait wakes on
+    job.set(GroupKeys.EPOCH, "1")
+    member.store = PublishedDuringTheLook(member.store)
+    with pytest.raises(TooFewReplicas, match="only 1 replica left: stopping"):
+        member.wait_for_epoch(0, 5.0)
+
+
 def job_store():
     """The job's store as the launcher hosts it (in this process)."""
     from datetime import timedelta

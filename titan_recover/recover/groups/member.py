@@ -205,11 +205,11 @@ class ReplicaMember:
             published = wait_for_key(self.store, GroupKeys.members(after + 1),
                                      max(0.01, min(slice_s, deadline - time.monotonic())))
             if self.store.check([GroupKeys.STOP]):
-                entered = encode_entered(None, stop=self.store.get(GroupKeys.STOP).decode(),
-                                         untrusted=self.store.check([GroupKeys.STOP_UNTRUSTED]))
-                return self._enter(self._pass_on_entered(after, after + 1, entered))
+                return self._enter_stop(after)
             if published:
                 epoch, members = self._published_after(after)
+                if epoch > after + 1 and self.store.check([GroupKeys.STOP]):
+                    return self._enter_stop(after)  # a later epoch came with a stop after the look above
                 return self._enter(self._pass_on_entered(after, epoch, encode_entered(epoch, members)))
             if time.monotonic() > deadline:
                 # no coordinator decided within the bound (the launcher restarts a dead one well within it): stop
@@ -219,6 +219,12 @@ class ReplicaMember:
                     f"{timeout_s} s (recover.agree_timeout_s): the coordinator is gone and was not restarted; "
                     "stopping with the last committed step"
                 )
+
+    def _enter_stop(self, after: int) -> tuple[int, tuple[int, ...], str]:
+        """The wait after ``after`` ended with the job's stop: entered as such, and passed on to the group."""
+        entered = encode_entered(None, stop=self.store.get(GroupKeys.STOP).decode(),
+                                 untrusted=self.store.check([GroupKeys.STOP_UNTRUSTED]))
+        return self._enter(self._pass_on_entered(after, after + 1, entered))
 
     def _published_after(self, after: int) -> tuple[int, bytes]:
         """Once epoch ``after + 1`` is published: the newest epoch (the coordinator may have moved on since) and its
