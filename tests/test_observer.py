@@ -61,6 +61,16 @@ def test_the_rank_that_never_entered_the_collective_is_named():
     assert found.stalled_s == 11.0
 
 
+def test_a_rank_that_went_past_the_collective_is_not_blamed_for_one_still_inside_it():
+    """Rank 1 completed collective #6 and waits in a collective nobody instruments (FSDP2's); rank 0 still shows
+    itself inside #6, which its peer has left: rank 0 is stuck there, not rank 1."""
+    now = 200.0
+    beacons = {0: record(3, "collective", 6, "all_reduce", when=190.0), 1: record(3, "backward", 6, when=189.0)}
+    found = diagnose(beacons, now, 5)
+    assert found.kind == "left_behind_inside" and found.ranks == (0,)
+    assert "ranks [1] completed collective #6" in found.reason and "rank 0: step 3 collective" in found.reason
+
+
 def test_a_diverged_collective_names_the_minority_and_two_ranks_stay_unblamed():
     now = 200.0
     beacons = {0: record(3, "collective", 6, "all_reduce", when=190.0),

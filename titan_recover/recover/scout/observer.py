@@ -39,7 +39,8 @@ block without a beacon update, e.g. while a new epoch's gloo group connects to a
 class Diagnosis:
     kind: str
     """``behind`` (some ranks never entered the collective the others wait in), ``diverged`` (ranks in the same
-    collective number issued different collectives), ``stuck_in_collective`` (every rank inside the same
+    collective number issued different collectives), ``left_behind_inside`` (some ranks completed the collective
+    the others still show themselves inside: those are stuck after it), ``stuck_in_collective`` (every rank inside the same
     collective: the hang is in the collective or a peer outside the group), ``stalled`` (no collective involved)."""
     ranks: tuple[int, ...]
     """The ranks named (empty when nobody in the group can be blamed)."""
@@ -76,13 +77,18 @@ def diagnose(beacons: dict[int, BeaconRecord | None], now: float, threshold_s: f
                       + (f"; ranks {list(odd)} differ from the majority ({common})" if strict else
                          "; no majority says which is wrong"))
             return Diagnosis("diverged", odd, reason, stalled_s)
-        behind = tuple(sorted(r for r in live if r not in waiting))
+        op = next(iter(by_op))[1]
+        behind = tuple(sorted(r for r in live if r not in waiting and live[r].seq < newest))
         if behind:
-            op = next(iter(by_op))[1]
             reason = (f"ranks {sorted(waiting)} wait in collective #{newest} {op}; ranks {list(behind)} never entered "
                       "it: " + "; ".join(where(r) for r in behind))
             return Diagnosis("behind", behind, reason, stalled_s)
-        op = next(iter(by_op))[1]
+        past = sorted(r for r in live if r not in waiting)
+        if past:  # they completed the collective the others still show themselves inside: those others are stuck
+            stuck = tuple(sorted(waiting))
+            reason = (f"ranks {past} completed collective #{newest} {op}; ranks {list(stuck)} still show themselves "
+                      "inside it: " + "; ".join(where(r) for r in stuck))
+            return Diagnosis("left_behind_inside", stuck, reason, stalled_s)
         return Diagnosis("stuck_in_collective", (), f"every rank is inside collective #{newest} {op} for "
                          f"{stalled_s:.1f} s: the collective itself, or a peer outside this group, hangs", stalled_s)
     ranks = tuple(sorted(stale))
