@@ -7,9 +7,12 @@
 #   sbatch --nodes 2 --gpus-per-node 8 scripts/slurm_replicas.sh train_configs/replicas.toml [--section.key value ...]
 # Environment: STORE_PORT (default 29600: a free port on the first node, reachable from every node), RUN_DIR (the
 # run folder, on a file system every node shares; default outputs/<config name>).
+# Three minutes before the time limit SLURM sends SIGUSR1 to this script's process (srun, after the exec below), which
+# passes it to every node's launcher: the job stops with a durable checkpoint of its last committed step, exit 138.
 #SBATCH --job-name=titan_recover_replicas
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
+#SBATCH --signal=B:USR1@180
 set -euo pipefail
 config="${1:?usage: sbatch scripts/slurm_replicas.sh CONFIG.toml [overrides]}"
 shift

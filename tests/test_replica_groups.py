@@ -87,6 +87,39 @@ def test_ctrl_c_or_a_killed_launcher_leaves_no_process_behind(tmp_path, default_
     assert left == []
 
 
+def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_last_committed_step(tmp_path,
+                                                                                                   default_data):
+    """SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends before the time limit): the job stops
+    at once with a durable checkpoint of its last committed step, written once, and the launcher exits 128 + 10
+    (stopped, not trained), naming the request; nothing is left running."""
+    from replica_runs import replica_job_args
+
+    args = replica_job_args(tmp_path, replicas=2, ranks=1, steps=1000, faults=[],
+                            extra=("--checkpoint.enable", "--checkpoint.interval", "1000"))
+    proc = subprocess.Popen([sys.executable, "-m", "titan_recover.launch", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(e["event"] == "step_committed" and e["step"] >= 3
+                      for e in read_events(tmp_path / "events.jsonl")):
+            assert time.monotonic() < deadline and proc.poll() is None, "training did not reach step 3"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGUSR1, output[-3000:]
+    assert "stop requested (SIGUSR1 to the launcher of node 0" in output, output[-3000:]
+    events = read_events(tmp_path / "events.jsonl")
+    committed = max(e["step"] for e in events if e["event"] == "step_committed")
+    stopped = [e for e in events if e["event"] == "stopped"]
+    assert stopped and {e["step"] for e in stopped} == {committed}
+    assert any(e["checkpoint_saved"] for e in stopped)
+    assert (tmp_path / "checkpoint" / f"step-{committed}" / ".metadata").is_file()
+    assert processes_of_run(str(tmp_path)) == []
+
+
 def test_too_few_replicas_stop_with_a_durable_checkpoint(tmp_path, default_data):
     proc, events = run_replicas(
         tmp_path, replicas=2, ranks=1, steps=5,

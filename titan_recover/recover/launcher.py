@@ -196,6 +196,9 @@ class ReplicaJob:
         """Every process started, for the signal forwarding and the cleanup."""
         self.stopped_by: int | None = None
         """The signal (Ctrl-C / SIGTERM) that stops the job, once one came."""
+        self.stop_requested: int | None = None
+        """The signal (SIGUSR1) that asked for a stop with a checkpoint, once one came (:meth:`on_stop_request`)."""
+        self.stop_honoured = False
         self.store: Store | None = None
         """The job's store (:meth:`open_job_store`)."""
         self.address = ""
@@ -578,15 +581,46 @@ class ReplicaJob:
         reason = (f"the coordinator exited with {code} and has no restarts left (recover.coordinator_restarts = "
                   f"{self.recover.coordinator_restarts}): stopping the job with the last committed step")
         print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
-        self.store.set(GroupKeys.STOP, reason)
+        self.stop_job(reason)
+
+    def stop_job(self, reason: str) -> None:
+        """Stop the job at once with a durable checkpoint of the last committed step (written by the lowest replica
+        that committed it), as a coordinator's stop does, whether or not a coordinator runs."""
+        self.store.set(GroupKeys.STOP, reason)  # before anything a rank wakes by: it reads the stop with it
         epoch = int(self.store.get(GroupKeys.EPOCH)) if self.store.check([GroupKeys.EPOCH]) else -1
+        while self.store.check([GroupKeys.members(epoch + 1)]):
+            epoch += 1  # published after ``epoch`` was read (its members come first)
         if epoch >= 0:  # members in a collective or a barrier abort it and read the stop
             raise_fault_flag(self.store, epoch, reason)
-        # ranks blocked on the next epoch wake by its members and read the stop: no coordinator will publish one, so
-        # this launcher does, with the same members (the lowest writes the stop's checkpoint, as after a
-        # coordinator's stop); an epoch a coordinator published before it died stays as it was
+        # ranks blocked on the next epoch wake by its members and read the stop: a coordinator that runs publishes
+        # no epoch after a stop, so this launcher does, with the same members; an epoch a coordinator published
+        # meanwhile stays as it was (its ranks read the stop written before it)
         members = decode_members(self.store.get(GroupKeys.members(epoch)))[0] if epoch >= 0 else ()
         self.store.compare_set(GroupKeys.members(epoch + 1), "", encode_members(members, reason))
+
+    def on_stop_request(self, signum, _frame) -> None:
+        """SIGUSR1 (e.g. SLURM's ``--signal=B:USR1@SECONDS`` before the time limit): stop the job with a durable
+        checkpoint of the last committed step. Only remembered here; :meth:`honour_stop_request` acts from the
+        loop (a signal handler must not use the store's client, which the loop may be using)."""
+        self.stop_requested = signum
+
+    def honour_stop_request(self) -> None:
+        if self.stop_requested is None or self.stop_honoured:
+            return
+        self.stop_honoured = True
+        name = signal.Signals(self.stop_requested).name
+        if self.recover.diloco_mode:
+            print(f"[titan_recover] {name}: a stop with a checkpoint is for the synchronous mode; a diloco job's "
+                  "state is its syncer's checkpoint (recover.diloco.checkpoint_interval_s): ignored",
+                  file=sys.stderr, flush=True)
+            return
+        if self.store.check([GroupKeys.FINISHED]) or self.store.check([GroupKeys.STOP]):
+            return  # over or stopping already
+        reason = (f"stop requested ({name} to the launcher of node {self.plan.rank}, e.g. a scheduler's warning "
+                  "before the job's time limit): stopping the job with a durable checkpoint of the last committed "
+                  "step")
+        print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
+        self.stop_job(reason)
 
     def cold_restart_due(self) -> int | None:
         """The empty epoch of a cold restart this launcher has not yet restarted its groups for, or None."""
@@ -637,6 +671,7 @@ class ReplicaJob:
                 if self.syncer_done():  # the job ended (the budget trained, or no learner left)
                     break
                 self.supervise_syncer()
+            self.honour_stop_request()
             self.supervise_coordinator()
             self.restart_every_group()
             over, dropped = self.job_state()
@@ -720,7 +755,7 @@ class ReplicaJob:
         print("[titan_recover] the job did not commit its training budget: " +
               (stop or "every replica group ended before the coordinator saw the last step committed"),
               file=sys.stderr, flush=True)
-        return 1
+        return 1 if self.stop_requested is None else 128 + self.stop_requested
 
     def settle_nodes(self, code: int) -> None:
         """Many nodes: every other node acknowledges the verdict it read (its exit code); node 0, whose launcher
@@ -815,6 +850,7 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
     job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank, devices=devices, plan=plan,
                      verbose=verbose)
     previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, job.on_stop_request)
     try:
         job.open_job_store()
         if job.stopped_by is not None:  # Ctrl-C / SIGTERM while this node waited for the job's store
