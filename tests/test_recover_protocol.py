@@ -1023,3 +1023,44 @@ def test_a_joining_groups_ranks_all_enter_the_epoch_its_leader_was_admitted_to()
     for member in (leader, other):
         with pytest.raises(JobOver, match="the job ended before this replica was admitted"):
             member.wait_for_admission(5.0)
+
+
+def test_an_admission_that_keeps_failing_leaves_the_joiners_out_and_the_members_train_on():
+    """Every try of an admission failed (a joiner whose memory keeps failing the checksum): after the step's
+    epochs, the members vote the joiners out (their names, the marker, the epoch's flag, as after corruption) and
+    move to the next epoch, instead of ending the job; a joiner that ran out of tries ends with a sentence."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.phoenix.admission import Admission
+
+    store, moves = HashStore(), []
+
+    class Sync:
+        joining, pending, epoch, members = False, (4, (2,)), 5, (0, 1, 2)
+        config = SimpleNamespace(step=SimpleNamespace(max_epochs_per_step=1))
+        member = SimpleNamespace(store=store, replica=0, rank=0)
+
+        def next_epoch(self, step):
+            moves.append((self.epoch, store.check([GroupKeys.fault(self.epoch)])))
+            self.epoch += 1
+
+    admission = Admission(Sync())
+    admission._admitted_since = lambda before: (2,)
+    admission._attempt = lambda *args: False
+    admission.admit_pending(5, state=None)
+    evicted_in = moves[-1][0]
+    assert len(moves) == 1 + 2 + 1 and moves[-1][1]  # asked, two tries, then out with the flag up
+    assert store.get(GroupKeys.evicted(evicted_in, 2)).decode().startswith("step 5: admission after step 4 failed")
+    assert store.check([GroupKeys.evictions(evicted_in)]) and not store.check([GroupKeys.evicted(evicted_in, 1)])
+
+    joiner_sync = Sync()
+    joiner_sync.joining, joiner_sync.member = True, SimpleNamespace(store=HashStore(), replica=2, rank=0)
+    joiner = Admission(joiner_sync)
+    joiner._wait_until_admitted = lambda: (4, (2,))
+    joiner._attempt = lambda *args: False
+    with pytest.raises(RuntimeError, match="replica 2: admission after step 4 failed in 2 consecutive epochs; "
+                                           "this joiner ends"):
+        joiner.admit_pending(5, state=None)

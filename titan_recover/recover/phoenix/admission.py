@@ -55,15 +55,35 @@ class Admission:
             admitting = self._admitted_since(before)
             if not admitting:  # a fault came first: the joiners stay ready and are asked again at a later commit
                 return
-        for _ in range(sync.config.step.max_epochs_per_step + 1):
+        attempts = sync.config.step.max_epochs_per_step + 1
+        for _ in range(attempts):
             joiners = tuple(m for m in sync.members if m in admitting)
             if not joiners:
                 return  # every joiner was lost; training goes on as it was
             if self._attempt(state, admitted_after, joiners, admitting):
                 return
             sync.next_epoch(step)
-        raise RuntimeError(f"admission after step {admitted_after} failed in "
-                           f"{sync.config.step.max_epochs_per_step + 1} consecutive epochs")
+        failed = f"admission after step {admitted_after} failed in {attempts} consecutive epochs"
+        if sync.joining:  # its launcher restarts it (recover.max_restarts) and it asks again
+            raise RuntimeError(f"replica {sync.member.replica}: {failed}; this joiner ends")
+        self._evict_joiners(step, tuple(m for m in sync.members if m in admitting), failed)
+
+    def _evict_joiners(self, step: int, joiners: tuple[int, ...], failed: str) -> None:
+        """An admission that keeps failing is the joiners' (a joiner holds no state anyone needs): the members
+        vote them out of the epoch, as after corruption (docs/scout.md: their names, the marker, the flag), and
+        train on without them; the launcher restarts them while they have restarts."""
+        sync = self.sync
+        if not joiners:
+            return
+        store, epoch = sync.member.store, sync.epoch
+        for joiner in joiners:
+            store.set(GroupKeys.evicted(epoch, joiner), f"step {step}: {failed}")
+        store.set(GroupKeys.evictions(epoch), "1")
+        raise_fault_flag(store, epoch, f"replica {sync.member.replica} rank {sync.member.rank}: {failed}: leaving "
+                                       f"out replica(s) {list(joiners)}")
+        logger.error("%s: leaving out replica(s) %s, which the launcher restarts while they have restarts", failed,
+                     list(joiners))
+        sync.next_epoch(step)
 
     def _attempt(self, state: TrainingState, admitted_after: int, joiners: tuple[int, ...],
                  admitting: tuple[int, ...]) -> bool:
