@@ -1064,3 +1064,30 @@ def test_an_admission_that_keeps_failing_leaves_the_joiners_out_and_the_members_
     with pytest.raises(RuntimeError, match="replica 2: admission after step 4 failed in 2 consecutive epochs; "
                                            "this joiner ends"):
         joiner.admit_pending(5, state=None)
+
+
+def test_a_coordinator_whose_first_epoch_stops_the_job_waits_for_its_members_and_records_the_verdict(tmp_path):
+    """Fewer replicas registered than ``min_replicas``: epoch 0 is published with the stop, and the coordinator
+    then waits for the members to finish and records ``stopped`` (exit 1 after that), instead of exiting at once,
+    which its launcher would take for a crash and answer with a restart (and, without restarts, another reason)."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.coordinator import Coordinator
+    from titan_recover.recover.groups.keys import GroupKeys
+
+    store = HashStore()
+    config = RecoverConfig(replicas=2, min_replicas=2, startup_timeout_s=0.3)
+    store.set(GroupKeys.register(0, 0), "1,host,1,0")
+    coordinator = Coordinator(config, store, replicas=2, ranks_per_replica=1, run_dir=str(tmp_path))
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", coordinator.run()), daemon=True)
+    thread.start()
+    _until(lambda: store.check([GroupKeys.STOP]), "epoch 0 is published with the stop")
+    assert "fewer than recover.min_replicas = 2" in store.get(GroupKeys.STOP).decode()
+    thread.join(1.0)
+    assert thread.is_alive() and not store.check([GroupKeys.FINISHED])  # the member has not finished yet
+    store.set(GroupKeys.done(0, 0), "1")
+    thread.join(10.0)
+    assert result == {"code": 1} and store.get(GroupKeys.FINISHED) == b"stopped"

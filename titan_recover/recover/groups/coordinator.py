@@ -129,20 +129,23 @@ class Coordinator:
 
     def _resume(self) -> bool:
         """Form epoch 0, or take over the stored state of a coordinator that died (docs/replica_groups.md
-        "Coordinator restarts"). False if epoch 0 could not be formed."""
+        "Coordinator restarts"). False only if stopped (terminated) before epoch 0 was formed; an epoch published
+        with a stop goes on to the loop, which waits for the members to finish and records the verdict."""
         published = int(self.store.get(GroupKeys.EPOCH)) if self.store.check([GroupKeys.EPOCH]) else -1
         state = (CoordinatorState.decode(self.store.get(GroupKeys.COORDINATOR_STATE))
                  if self.store.check([GroupKeys.COORDINATOR_STATE]) else None)
         action = resume_action(state, published)
         self.events.emit("coordinator_started", action=action, epoch=published)
         if action == "form_first":
-            return self._form_first_epoch()
+            self._form_first_epoch()
+            return not self._terminate
         self.incarnation, self.dropped = dict(state.incarnation), dict(state.dropped)
         if action == "finish":  # the previous start died half-way through publishing this epoch
-            written = self._write(state)
+            self._write(state)
             self.events.emit("epoch_formed", epoch=state.epoch, members=list(state.members),
                              removed=list(state.removed), reason=state.reason, finished_publication=True)
-            return written
+            self.excluded = set(state.excluded)
+            return True
         self.epoch, self.members, self.excluded = state.epoch, state.members, set(state.excluded)
         self.cold = state.cold
         return True
