@@ -1091,3 +1091,25 @@ def test_a_coordinator_whose_first_epoch_stops_the_job_waits_for_its_members_and
     store.set(GroupKeys.done(0, 0), "1")
     thread.join(10.0)
     assert result == {"code": 1} and store.get(GroupKeys.FINISHED) == b"stopped"
+
+
+def test_a_replica_restarted_before_epoch_0_joins_by_admission_not_as_a_member_of_epoch_0(tmp_path):
+    """Replica 1's first start crashed while building its model and its launcher restarted it (incarnation 1)
+    before epoch 0 was formed: it waits to be admitted (a joiner), so epoch 0 is formed of replica 0 alone at once
+    (not after the start-up timeout), and the reason says why."""
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.coordinator import Coordinator
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.protocol import decode_members
+
+    store = HashStore()
+    store.set(GroupKeys.register(0, 0), "1,host,1,0")
+    store.set(GroupKeys.register(1, 0), "2,host,1,1")
+    coordinator = Coordinator(RecoverConfig(replicas=2, startup_timeout_s=60.0), store, replicas=2,
+                              ranks_per_replica=1, run_dir=str(tmp_path))
+    started = time.monotonic()
+    assert coordinator._form_first_epoch()
+    assert time.monotonic() - started < 30
+    members, reason = decode_members(store.get(GroupKeys.members(0)))
+    assert members == (0,) and "replicas [1] restarted before epoch 0: they join by admission" in reason

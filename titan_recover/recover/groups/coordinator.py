@@ -219,8 +219,16 @@ class Coordinator:
             if len(complete) == self.replicas or time.monotonic() > deadline:
                 missing = sorted(set(range(self.replicas)) - set(complete))
                 reason = "all replicas registered" if not missing else f"replicas {missing} did not register in time"
-                self.incarnation = {i: self._registered_incarnations(i)[0] for i in complete}
-                return self._publish(0, tuple(complete), tuple(missing), reason, timing={})
+                # a replica restarted before epoch 0 (a start that crashed while building) is a joiner: it waits
+                # for an admission and the state of the first members, so it is no member of epoch 0
+                restarted = [i for i in complete if set(self._registered_incarnations(i).values()) != {0}]
+                if len(restarted) == len(complete):
+                    restarted = []  # nobody to admit them: every start that registered is a member
+                if restarted:
+                    reason += f"; replicas {restarted} restarted before epoch 0: they join by admission"
+                members = tuple(i for i in complete if i not in restarted)
+                self.incarnation = {i: self._registered_incarnations(i)[0] for i in members}
+                return self._publish(0, members, tuple(missing), reason, timing={})
             self._beat()
             time.sleep(TICK_S)
         return False
