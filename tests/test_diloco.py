@@ -393,6 +393,37 @@ def test_a_delta_queued_while_the_syncer_is_away_absorbs_the_next_one():
     assert first.data.tolist() == [1.5, 0.0]
 
 
+def test_the_inbox_sums_a_ranks_pieces_until_every_rank_reached_the_same_step():
+    """Learner 0 of 2 ranks: rank 0's send thread summed its deltas of fragment 1 at steps 50 and 100 (the syncer
+    was slow), rank 1 sent them apart. Nothing is delivered until both ranks' pieces reach step 100; then one
+    delivery of both steps' deltas from each rank, nothing left waiting."""
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.diloco.messages import announce_sender, write_delta
+    from titan_recover.recover.diloco.syncer.inbox import Inbox
+
+    store = HashStore()
+    for rank in (0, 1):
+        announce_sender(store, 0, rank, 0)
+    sent = {0: 0, 1: 0}
+
+    def send(rank, step, tokens, base, values):
+        write_delta(store, 0, 0, rank, sent[rank], fragment=1, step=step, tokens=tokens, base=base,
+                    data=torch.tensor(values))
+        sent[rank] += 1
+
+    inbox = Inbox(store, learners=1, ranks=2)
+    send(1, 50, 10, (1, 3), [1.0, 1.0])
+    send(0, 100, 20, (1, 3), [3.0, 3.0])  # d50 + d100 of rank 0
+    assert inbox.receive() == (2, [])
+    send(1, 100, 10, (1, 4), [2.0, 2.0])
+    received, delivered = inbox.receive()
+    assert received == 1 and len(delivered) == 1 and inbox.partial == {}
+    (delivery,) = delivered
+    assert (delivery.fragment, delivery.step, delivery.tokens, delivery.base) == (1, 100, 20, (1, 3))
+    assert [d.tolist() for d in delivery.deltas] == [[3.0, 3.0], [3.0, 3.0]]
+
+
 def test_learner_blocks_and_schedule():
     from titan_recover.recover.diloco.rules import schedule_step, total_blocks
 

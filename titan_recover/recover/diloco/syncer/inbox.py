@@ -1,7 +1,11 @@
 """The syncer's inbox: deltas read from its store as the learners' send threads write them (docs/diloco.md).
 
 Each (learner, rank) announces the incarnation sending from it and numbers its deltas from 0 in every syncer
-store; a learner's delta of a fragment is delivered once every rank's piece of it arrived."""
+store; a learner's delta of a fragment is delivered once every rank's pieces of it reach the same step. Each
+rank's send thread sums the deltas of a fragment that queue up while the syncer is slow or away
+(``transport.Delta.absorb``), each on its own, so one rank may send a fragment's deltas of steps 50 and 100 apart
+and another one sum of both: the inbox sums a rank's pieces of a fragment likewise until every rank's last piece
+is of the same step, so nothing is lost and no rank's delta is counted twice."""
 
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ class Inbox:
     def __init__(self, store, *, learners: int, ranks: int):
         self.store, self.learners, self.ranks = store, learners, ranks
         self.senders: dict[tuple[int, int], tuple[int, int]] = {}  # (learner, rank) -> (incarnation, next no.)
-        self.partial: dict[tuple[int, int, int, int], dict[int, DeltaMessage]] = {}
+        self.partial: dict[tuple[int, int, int], dict[int, DeltaMessage]] = {}
+        """(learner, incarnation, fragment) -> each rank's pieces so far, summed (:meth:`_add`)."""
         self._hellos_at = 0.0
 
     def _read_hellos(self) -> None:
@@ -53,12 +58,22 @@ class Inbox:
             while (message := take_delta(self.store, learner, incarnation, rank, number)) is not None:
                 number += 1
                 received += 1
-                key = (learner, incarnation, message.fragment, message.step)
+                key = (learner, incarnation, message.fragment)
                 pieces = self.partial.setdefault(key, {})
-                pieces[rank] = message
-                if len(pieces) == self.ranks:
+                pieces[rank] = _add(pieces.get(rank), message)
+                if len(pieces) == self.ranks and len({piece.step for piece in pieces.values()}) == 1:
                     del self.partial[key]
-                    complete.append(Delivery(learner, message.fragment, message.step, message.tokens, message.base,
+                    first = pieces[0]
+                    complete.append(Delivery(learner, first.fragment, first.step, first.tokens, first.base,
                                              [pieces[p].data for p in range(self.ranks)]))
             self.senders[(learner, rank)] = (incarnation, number)
         return received, complete
+
+
+def _add(held: DeltaMessage | None, message: DeltaMessage) -> DeltaMessage:
+    """A rank's pieces of one fragment so far plus a later one, as its send thread would have summed them: the
+    data and tokens added, the later step, the earlier base."""
+    if held is None:
+        return message
+    return DeltaMessage(message.fragment, message.step, held.tokens + message.tokens, held.base,
+                        held.data + message.data)
