@@ -155,6 +155,16 @@ def test_straggler_is_confirmed_after_consecutive_steps_and_recovers():
     assert fresh.observe(1, slow) == [] and fresh.observe(2, {0: 0.1, 1: 0.1, 2: 0.1}) == []
     assert fresh.observe(3, slow) == [] and fresh.stragglers == set()
     assert StragglerDetector(confirm_steps=1).observe(1, {0: 0.1, 1: 0.9}) == []
+    # a step nobody could judge, or one the slow replica reported nothing in, breaks its run of slow steps
+    for gap in ({0: 0.1, 1: 0.3}, {0: 0.1, 2: 0.1, 3: 0.1}):
+        broken = StragglerDetector(confirm_steps=2)
+        assert broken.observe(1, slow) == [] and broken.observe(2, gap) == [] and broken.observe(3, slow) == []
+        assert broken.stragglers == set()
+    # a confirmed straggler that left is no straggler any more
+    left = StragglerDetector(confirm_steps=1)
+    assert [c.state for c in left.observe(1, slow)] == ["confirmed"]
+    left.observe(2, {0: 0.1, 2: 0.1, 3: 0.1})
+    assert left.stragglers == set()
 
 
 def test_float_bits_of_a_loss_enter_the_signature_exactly():

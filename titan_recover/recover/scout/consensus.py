@@ -183,7 +183,9 @@ class StragglerChange:
 @dataclass
 class StragglerDetector:
     """Per-replica time per microbatch, judged every step; a replica is confirmed a straggler after
-    ``confirm_steps`` consecutive steps with robust z above ``threshold``, and recovered after as many below."""
+    ``confirm_steps`` consecutive steps with robust z above ``threshold``, and recovered after as many below. A step
+    that cannot judge (fewer than 3 replicas report) breaks every run of steps; a replica that reports nothing in a
+    step (it left, or computed nothing) loses its run, and its straggler mark."""
 
     threshold: float = 3.5
     confirm_steps: int = 3
@@ -195,7 +197,13 @@ class StragglerDetector:
     def observe(self, step: int, seconds_per_microbatch: Mapping[int, float]) -> list[StragglerChange]:
         times = {r: t for r, t in seconds_per_microbatch.items() if t > 0}
         if len(times) < 3:  # two replicas cannot tell which one is slow
+            self._above.clear()
+            self._below.clear()
             return []
+        for replica in (set(self._above) | set(self._below) | self.stragglers) - set(times):
+            self._above.pop(replica, None)
+            self._below.pop(replica, None)
+            self.stragglers.discard(replica)
         z = robust_z(times, self.min_spread)
         median = statistics.median(times.values())
         changes = []
