@@ -707,3 +707,45 @@ def test_syncer_faults_are_checked():
         FaultSpec(kind="slow", process="syncer", phase="merge")
     with pytest.raises(ValueError, match="merge"):
         FaultSpec(kind="kill", process="syncer", phase="forward")
+
+
+def test_a_learner_offers_its_parameters_again_to_a_syncer_that_replaced_one_without_a_global_model(monkeypatch):
+    """The first syncer died before it had a global model: the learner offers its parameters to the next one (the
+    offer went with the first syncer's store), and not to one that has a global model already."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.diloco import learner as learner_module
+    from titan_recover.recover.diloco.rules import DilocoKeys
+
+    first, second, third = HashStore(), HashStore(), HashStore()
+    third.set(DilocoKeys.VERSIONS, "[]")
+    offered = []
+    monkeypatch.setattr(learner_module, "offer_parameters",
+                        lambda store, *args, **kwargs: offered.append(store) or 12)
+
+    class Link:
+        seen = [(1, first), (2, second), (2, second), (3, third), (3, third)]
+
+        def current(self):
+            self.generation, store = self.seen.pop(0)
+            return store
+
+        def drop(self):
+            pass
+
+    learner = learner_module.Learner.__new__(learner_module.Learner)
+    learner.learner, learner.rank, learner.names, learner.params = 0, 0, ["w"], [torch.zeros(2)]
+    learner.local = SimpleNamespace(locals=lambda: [torch.zeros(2)], ranges=[(0, 2)])
+    learner.adopted = [(0, -1)]
+    looks = []
+
+    def adopt_ready():
+        looks.append(1)
+        if len(looks) == 5:
+            learner.adopted = [(0, 3)]
+
+    learner.adopt_ready, learner._wait = adopt_ready, lambda deadline, what: None
+    store, size = learner._offer_until_adopted(Link(), deadline=0.0)
+    assert offered == [first, second] and store is second and size == 12

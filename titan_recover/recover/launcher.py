@@ -733,18 +733,15 @@ class ReplicaJob:
         finished = sum(1 for c in codes if c == 0)
         print(f"[titan_recover] replica exit codes {codes}; {finished} of {len(self.slots)} ended normally",
               file=sys.stderr, flush=True)
-        try:
-            verdict = self.store.get(GroupKeys.FINISHED).decode() if self.store.check([GroupKeys.FINISHED]) else ""
-        except DistError:
-            if self.stopped_by is None:
-                raise
-            verdict = ""  # stopped by a signal, and node 0's store went with its launcher
+        verdict = self._verdict()
         if verdict == "trained" and (self.syncer is None or self.syncer_done()):
             return 0  # the budget was committed before any signal could stop it
         if self.stopped_by is not None:
             return 128 + self.stopped_by
-        if self.syncer is not None and not self.finish_syncer():
-            return 1
+        if self.syncer is not None:
+            if not self.finish_syncer():
+                return 1
+            verdict = self._verdict()  # the syncer records the end once it saved the global model
         if verdict == "trained":
             return 0
         if self.recover.diloco_mode:
@@ -756,6 +753,15 @@ class ReplicaJob:
               (stop or "every replica group ended before the coordinator saw the last step committed"),
               file=sys.stderr, flush=True)
         return 1 if self.stop_requested is None else 128 + self.stop_requested
+
+    def _verdict(self) -> str:
+        """The job's verdict in its store (``trained``, ``stopped``, ...; empty while none is recorded)."""
+        try:
+            return self.store.get(GroupKeys.FINISHED).decode() if self.store.check([GroupKeys.FINISHED]) else ""
+        except DistError:
+            if self.stopped_by is None:
+                raise
+            return ""  # stopped by a signal, and node 0's store went with its launcher
 
     def settle_nodes(self, code: int) -> None:
         """Many nodes: every other node acknowledges the verdict it read (its exit code); node 0, whose launcher

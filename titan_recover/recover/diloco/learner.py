@@ -88,17 +88,7 @@ class Learner:
         restarted learner continues."""
         self.step = step
         deadline = time.monotonic() + timeout_s
-        link = SyncerLink(self.coordinator_address)
-        while (store := link.current()) is None:
-            self._wait(deadline, "the syncer to publish its address")
-        offered = None
-        if not store.check([DilocoKeys.VERSIONS]):
-            offered = offer_parameters(store, self.learner, self.rank, self.names, self.local.locals(),
-                                       self.local.ranges, global_shapes=[list(p.shape) for p in self.params])
-        while not all(v[1] >= 0 for v in self.adopted):
-            self.adopt_ready()
-            if not all(v[1] >= 0 for v in self.adopted):
-                self._wait(deadline, "the global model from the syncer")
+        store, offered = self._offer_until_adopted(SyncerLink(self.coordinator_address), deadline)
         if offered is not None:  # the global model exists: the offer is never read (one written late included)
             try:
                 withdraw_offer(store, self.learner, self.rank, offered)
@@ -117,6 +107,30 @@ class Learner:
                              requeued_block=given_back, step=self.step, fragments=self.fragments,
                              blocks=self.blocks)
         return self.step
+
+    def _offer_until_adopted(self, link: SyncerLink, deadline: float):
+        """Offer this rank's parameters to the syncer that has no global model yet, and to each newer one that
+        still has none (a syncer that died before its first checkpoint took nothing with it), until every global
+        fragment is adopted. Returns (the store offered to last, the offer's size) or (None, None)."""
+        store, offered, offered_to = None, None, -1
+        while True:
+            current = link.current()
+            if current is not None and link.generation != offered_to:
+                try:
+                    if not current.check([DilocoKeys.VERSIONS]):
+                        offered = offer_parameters(current, self.learner, self.rank, self.names,
+                                                   self.local.locals(), self.local.ranges,
+                                                   global_shapes=[list(p.shape) for p in self.params])
+                        store = current
+                    offered_to = link.generation
+                except DistError as error:  # that syncer went away meanwhile: offer to the next one
+                    logger.info("learner %d rank %d: offer not made (%s)", self.learner, self.rank, error)
+                    link.drop()
+            self.adopt_ready()
+            if all(v[1] >= 0 for v in self.adopted):
+                return store, offered
+            self._wait(deadline, "the global model from the syncer" if current is not None else
+                       "the syncer to publish its address")
 
     def _wait(self, deadline: float, what: str) -> None:
         self.member.progress(phase="startup")
