@@ -422,6 +422,45 @@ def test_the_verdict_of_a_committed_job_stands_after_a_late_signal(tmp_path):
     assert job.result() == 1
 
 
+def test_a_group_that_crashed_as_the_last_one_running_is_still_restarted(tmp_path):
+    """The watch goes on while a group that ended with an error has restarts left (it may have been the last one
+    running when it ended), not once the job is over, and not without restarts."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.launcher import ReplicaJob
+
+    config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path)])
+    job = ReplicaJob(config, None, [], 1, 0)
+    job.store = HashStore()
+    crashed = SimpleNamespace(proc=SimpleNamespace(poll=lambda: 1), restarts_left=1, index=1)
+    ended = SimpleNamespace(proc=SimpleNamespace(poll=lambda: 0), restarts_left=1, index=0)
+    job.slots = [ended, crashed]
+    assert job.restart_pending()
+    crashed.restarts_left = 0
+    assert not job.restart_pending()
+    crashed.restarts_left = 1
+    job.store.set(GroupKeys.FINISHED, "trained")
+    assert not job.restart_pending()
+
+
+def test_a_taken_port_for_the_jobs_store_is_named_as_such(tmp_path):
+    from torch.distributed import TCPStore
+
+    from titan_recover.recover.job_store import NoJobStore
+    from titan_recover.recover.launcher import ReplicaJob
+
+    taken = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path),
+                                 "--recover.coordinator_port", str(taken.port)])
+    job = ReplicaJob(config, None, [], 1, 0)
+    with pytest.raises(NoJobStore, match=rf"could not host the job's store on port {taken.port} .*is another job "
+                                         r"using it\? Choose a free port \(recover.coordinator_port\)"):
+        job.host_store()
+
+
 def test_a_seed_checkpoint_is_refused_where_torchtitan_refuses_it():
     from titan_recover.train import check_seed_checkpoint
 

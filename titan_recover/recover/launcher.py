@@ -307,7 +307,12 @@ class ReplicaJob:
         client), at ``--rdzv-endpoint`` on many nodes (listening on every interface), else on
         ``coordinator_port``."""
         host, port = self.plan.endpoint or ("127.0.0.1", self.recover.coordinator_port)
-        self.store, self.address = host_embedded(host, port, self.recover.agree_timeout_s)
+        try:
+            self.store, self.address = host_embedded(host, port, self.recover.agree_timeout_s)
+        except DistError as error:  # the port is taken (another job, a launcher still ending) or not this host's
+            where = "--rdzv-endpoint" if self.plan.endpoint else "recover.coordinator_port"
+            raise NoJobStore(f"node 0 could not host the job's store on port {port} ({str(error).splitlines()[0]}): "
+                             f"is another job using it? Choose a free port ({where})") from None
 
     def join_etcd_job(self) -> None:
         """An etcd store: node 0 names the job (the run folder's name, then its start) and announces it while it
@@ -533,10 +538,19 @@ class ReplicaJob:
             _signal_group(slot.proc, signal.SIGKILL)
             _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
 
+    def restartable(self, slot: ReplicaSlot, over: bool) -> bool:
+        """A replica group that exited with an error, with restarts left, in a job neither over nor stopping."""
+        return slot.proc.poll() not in (None, 0) and slot.restarts_left > 0 and not over and self.stopped_by is None
+
+    def restart_pending(self) -> bool:
+        """Some group of this node ended with an error and is to be restarted: the watch goes on for it, even if
+        it was the last one running when it ended."""
+        return any(self.restartable(slot, over) for over in (self.job_state()[0],) for slot in self.slots)
+
     def restart_if_crashed(self, slot: ReplicaSlot, over: bool) -> None:
         """A replica group that exited with an error is started again while it has restarts left and the job is
         neither over nor stopping; what is left of its previous start is killed first."""
-        if slot.proc.poll() not in (None, 0) and slot.restarts_left > 0 and not over and self.stopped_by is None:
+        if self.restartable(slot, over):
             _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
             slot.count_restart()
             where = f"; its output: {self.log_path(f'replica_{slot.index}')}" if self.logs else ""
@@ -665,7 +679,7 @@ class ReplicaJob:
     def watch(self) -> None:
         """Until every replica group has ended: keep a coordinator running, end dropped replicas, restart crashed
         ones (and the syncer). Ends early once the syncer finished (learners still restarting are not needed)."""
-        while any(slot.running for slot in self.slots) or self.restart_every_group():
+        while any(slot.running for slot in self.slots) or self.restart_every_group() or self.restart_pending():
             time.sleep(0.1)
             if self.syncer is not None:
                 if self.syncer_done():  # the job ended (the budget trained, or no learner left)
