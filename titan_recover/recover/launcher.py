@@ -34,7 +34,7 @@ from titan_recover.process_exit import die_with_parent
 from titan_recover.recover.groups.member import COORDINATOR_ENV, INCARNATION_ENV, REPLICA_ENV, RUN_DIR_ENV
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
-from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag, read_dropped
+from titan_recover.recover.groups.keys import GroupKeys, newest_published, raise_fault_flag, read_dropped
 from titan_recover.recover.groups.protocol import decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
@@ -545,7 +545,8 @@ class ReplicaJob:
     def restart_pending(self) -> bool:
         """Some group of this node ended with an error and is to be restarted: the watch goes on for it, even if
         it was the last one running when it ended."""
-        return any(self.restartable(slot, over) for over in (self.job_state()[0],) for slot in self.slots)
+        over = self.job_over()
+        return any(self.restartable(slot, over) for slot in self.slots)
 
     def restart_if_crashed(self, slot: ReplicaSlot, over: bool) -> None:
         """A replica group that exited with an error is started again while it has restarts left and the job is
@@ -601,9 +602,8 @@ class ReplicaJob:
         """Stop the job at once with a durable checkpoint of the last committed step (written by the lowest replica
         that committed it), as a coordinator's stop does, whether or not a coordinator runs."""
         self.store.set(GroupKeys.STOP, reason)  # before anything a rank wakes by: it reads the stop with it
-        epoch = int(self.store.get(GroupKeys.EPOCH)) if self.store.check([GroupKeys.EPOCH]) else -1
-        while self.store.check([GroupKeys.members(epoch + 1)]):
-            epoch += 1  # published after ``epoch`` was read (its members come first)
+        epoch = newest_published(self.store, int(self.store.get(GroupKeys.EPOCH))
+                                 if self.store.check([GroupKeys.EPOCH]) else -1)
         if epoch >= 0:  # members in a collective or a barrier abort it and read the stop
             raise_fault_flag(self.store, epoch, reason)
         # ranks blocked on the next epoch wake by its members and read the stop: a coordinator that runs publishes
@@ -628,7 +628,7 @@ class ReplicaJob:
                   "state is its syncer's checkpoint (recover.diloco.checkpoint_interval_s): ignored",
                   file=sys.stderr, flush=True)
             return
-        if self.store.check([GroupKeys.FINISHED]) or self.store.check([GroupKeys.STOP]):
+        if self.job_over():
             return  # over or stopping already
         reason = (f"stop requested ({name} to the launcher of node {self.plan.rank}, e.g. a scheduler's warning "
                   "before the job's time limit): stopping the job with a durable checkpoint of the last committed "
@@ -673,8 +673,11 @@ class ReplicaJob:
     def job_state(self) -> tuple[bool, dict[int, int | None]]:
         """What the job's store says: (the job is over or stopping, so nothing is restarted; replica -> its
         incarnation last dropped)."""
-        over = self.store.check([GroupKeys.FINISHED]) or self.store.check([GroupKeys.STOP])
-        return over, {slot.index: _dropped_incarnation(self.store, slot.index) for slot in self.slots}
+        return self.job_over(), {slot.index: _dropped_incarnation(self.store, slot.index) for slot in self.slots}
+
+    def job_over(self) -> bool:
+        """The job is over or stopping (nothing is restarted)."""
+        return self.store.check([GroupKeys.FINISHED]) or self.store.check([GroupKeys.STOP])
 
     def watch(self) -> None:
         """Until every replica group has ended: keep a coordinator running, end dropped replicas, restart crashed

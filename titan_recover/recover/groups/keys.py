@@ -219,6 +219,24 @@ class GroupKeys:
 # ---- the fault flag: raised by a rank whose collective failed, or by the coordinator -------------------------
 
 
+def vote_out(store: Store, epoch: int, replicas, reason: str) -> None:
+    """Members of ``epoch`` name ``replicas`` to be left out of the next epoch (``evicted`` keys with ``reason``),
+    then write the marker the coordinator looks for before it reads them (docs/scout.md); the caller raises the
+    fault flag after."""
+    for replica in replicas:
+        store.set(GroupKeys.evicted(epoch, replica), reason)
+    if replicas:  # after the names, before the flag: the coordinator looks for them only then
+        store.set(GroupKeys.evictions(epoch), "1")
+
+
+def newest_published(store: Store, epoch: int) -> int:
+    """The newest epoch published from ``epoch`` on (an epoch's members are written before the ``epoch`` key, so
+    this also finds one published after ``epoch`` was read)."""
+    while store.check([GroupKeys.members(epoch + 1)]):
+        epoch += 1
+    return epoch
+
+
 def raise_fault_flag(store: Store, epoch: int, reason: str) -> str:
     """Set ``fault/e{epoch}`` unless set already; returns the flag's (first writer's) value."""
     value = f"{time.time():.6f}|{reason}"

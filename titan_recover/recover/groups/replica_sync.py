@@ -28,6 +28,7 @@ from titan_recover.recover.groups.keys import (
     raise_fault_flag,
     read_dropped,
     read_join_requests,
+    vote_out,
 )
 from titan_recover.recover.groups.member import (
     pass_on,
@@ -268,10 +269,7 @@ class ReplicaSync:
         """The votes found corruption: abort before this rank counts itself in the commit barrier (so the count
         can never complete), name the replicas to evict to the coordinator, or stop the job (no majority)."""
         store = self.member.store
-        for replica in refusal.evict:
-            store.set(GroupKeys.evicted(self.epoch, replica), f"step {step}: {refusal.reason}")
-        if refusal.evict:  # after the names, before the flag: the coordinator looks for them only then
-            store.set(GroupKeys.evictions(self.epoch), "1")
+        vote_out(store, self.epoch, refusal.evict, f"step {step}: {refusal.reason}")
         if refusal.stop is not None:
             store.set(GroupKeys.STOP_UNTRUSTED, "1")
             store.set(GroupKeys.STOP, refusal.stop)

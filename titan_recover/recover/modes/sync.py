@@ -38,7 +38,7 @@ from titan_recover.recover.groups.member import (  # noqa: E402
     RUN_DIR_ENV,
     TooFewReplicas,
 )
-from titan_recover.recover.groups.keys import GroupKeys  # noqa: E402
+from titan_recover.recover.groups.keys import newest_published  # noqa: E402
 from titan_recover.recover.groups.protocol import active_replicas  # noqa: E402
 from titan_recover.recover.groups.replica_sync import ReplicaSync  # noqa: E402
 from titan_recover.recover.invariant import grad_norm  # noqa: E402
@@ -246,9 +246,7 @@ class SyncMode(Mode):
         """At a stop: the replica that writes the stop's checkpoint, the lowest of those left in the epoch the
         coordinator formed with the stop (published before the stop itself, so every survivor reads the same one)
         that hold the last committed state (:func:`stop_writer`); None if none is left."""
-        store, epoch = self.member.store, self.sync.epoch
-        while store.check([GroupKeys.members(epoch + 1)]):
-            epoch += 1
+        epoch = newest_published(self.member.store, self.sync.epoch)
         return stop_writer(self.member.members_of(epoch), self.sync.committed_members)
 
     def _optimizer_step(self, step: int, outcome: StepOutcome) -> torch.Tensor:

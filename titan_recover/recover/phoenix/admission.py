@@ -16,7 +16,7 @@ import time
 import torch
 
 from titan_recover.recover.ftpg.base import FaultDetected
-from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag, read_dropped, read_join_requests
+from titan_recover.recover.groups.keys import GroupKeys, raise_fault_flag, read_dropped, read_join_requests, vote_out
 from titan_recover.recover.groups.protocol import decode_admission, decode_members, encode_admission, encode_members
 from titan_recover.recover.groups.replica_sync import ReplicaSync
 from titan_recover.recover.phoenix.state_transfer import ChecksumError, transfer, TrainingState
@@ -76,9 +76,7 @@ class Admission:
         if not joiners:
             return
         store, epoch = sync.member.store, sync.epoch
-        for joiner in joiners:
-            store.set(GroupKeys.evicted(epoch, joiner), f"step {step}: {failed}")
-        store.set(GroupKeys.evictions(epoch), "1")
+        vote_out(store, epoch, joiners, f"step {step}: {failed}")
         raise_fault_flag(store, epoch, f"replica {sync.member.replica} rank {sync.member.rank}: {failed}: leaving "
                                        f"out replica(s) {list(joiners)}")
         logger.error("%s: leaving out replica(s) %s, which the launcher restarts while they have restarts", failed,
