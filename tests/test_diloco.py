@@ -309,6 +309,53 @@ def test_the_syncer_gives_back_the_block_of_a_learner_whose_beat_stopped_never_o
     assert [(e["learner"], e["requeued_block"]) for e in lost] == [(1, 1), (2, None)]
 
 
+def test_a_learner_whose_main_thread_hangs_is_lost_and_finds_its_block_given_away_if_it_comes_back(tmp_path):
+    """Learner 1's heartbeat thread beats on while its main thread makes no progress: the syncer declares it lost
+    after ``progress_timeout_s`` of watched time and gives its block back. A learner out of blocks waits while a
+    hold is still open (``outstanding``), then takes the block; learner 1, coming back, cannot count it (its hold
+    ended given back): it ends without sending the block's progress (``learner.BlockGivenBack``)."""
+    from titan_recover.recover.diloco import blocks
+    from titan_recover.recover.diloco.syncer.service import Syncer
+
+    config = _config("--recover.heartbeat_timeout_s", "0.3", "--recover.join_window_s", "0.2",
+                     "--recover.progress_timeout_s", "0.6")
+    coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    syncer = Syncer(config, coordinator_address=f"127.0.0.1:{coordinator.port}", run_dir=str(tmp_path), ranks=1)
+    stamps = {}
+
+    def beat(learner: int, progress: bool) -> None:
+        now = time.time()
+        stamps[learner] = now if progress or learner not in stamps else stamps[learner]
+        coordinator.set(GroupKeys.heartbeat(learner), encode_group_beat({0: Heartbeat(now, stamps[learner], 1, "x")}))
+
+    for learner in range(2):
+        assert blocks.claim_block(coordinator, f"{learner}.0") == learner
+        blocks.record_training(coordinator, learner, learner, step=0, incarnation=0)
+        beat(learner, progress=True)
+    syncer._judge_liveness()
+    assert syncer.alive == {0, 1}
+    started, deadline = time.monotonic(), time.monotonic() + 5
+    while 1 in syncer.alive:
+        assert time.monotonic() < deadline, "learner 1 was never declared lost"
+        beat(0, progress=True)
+        beat(1, progress=False)
+        time.sleep(0.05)
+        syncer._judge_liveness()
+    assert time.monotonic() - started >= 0.6 and syncer.alive == {0}
+    [lost] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "learner_lost"]
+    assert lost["requeued_block"] == 1 and "learner 1 rank(s) [0]: no progress (hung)" in lost["reason"], lost
+    assert blocks.record_trained(coordinator, 0, 0, step=1, incarnation=0, who="0.0")
+    assert not blocks.outstanding(coordinator, learners=2)  # learner 0's hold is done, learner 1's given back
+    assert blocks.claim_requeued(coordinator, "0.0") == 1
+    blocks.record_training(coordinator, 0, 1, step=1, incarnation=0)
+    assert blocks.outstanding(coordinator, learners=2)  # learner 0 trains it: a learner out of blocks waits
+    assert not blocks.record_trained(coordinator, 1, 1, step=1, incarnation=0, who="1.0")  # learner 1 comes back
+    assert blocks.requeue_block(coordinator, 1, "1.1") is None  # its restart: nothing more to give back
+    assert blocks.record_trained(coordinator, 0, 1, step=2, incarnation=0, who="0.0")
+    assert blocks.blocks_trained(coordinator) == 2 and not blocks.outstanding(coordinator, learners=2)
+    assert blocks.requeue_block(coordinator, 0, "syncer.0") is None  # a hold that ended trained is not given back
+
+
 @pytest.mark.multiprocess  # a store server in a process of its own, to stop
 def test_a_send_and_a_pull_stuck_on_a_stopped_syncer_go_to_the_syncer_published_after_it():
     """A learner's send to, and pull from, a syncer whose process is stopped (SIGSTOP) block in the socket; once a
@@ -632,6 +679,42 @@ def test_one_node_on_the_embedded_store_a_hung_syncer_is_ended_and_restarted_whi
     assert sorted(collections.Counter(e["block"] for e in by_kind["block_claimed"])) == list(range(steps * learners))
     merges = by_kind["fragment_merged"]
     assert any(e["time"] > started[1]["time"] for e in merges)  # the restart merged on
+    [finished] = by_kind["syncer_finished"]
+    assert finished["blocks_done"] == steps * learners
+    assert processes_of_run(str(tmp_path)) == []
+
+
+@pytest.mark.multiprocess
+def test_a_learner_whose_main_thread_hangs_is_named_and_its_block_trained_by_the_other(tmp_path):
+    """Learner 1's main thread gets stuck in step 5's forward while its heartbeat thread beats on (the ``stall``
+    fault). Its hang observer names it (``hang_threshold_s``, report only here); the syncer, which sees its
+    progress stamp stand still, declares it lost after ``progress_timeout_s`` and gives its block back; learner 0
+    trains that block too (waiting for it once the counter is past the budget), so the whole budget is trained and
+    the launcher exits 0, ending the stuck learner."""
+    from conftest import launch
+
+    steps, learners, progress_timeout_s = 20, 2, 4.0
+    proc = launch(
+        "train_configs/diloco.toml", "--model.flavor", "tiny", "--recover.replicas", str(learners),
+        "--training.steps", str(steps), "--recover.diloco.inner_steps", "4", "--recover.diloco.max_window_s", "1",
+        "--recover.diloco.eval_interval_s", "0", "--recover.progress_timeout_s", str(progress_timeout_s),
+        "--recover.localize.hang_threshold_s", "2", "--recover.localize.no_end_hung",
+        "--metrics.no_enable_wandb", "--dump_folder", str(tmp_path),
+        "--chaos.faults", '[{kind = "stall", replica = 1, step = 5, phase = "forward"}]', timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    by_kind = collections.defaultdict(list)
+    for e in read_events(tmp_path / "events.jsonl"):
+        by_kind[e["event"]].append(e)
+    [stall] = by_kind["fault_injected"]
+    [hang] = by_kind["hang_detected"]
+    assert hang["replica"] == 1 and hang["kind"] == "stalled" and not hang["ended"], hang
+    [lost] = by_kind["learner_lost"]
+    assert lost["learner"] == 1 and "no progress (hung)" in lost["reason"], lost
+    assert lost["time"] - stall["time"] >= progress_timeout_s
+    given_back = lost["requeued_block"]
+    claims = [(e["replica"], e["block"]) for e in by_kind["block_claimed"]]
+    assert claims.count((1, given_back)) == 1 and claims.count((0, given_back)) == 1, claims
+    assert sorted({block for _, block in claims}) == list(range(steps * learners))
     [finished] = by_kind["syncer_finished"]
     assert finished["blocks_done"] == steps * learners
     assert processes_of_run(str(tmp_path)) == []

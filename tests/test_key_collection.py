@@ -145,10 +145,11 @@ def test_a_diloco_learner_keeps_two_claims_in_the_store():
     assert held == [8, 9]
 
 
-def test_a_diloco_job_keeps_done_keys_only_for_blocks_given_back():
-    """The done key of a block decides who counts it when two learners may finish it (diloco/blocks.py). The
-    syncer deletes those of blocks below every block in training, except the blocks given back: a learner taken
-    for dead may still finish one of those, and must not count it again."""
+def test_a_diloco_job_keeps_block_keys_only_for_blocks_given_back():
+    """A block's done key and the hold key of the learner start that finished it (diloco/blocks.py) are deleted by
+    the syncer once the block is below every block in training, except for blocks given back: a learner taken for
+    lost may come back and try to finish one of those, and its hold's key must still say given back. Such a
+    learner does not hold the collection back."""
     from torch.distributed import TCPStore
 
     from titan_recover.recover.diloco import blocks
@@ -159,29 +160,32 @@ def test_a_diloco_job_keeps_done_keys_only_for_blocks_given_back():
     def done_keys(upto):
         return [b for b in range(upto) if store.check([DilocoKeys.done_of(b)])]
 
+    def hold_keys(upto):
+        return [(b, learner) for b in range(upto) for learner in range(3)
+                if store.check([DilocoKeys.hold(b, learner, 0)])]
+
     # learners 0-2 claim and train blocks 0-5 in turn; learner 1 is still training block 4 when it is taken for
-    # dead, and block 4 is given back
+    # lost, and block 4 is given back
     for block in range(6):
         learner = block % 3
         assert blocks.claim_block(store, f"{learner}.0") == block
         blocks.record_training(store, learner, block, step=block // 3, incarnation=0)
         if block != 4:
-            blocks.record_trained(store, learner, block, step=block // 3 + 1, incarnation=0, who=f"{learner}.0")
+            assert blocks.record_trained(store, learner, block, step=block // 3 + 1, incarnation=0, who=f"{learner}.0")
     assert blocks.requeue_block(store, 1, "syncer.0") == 4
     assert blocks.claim_block(store, "0.0") == 4  # learner 0 takes the given-back block and trains it
     blocks.record_training(store, 0, 4, step=2, incarnation=0)
-    blocks.record_trained(store, 0, 4, step=3, incarnation=0, who="0.0")
+    assert blocks.record_trained(store, 0, 4, step=3, incarnation=0, who="0.0")
     assert blocks.claim_block(store, "2.0") == 6
     blocks.record_training(store, 2, 6, step=2, incarnation=0)  # learner 2 trains block 6
 
-    # learner 1's key still names block 4: it may be alive and finish it
-    assert blocks.collect_done(store, learners=3) == 4
-    assert done_keys(7) == [4, 5]
-    blocks.record_trained(store, 1, 4, step=2, incarnation=0, who="1.0")  # it does, after all: not counted twice
-    assert blocks.blocks_trained(store) == 6  # 0-5
-    assert blocks.collect_done(store, learners=3) == 6  # block 6 is in training
+    # learner 1's key still names block 4, given back: it cannot finish it, and block 6 is the lowest in training
+    assert blocks.collect_done(store, learners=3) == 6
     assert done_keys(7) == [4]  # the given-back block keeps its key, one per failure
+    assert hold_keys(7) == [(4, 0), (4, 1)]  # and both holds of it; the finishers' holds of 0-3 and 5 are gone
+    assert not blocks.record_trained(store, 1, 4, step=2, incarnation=0, who="1.0")  # it comes back: refused
+    assert blocks.blocks_trained(store) == 6  # 0-5, block 4 once
     blocks.record_trained(store, 2, 6, step=3, incarnation=0, who="2.0")
     assert blocks.collect_done(store, learners=3) == 7  # nothing in training: up to the claim counter
-    assert done_keys(7) == [4] and blocks.blocks_trained(store) == 7
+    assert done_keys(7) == [4] and blocks.blocks_trained(store) == 7 and hold_keys(7) == [(4, 0), (4, 1)]
     assert blocks.collect_done(store, learners=3) == 7  # the watermark is kept in the store

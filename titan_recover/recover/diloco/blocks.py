@@ -1,14 +1,16 @@
 """The data-block protocol in the coordinator's store (docs/diloco.md, "A learner: Data").
 
 A data block is one inner step's replica microbatches. Learners claim blocks from the job's counter, record the
-block they train and the blocks they finished; the block of a learner that died is given back (by the syncer on
+block they train and the blocks they finished; the block of a learner that died or hung is given back (by the syncer on
 losing it, or by the learner's restart) and the next claim of any learner takes it first. Every decision that two
-processes may race for (give back, take a given-back block, count a block trained) is a compare-and-set on an
-absent key, so it happens once. Used by the learner and the syncer; talks only to the store passed in.
+processes may race for (a hold given back or finished, take a given-back block, count a block trained) is a
+compare-and-set on an absent key, so it happens once: a learner taken for lost that comes back finds its block
+given away and ends, rather than send progress on data another learner trains. Used by the learner and the syncer; talks only to the store passed in.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from titan_recover.recover.diloco.rules import DilocoKeys
@@ -34,13 +36,21 @@ def record_training(coordinator, learner: int, block: int, step: int, incarnatio
     coordinator.set(DilocoKeys.block(learner), f"{block} {step} {incarnation}")
 
 
-def record_trained(coordinator, learner: int, block: int, step: int, incarnation: int, who: str) -> None:
-    """``learner`` finished ``block`` at inner step ``step``: the block counts as trained once, whoever finished it
-    first; then nothing is to be given back. In that order: whoever reads the learner's key as done finds the
-    block's done key written (:func:`collect_done` relies on it)."""
+def record_trained(coordinator, learner: int, block: int, step: int, incarnation: int, who: str) -> bool:
+    """``learner``'s start ``incarnation`` finished ``block`` at inner step ``step``, unless its hold of the block was
+    given back meanwhile (it was taken for lost: no heartbeat, or no progress); False then, and the caller must not
+    send the block's progress (another learner trains the block: sent too, its data would count twice).
+
+    The hold ends once, one way: this start's compare-and-set on the hold's key (:meth:`DilocoKeys.hold`) against
+    the giver's (:func:`requeue_block`). Then the block counts as trained once, whoever finished it first, and
+    nothing is to be given back. In that order: whoever reads the learner's key as done finds the block's done key
+    written (:func:`collect_done` relies on it)."""
+    if not set_once(coordinator, DilocoKeys.hold(block, learner, incarnation), f"trained:{who}"):
+        return False
     if set_once(coordinator, DilocoKeys.done_of(block), who):
         coordinator.add(DilocoKeys.BLOCKS_DONE, 1)
     coordinator.set(DilocoKeys.block(learner), f"done {step} {incarnation}")
+    return True
 
 
 def held(coordinator, learner: int) -> tuple[str, int, int] | None:
@@ -54,27 +64,44 @@ def held(coordinator, learner: int) -> tuple[str, int, int] | None:
 
 
 def collect_done(coordinator, learners: int) -> int:
-    """Delete the done keys of blocks nobody can finish again, so that they do not grow with the job; returns the
-    block below which they are collected. Called by the syncer only, in the thread that gives blocks back.
+    """Delete the done keys (and their finishers' hold keys) of blocks nobody can finish again, so that they do not
+    grow with the job; returns the block below which they are collected. Called by the syncer only, in the thread
+    that gives blocks back.
 
-    A block's done key decides who counts it when two learners may finish it, which happens only to a block given
-    back (its learner taken for dead, maybe wrongly): those keep theirs, one per failure. Any other block was trained
+    A block given back (its learner taken for lost, maybe wrongly) keeps its keys, a few per failure: the learner
+    may come back and try to finish it, and its hold's key must still say given back. Any other block was trained
     by its claimer alone; once no learner's key names it, it can no longer be given back (giving back reads the
-    learner's key, here or at a restart of a dead learner), so its done key is never read again. The watermark
-    is the lowest block a learner's key names as in training, or the claim counter read before those keys (a block
-    claimed since is above it); kept in the coordinator's store, so a restarted syncer goes on from it."""
+    learner's key, here or at a restart of a dead learner), so its keys are never read again. The watermark
+    is the lowest block a learner's key names as in training (and that was not given back), or the claim counter read
+    before those keys (a block claimed since is above it); kept in the coordinator's store, so a restarted syncer goes
+    on from it."""
     start = int(coordinator.add(DilocoKeys.COLLECTED_BELOW, 0))
     end = int(coordinator.add(DilocoKeys.NEXT_BLOCK, 0))
     for learner in range(learners):
         record = held(coordinator, learner)
-        if record is not None and record[0] != "done":
+        # a block given back is kept whatever the watermark: its former holder, which can no longer finish it, does
+        # not hold the watermark
+        if record is not None and record[0] != "done" and not coordinator.check([DilocoKeys.requeued_of(int(record[0]))]):
             end = min(end, int(record[0]))
     for block in range(start, end):
         if not coordinator.check([DilocoKeys.requeued_of(block)]):
-            coordinator.delete_key(DilocoKeys.done_of(block))
+            _collect_block(coordinator, block)
     if end > start:
         coordinator.add(DilocoKeys.COLLECTED_BELOW, end - start)
     return max(start, end)
+
+
+def _collect_block(coordinator, block: int) -> None:
+    """Delete the done key of a block trained by its claimer alone, and that claimer's hold key (its value names
+    the finisher, ``who`` = ``learner.incarnation``)."""
+    key = DilocoKeys.done_of(block)
+    if not coordinator.check([key]):
+        return
+    finisher = coordinator.get(key).decode().split("/")[0]
+    learner, _, incarnation = finisher.partition(".")
+    if learner.isdigit() and incarnation.isdigit():
+        coordinator.delete_key(DilocoKeys.hold(block, int(learner), int(incarnation)))
+    coordinator.delete_key(key)
 
 
 def blocks_trained(coordinator) -> int:
@@ -97,9 +124,25 @@ def share_claim(coordinator, learner: int, incarnation: int, count: int, block: 
         coordinator.delete_key(DilocoKeys.claim(learner, incarnation, count - 2))
 
 
-def read_claim(coordinator, learner: int, incarnation: int, count: int) -> int:
-    """Waits (the store's timeout) for rank 0's ``count``-th claim."""
-    return int(coordinator.get(DilocoKeys.claim(learner, incarnation, count)))
+def read_claim(coordinator, learner: int, incarnation: int, count: int, waiting=lambda: time.sleep(0.05)) -> int:
+    """Rank 0's ``count``-th claim, once it is there (``waiting`` is called between looks: rank 0 may wait at the
+    end of the budget for a block to come back, :func:`outstanding`, longer than the store's timeout)."""
+    key = DilocoKeys.claim(learner, incarnation, count)
+    while not coordinator.check([key]):
+        waiting()
+    return int(coordinator.get(key))
+
+
+def outstanding(coordinator, learners: int) -> bool:
+    """Some learner's hold of a block has not ended yet: the block may still be trained, or given back (and then
+    claimed by a learner that ran out of blocks, which waits for this at the end of the budget)."""
+    for learner in range(learners):
+        record = held(coordinator, learner)
+        if record is not None and record[0] != "done":
+            block, _, incarnation = record
+            if not coordinator.check([DilocoKeys.hold(int(block), learner, incarnation)]):
+                return True
+    return False
 
 
 def requeue_block(coordinator, learner: int, who: str, *, incarnation_at_most: int | None = None) -> int | None:
@@ -117,8 +160,8 @@ def requeue_block(coordinator, learner: int, who: str, *, incarnation_at_most: i
     if block == "done" or incarnation_at_most is not None and incarnation > incarnation_at_most:
         return None
     # once per hold: a block given back, taken by another learner that dies too, is given back again
-    if not set_once(coordinator, DilocoKeys.give_back(int(block), learner, incarnation), who):
-        return None
+    if not set_once(coordinator, DilocoKeys.hold(int(block), learner, incarnation), who):
+        return None  # given back already, or the holder finished it a moment ago
     coordinator.set(DilocoKeys.requeued_of(int(block)), who)  # before the learner's key can name another block
     number = coordinator.add(DilocoKeys.REQUEUED, 1) - 1
     coordinator.set(DilocoKeys.requeue(number), block)

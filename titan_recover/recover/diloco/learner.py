@@ -29,6 +29,14 @@ from titan_recover.recover.diloco.transport import Delta, DeltaSender, GlobalPul
 
 logger = logging.getLogger(__name__)
 
+OUTSTANDING_POLL_S = 0.5
+"""Past the budget, how often rank 0 looks whether a block came back (reads every learner's key: 2 requests each)."""
+
+
+class BlockGivenBack(RuntimeError):
+    """This learner start was taken for lost and its block given to another learner (:func:`blocks.record_trained`
+    found the hold ended): the start must end without sending the block's progress."""
+
 
 def parameter_names(model_parts) -> list[str]:
     """Parameter names as a plain model has them (:func:`titan_recover.evaluate.plain_name`)."""
@@ -150,9 +158,15 @@ class Learner:
         return True
 
     def _claim(self) -> int | None:
-        """Rank 0 claims and shares the block with the learner's other ranks."""
+        """Rank 0 claims and shares the block with the learner's other ranks. Past the budget, it waits while some
+        other learner's hold has not ended (:func:`blocks.outstanding`): a block given back then is trained here,
+        not left untrained by a job whose other learners all ended."""
         if self.rank == 0:
             block = blocks.claim_block(self.coordinator, self.who)
+            while block >= self.blocks and blocks.outstanding(self.coordinator, self.learners):
+                self._waiting(OUTSTANDING_POLL_S)
+                block = blocks.claim_requeued(self.coordinator, self.who)
+                block = self.blocks if block is None else block
             if block < self.blocks:
                 blocks.record_training(self.coordinator, self.learner, block, self.step, self.incarnation)
                 self.events.emit("block_claimed", console=False, block=block, step=self.step,
@@ -160,9 +174,14 @@ class Learner:
             if self.ranks > 1:
                 blocks.share_claim(self.coordinator, self.learner, self.incarnation, self.claims, block)
         else:
-            block = blocks.read_claim(self.coordinator, self.learner, self.incarnation, self.claims)
+            block = blocks.read_claim(self.coordinator, self.learner, self.incarnation, self.claims, self._waiting)
         self.claims += 1
         return block if block < self.blocks else None
+
+    def _waiting(self, seconds: float = POLL_S) -> None:
+        """Between looks of a wait for other learners (a bounded one: not a hang)."""
+        self.member.progress(phase="rejoin_wait")
+        time.sleep(seconds)
 
     def local_batch_indices(self) -> list[int]:
         """Indices ``n`` of this rank's local batches in the current inner step (``n = g * dp + r``)."""
@@ -179,15 +198,24 @@ class Learner:
 
     # ---- after every inner step --------------------------------------------------------------------------
     def after_inner_step(self, step: int) -> None:
+        """The block is trained: count it (unless it was given away meanwhile: :class:`BlockGivenBack`), send the
+        due fragments, mix in the newer global ones."""
         self.step = step
         self.member.progress(step=step, phase="sync")
+        kept = self.rank != 0 or blocks.record_trained(self.coordinator, self.learner, self.block, step,
+                                                       self.incarnation, self.who)
+        ready, codes = self._ready()
+        agreed, kept = self._agreed(codes, kept)
+        if not kept:  # nothing of this block may reach the syncer: another learner trains it
+            raise BlockGivenBack(f"learner {self.learner} (start {self.incarnation}) rank {self.rank}: the syncer took "
+                                 f"this learner for lost (no heartbeat for recover.heartbeat_timeout_s, or no progress "
+                                 f"for recover.progress_timeout_s) and gave its block {self.block} to another learner; "
+                                 "this start ends without sending that block's progress (its data would count twice)")
         for f in range(self.fragments):
             self.tokens_since[f] += self.tokens_per_step
         for f in due_fragments(step, self.fragments, self.options.inner_steps):
             self.send(f, step)
-        self.adopt_ready()
-        if self.rank == 0:  # the block is trained
-            blocks.record_trained(self.coordinator, self.learner, self.block, step, self.incarnation, self.who)
+        self._mix(ready, codes, agreed)
 
     def send(self, fragment: int, step: int) -> None:
         delta = self.local.take_delta(fragment)
@@ -196,9 +224,16 @@ class Learner:
 
     def adopt_ready(self) -> None:
         """Mix in every newer global fragment that every rank of the learner holds."""
+        ready, codes = self._ready()
+        agreed, _ = self._agreed(codes)
+        self._mix(ready, codes, agreed)
+
+    def _ready(self) -> tuple[dict, list[int]]:
+        """The newest global fragments the pull thread holds, and their versions' codes (-1: none)."""
         ready = self.puller.newest()
-        codes = [_encode(ready[f][0]) if f in ready else -1 for f in range(self.fragments)]
-        agreed = self._agreed(codes)
+        return ready, [_encode(ready[f][0]) if f in ready else -1 for f in range(self.fragments)]
+
+    def _mix(self, ready: dict, codes: list[int], agreed: list[bool]) -> None:
         for f in range(self.fragments):
             if not agreed[f] or codes[f] <= _encode(self.adopted[f]):
                 continue
@@ -207,14 +242,18 @@ class Learner:
             self.adopted[f] = version
             self.adoptions += 1
 
-    def _agreed(self, codes: list[int]) -> list[bool]:
-        """Per fragment: every rank of the learner holds the same version (one all-reduce of ``2F`` integers)."""
+    def _agreed(self, codes: list[int], kept: bool = True) -> tuple[list[bool], bool]:
+        """Per fragment: every rank of the learner holds the same version; and whether every rank's ``kept`` holds
+        (rank 0's verdict on the block reaches the others). One all-reduce of ``2F + 1`` integers; none with one
+        rank."""
         if self.ranks == 1:
-            return [True] * self.fragments
-        both = torch.tensor(codes + [-c for c in codes], dtype=torch.int64, device=self.parts.device)
+            return [True] * self.fragments, kept
+        both = torch.tensor(codes + [-c for c in codes] + [0 if kept else 1], dtype=torch.int64,
+                            device=self.parts.device)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
-        highest, lowest = both[: self.fragments].tolist(), [-c for c in both[self.fragments :].tolist()]
-        return [hi == lo for hi, lo in zip(highest, lowest)]
+        values = both.tolist()
+        highest, lowest = values[: self.fragments], [-c for c in values[self.fragments : 2 * self.fragments]]
+        return [hi == lo for hi, lo in zip(highest, lowest)], values[-1] == 0
 
     # ---- end ---------------------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -227,7 +266,10 @@ class Learner:
         """The budget is claimed and this learner's last block trained: flush, wait until every delta left, and
         report this rank done."""
         self.flush()
-        drained = self.sender.drain(timeout_s)
+        drained, deadline = False, time.monotonic() + timeout_s
+        while not drained and time.monotonic() < deadline:  # a bounded wait, not a hang
+            self.member.progress(phase="transfer")
+            drained = self.sender.drain(min(1.0, max(0.0, deadline - time.monotonic())))
         if self.rank == 0:
             self.events.emit("learner_finished", step=self.step, sent=self.sender.sent, drained=drained,
                              adoptions=self.adoptions)

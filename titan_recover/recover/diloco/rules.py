@@ -196,9 +196,9 @@ class DilocoKeys:
         return f"diloco/requeued_of/{block}"  # coordinator: the block was given back at least once
 
     @staticmethod
-    def give_back(block: int, learner: int, incarnation: int) -> str:
-        # coordinator: who gave back the block held by this start of this learner (set once)
-        return f"diloco/give_back/{block}/{learner}/{incarnation}"
+    def hold(block: int, learner: int, incarnation: int) -> str:
+        # coordinator: how this start's hold of the block ended, set once: trained by it, or given back by whom
+        return f"diloco/hold/{block}/{learner}/{incarnation}"
 
     @staticmethod
     def done_of(block: int) -> str:

@@ -2,23 +2,28 @@
 
 TorchTitan's own step trains the learner's data block; before every step the learner claims the next block from
 the job's counter (no block left: training ends), after it the learner sends its due fragments to the syncer and
-mixes in newer global ones.
+mixes in newer global ones. The main thread reports progress at every microbatch (the syncer's progress timeout;
+and the hang observer's beacon with ``[recover.localize] hang_threshold_s > 0``).
 """
 
 from __future__ import annotations
 
 from functools import partial
+import logging
 import os
 
 import torch
 
 from titan_recover.recover.chaos.monkey import ChaosMonkey
-from titan_recover.recover.diloco.learner import Learner
+from titan_recover.recover.diloco.learner import BlockGivenBack, Learner
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.groups.member import incarnation_from_env, replica_group_store, ReplicaMember
+from titan_recover.recover.groups.member import EXIT_EXCLUDED, incarnation_from_env, replica_group_store, ReplicaMember
 from titan_recover.recover.modes.base import Mode, register_mode, TrainerParts
 from titan_recover.recover.modes.single import forward_backward_with_faults
 from titan_recover.recover.modes.sync import replica_environment
+from titan_recover.recover.scout.beacon import Beacon, beacon_path
+
+logger = logging.getLogger(__name__)
 
 
 @register_mode("diloco")
@@ -28,7 +33,8 @@ class DilocoMode(Mode):
         learner, address, run_dir = replica_environment(config)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         incarnation = incarnation_from_env()
-        events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{learner}/{rank}", replica=learner, rank=rank)
+        self.events = events = EventLog(os.path.join(run_dir, "events.jsonl"), f"{learner}/{rank}", replica=learner,
+                                        rank=rank)
         self.step = 0
         self.chaos = ChaosMonkey(config.chaos.schedule(config.recover.groups, world), learner, rank, events,
                                  incarnation=incarnation, run_dir=run_dir)
@@ -37,6 +43,8 @@ class DilocoMode(Mode):
                                     address=address, incarnation=incarnation,
                                     group_store=partial(replica_group_store, config.recover.agree_timeout_s)
                                     if world > 1 else None)
+        if config.recover.localize.hang_threshold_s > 0:  # read by the learner's hang observer (docs/scout.md)
+            self.member.beacon = Beacon(beacon_path(run_dir, learner, rank, incarnation))
         self.member.register()
         self.learner = Learner(parts, self.member, events, learner=learner, learners=config.recover.replicas,
                                incarnation=incarnation, coordinator_address=address)
@@ -56,14 +64,22 @@ class DilocoMode(Mode):
         if self.parts.metrics_processor.should_log(step):
             self.parts.metrics_processor.add_step_metrics(self.learner.metrics())
         titan_step()
-        self.learner.after_inner_step(step)
+        try:
+            self.learner.after_inner_step(step)
+        except BlockGivenBack as given_back:  # taken for lost, and it was not: end; the launcher restarts it
+            logger.error("%s", given_back)
+            self.events.emit("learner_ended", step=step, block=self.learner.block, reason=str(given_back))
+            os._exit(EXIT_EXCLUDED)
 
     def forward_backward(self, step: int, **batch) -> torch.Tensor:
+        self.member.progress(step=step, phase="forward")
         return forward_backward_with_faults(self.parts, self.chaos, step, batch)
 
     def train(self, run) -> None:
         run()
         self.learner.finish(timeout_s=self.config.recover.agree_timeout_s)
+        if self.member.beacon is not None:
+            self.member.beacon.close(done=True)
         return None
 
     def close(self) -> None:

@@ -1,6 +1,8 @@
 """Which learners the syncer still expects deltas from (docs/diloco.md, "Liveness"): alive while no rank's
-heartbeat (relayed by the learner's leader rank) in the coordinator's store stayed unchanged for ``heartbeat_timeout_s`` on the syncer's own clock (only
-over time it was watching), and not reported done."""
+heartbeat (relayed by the learner's leader rank) in the coordinator's store stayed unchanged for
+``heartbeat_timeout_s``, and no rank's main-thread progress stamp in it for ``progress_timeout_s`` (a learner
+stuck while its heartbeat thread beats), on the syncer's own clock (only over time it was watching); and not
+reported done."""
 
 from __future__ import annotations
 
@@ -14,11 +16,14 @@ LIVENESS_EVERY_S = 0.2
 
 
 class LearnerLiveness:
-    def __init__(self, coordinator, *, learners: int, ranks: int, heartbeat_timeout_s: float):
+    def __init__(self, coordinator, *, learners: int, ranks: int, heartbeat_timeout_s: float,
+                 progress_timeout_s: float = math.inf):
         self.coordinator, self.learners, self.ranks = coordinator, learners, ranks
-        self.watch = LivenessWatch(heartbeat_timeout_s, math.inf, max_gap_s=2 * LIVENESS_EVERY_S)
+        self.watch = LivenessWatch(heartbeat_timeout_s, progress_timeout_s, max_gap_s=2 * LIVENESS_EVERY_S)
         self.incarnation: dict[int, int] = {}
         """Each learner's start last judged alive (what the syncer gives back for, once it is lost)."""
+        self.reasons: dict[int, str] = {}
+        """Why each learner with a beat was last judged not alive (no heartbeat, or no progress)."""
 
     def judge(self) -> tuple[set[int], set[int]]:
         """(learners alive, learners done: every rank reported done)."""
@@ -37,7 +42,10 @@ class LearnerLiveness:
         self.watch.look(time.monotonic(),
                         {(learner, rank): b for learner, bs in beats.items() for rank, b in enumerate(bs)})
         for learner, bs in beats.items():
-            if self.watch.judge(learner, range(self.ranks), bs[0].incarnation).alive:
+            verdict = self.watch.judge(learner, range(self.ranks), bs[0].incarnation)
+            if verdict.alive:
                 alive.add(learner)
                 self.incarnation[learner] = bs[0].incarnation
+            else:
+                self.reasons[learner] = verdict.reason().replace("replica", "learner", 1)
         return alive, done

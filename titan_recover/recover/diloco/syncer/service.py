@@ -72,7 +72,8 @@ class Syncer:
         self.rounds: Rounds | None = None  # once the model's fragments are known
         self.inbox = Inbox(self.store, learners=self.learners, ranks=ranks)
         self.liveness = LearnerLiveness(self.coordinator, learners=self.learners, ranks=ranks,
-                                        heartbeat_timeout_s=config.recover.heartbeat_timeout_s)
+                                        heartbeat_timeout_s=config.recover.heartbeat_timeout_s,
+                                        progress_timeout_s=config.recover.progress_timeout_s)
         self.metrics = SyncerMetrics(run_dir)
         self.evaluator = GlobalEvaluator(config, ranks)
         self.alive: set[int] = set()
@@ -173,7 +174,8 @@ class Syncer:
         for learner in sorted(self.alive - alive - done):
             given_back = requeue_block(self.coordinator, learner, self.who,
                                        incarnation_at_most=self.liveness.incarnation[learner])
-            self.events.emit("learner_lost", learner=learner, reason="no heartbeat", requeued_block=given_back)
+            reason = self.liveness.reasons.get(learner, "no heartbeat")
+            self.events.emit("learner_lost", learner=learner, reason=reason, requeued_block=given_back)
         self.alive, self.done = alive, done
 
     def _receive(self, now: float) -> int:
