@@ -108,6 +108,13 @@ def test_the_manager_refills_from_the_keeper_after_the_durable_load(tmp_path):
     taking.snapshots.wait()
     expected = {k: v.clone() for k, v in trained.model.state_dict().items()}
 
+    named = Replica(seed=3)  # a step asked for by name (checkpoint.load_step) is loaded, never a newer snapshot
+    assert not manager(RecoverCheckpointManager, tmp_path, named, enable=False, _snapshot=snapshot).load(step=2)
+    another_job = Replica(seed=4)  # another job (its own folder) sharing the keeper finds nothing of this one
+    assert not manager(RecoverCheckpointManager, tmp_path / "another", another_job, enable=False,
+                       _snapshot=snapshot).load()
+    assert named.step == another_job.step == 0
+
     fresh = Replica(seed=1)
     restoring = manager(RecoverCheckpointManager, tmp_path, fresh, enable=False, _snapshot=snapshot)
     assert restoring.load()  # no durable checkpoint (off), the snapshot of step 3

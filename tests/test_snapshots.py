@@ -114,6 +114,62 @@ def test_a_keeper_that_is_gone_leaves_a_start_without_snapshots_not_a_failed_sta
     assert snapshots.restore(durable_step=0) is None
 
 
+def test_ranks_restore_a_snapshot_only_if_every_rank_picked_it_and_read_it_whole(keeper):
+    """Two ranks of one job (their own states, as shards are) hold snapshots of steps 2 and 4. Rank 1's payload of
+    step 4 is damaged in the keeper: it cannot restore it, and says so. The ranks agree on what to restore (a
+    collective; here two threads exchanging their picks): neither restores anything, neither fails, and the job
+    resumes from its durable checkpoint. Whole again, both restore step 4. Another job's name finds nothing."""
+    import json
+
+    from titan_recover.recover.phoenix.snapshots import SnapshotKeys
+
+    trained = [Replica(seed=r) for r in range(2)]
+    takers = [Snapshots(trained[r].state(), keepers=[keeper], rank=r, ranks=2, local_ranks=2, timeout_s=10)
+              for r in range(2)]
+    for step in range(4):
+        for r in range(2):
+            trained[r].train_step(2 * step + r)
+            if step in (1, 3):
+                assert takers[r].take(trained[r].step)
+                takers[r].wait()
+    expected = [{k: v.clone() for k, v in t.model.state_dict().items()} for t in trained]
+
+    def restore_on_both_ranks(job: str = "job"):
+        fresh, picks, barrier, results = [Replica(seed=10 + r) for r in range(2)], {}, threading.Barrier(2), {}
+
+        def agree_as(rank):
+            def agree(pick):
+                picks[rank] = pick
+                barrier.wait(10)
+                return min(picks.values()), max(picks.values())
+            return agree
+
+        restorers = [Snapshots(fresh[r].state(), keepers=[keeper], rank=r, ranks=2, local_ranks=2, timeout_s=10,
+                               agree=agree_as(r), job=job) for r in range(2)]
+        threads = [threading.Thread(target=lambda r=r: results.update({r: restorers[r].restore(durable_step=0)}))
+                   for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        return [results[r] for r in range(2)], fresh
+
+    store = takers[1].store
+    meta_key = SnapshotKeys.meta("job", 1, 1)  # step 4 went to the second slot
+    whole = store.get(meta_key)
+    store.set(meta_key, json.dumps(dict(json.loads(whole), xxh3="0" * 16)))  # the payload no longer matches
+    restored, fresh = restore_on_both_ranks()
+    assert restored == [None, None] and [f.step for f in fresh] == [0, 0]
+    assert not torch.equal(fresh[0].model.state_dict()["0.weight"], expected[0]["0.weight"])
+    store.set(meta_key, whole)
+    restored, fresh = restore_on_both_ranks()
+    assert restored == [4, 4] and [f.step for f in fresh] == [4, 4]
+    for r in range(2):
+        for name, value in fresh[r].model.state_dict().items():
+            assert torch.equal(value, expected[r][name]), (r, name)
+    assert restore_on_both_ranks(job="another")[0] == [None, None]
+
+
 class GatedCopies(DeferredCopies):
     """A side stream whose copies the sending thread can only see complete once the test opens the gate."""
 

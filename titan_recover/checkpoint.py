@@ -13,8 +13,9 @@ is never counted as one of them, so it cannot push out a good checkpoint. Its ``
   recorded as verified by a clean parameter vote (:func:`titan_recover.recover.scout.verified.step_to_load`),
   announced by a ``checkpoint_choice`` event; an explicit ``load_step`` is the user's choice;
 * then, with ``[recover.snapshot] interval > 0`` (a job without replicas), every rank refills from the newest
-  in-memory snapshot every rank holds in the keepers, if it is newer than the durable checkpoint
-  (:meth:`titan_recover.recover.phoenix.snapshots.Snapshots.restore`; its ``snapshot_restored`` event). The same
+  in-memory snapshot every rank holds in the keepers, if it is newer than the durable checkpoint and no
+  ``load_step`` names a step (:meth:`titan_recover.recover.phoenix.snapshots.Snapshots.restore`; its
+  ``snapshot_restored`` event). The same
   :class:`~titan_recover.recover.phoenix.snapshots.Snapshots` (``manager.snapshots``) takes the snapshots during
   training, driven by the trainer.
 
@@ -38,7 +39,7 @@ from torchtitan.tools import filesystem
 
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import REPLICA_ENV, RUN_DIR_ENV
-from titan_recover.recover.phoenix.snapshots import keeper_addresses, SnapshotConfig, Snapshots
+from titan_recover.recover.phoenix.snapshots import keeper_addresses, snapshot_job, SnapshotConfig, Snapshots
 from titan_recover.recover.phoenix.state_transfer import TrainingState
 from titan_recover.recover.scout.verified import only_unverified, step_to_load
 
@@ -112,16 +113,19 @@ class RecoverCheckpointManager(CheckpointManager):
         super().__init__(config, model_parts=model_parts, optimizers=optimizers, lr_schedulers=lr_schedulers,
                          states=states, base_folder=base_folder, **kwargs)
         if config._snapshot is not None and config._snapshot.interval > 0:
-            self.snapshots = self._connect_snapshots(config._snapshot, model_parts, optimizers, lr_schedulers)
+            folder = os.path.join(base_folder, config.folder)  # TorchTitan's folder, set only when it is enabled
+            self.snapshots = self._connect_snapshots(config._snapshot, model_parts, optimizers, lr_schedulers, folder)
 
-    def _connect_snapshots(self, config: SnapshotConfig, model_parts, optimizers, lr_schedulers) -> Snapshots:
+    def _connect_snapshots(self, config: SnapshotConfig, model_parts, optimizers, lr_schedulers,
+                           folder: str) -> Snapshots:
         if self._train_state is None:
             raise ValueError(f"snapshots need the trainer's state: build the checkpoint manager with "
                              f"states={{{TRAIN_STATE!r}: trainer}}, as TorchTitan's trainer does")
         rank, world = rank_and_world()
         state = TrainingState(model_parts, list(optimizers), lr_schedulers, train_state=self._train_state)
         return Snapshots(state, keepers=keeper_addresses(config), rank=rank, ranks=world,
-                         local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)), events=self.events)
+                         local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)), events=self.events,
+                         job=snapshot_job(folder))
 
     @property
     def events(self) -> EventLog:
@@ -138,6 +142,9 @@ class RecoverCheckpointManager(CheckpointManager):
         a job whose durable checkpointing is off too; TorchTitan's enabled check stays in ``super().load``."""
         loaded = super().load(step)
         if self.snapshots is None:
+            return loaded
+        if step != -1:  # a step asked for by name (checkpoint.load_step) is what the user wants, not a newer one
+            logger.info("checkpoint.load_step = %d asked for: the keepers' snapshots are not restored", step)
             return loaded
         durable_step = self._train_state.state_dict()["step"]
         return self.snapshots.restore(durable_step=durable_step) is not None or loaded

@@ -15,10 +15,13 @@ its keeper and marks a slot complete (its ``meta``: step, size, xxHash3) only af
 deleted the mark before overwriting: a rank dying mid-send leaves its previous snapshot intact.
 
 When the job starts (first start or a restart), after TorchTitan's checkpointer loaded whatever durable checkpoint
-exists, every rank reads every rank's complete slots and restores the newest step that every rank holds
-(:func:`restore_step`), if it is newer than the durable checkpoint's. Every rank decides from the same bytes, so all
-restore the same step or none. A job whose snapshots are gone (the keeper's node died) resumes from the newest
-durable checkpoint, as TorchTitan does. The project's checkpoint manager
+exists, every rank reads every rank's complete slots, picks the newest step that every rank holds
+(:func:`restore_step`), if it is newer than the durable checkpoint's, and reads its own payload (size and xxHash3
+checked). The ranks then agree (one all-reduce of two integers, :func:`agreed_step`): they restore that step only
+if every rank picked it and read it whole; otherwise every rank resumes from the durable checkpoint, as TorchTitan
+does (a keeper one rank cannot reach, a damaged payload, ranks that read the keepers at different moments). Keys
+are named by the job (:func:`snapshot_job`: the checkpoint folder and torchrun's run id), so keepers that outlive a
+job never hand its snapshots to another. The project's checkpoint manager
 (:class:`titan_recover.checkpoint.RecoverCheckpointManager`) builds the :class:`Snapshots` of a rank and restores
 them in its ``load``.
 """
@@ -30,6 +33,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -84,6 +88,27 @@ def buddy_node(node: int, nodes: int) -> int:
     return (node + 1) % nodes
 
 
+def agreed_step(lowest: int, highest: int) -> int | None:
+    """The step every rank restores, from the lowest and highest of the ranks' picks (-1: none): the pick, only if
+    every rank made the same one."""
+    return lowest if lowest == highest and lowest >= 0 else None
+
+
+def agree_across_ranks(pick: int, device: torch.device) -> tuple[int, int]:
+    """(lowest, highest) of every rank's ``pick``: one all-reduce of two integers over the job's default group."""
+    both = torch.tensor([pick, -pick], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+    return -int(both[1].item()), int(both[0].item())
+
+
+def snapshot_job(folder: str, environ=os.environ) -> str:
+    """The name of a job's snapshots in the keepers: its checkpoint folder (as configured, the same text on every
+    rank) and torchrun's run id (``--rdzv-id``; a new one per ``--standalone`` launch, the same across torchrun's
+    restarts)."""
+    text = f"{folder}|{environ.get('TORCHELASTIC_RUN_ID', '')}"
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
 def restore_step(complete: dict[int, set[int]], ranks: int, durable_step: int) -> int | None:
     """The step to restore from memory: the newest one every rank holds a complete snapshot of, if newer than the
     durable checkpoint's (``durable_step``, 0 for none). None: train on from the durable checkpoint (or from
@@ -97,12 +122,12 @@ def restore_step(complete: dict[int, set[int]], ranks: int, durable_step: int) -
 
 class SnapshotKeys:
     @staticmethod
-    def data(rank: int, slot: int) -> str:
-        return f"snapshot/{rank}/{slot}/data"
+    def data(job: str, rank: int, slot: int) -> str:
+        return f"snapshot/{job}/{rank}/{slot}/data"
 
     @staticmethod
-    def meta(rank: int, slot: int) -> str:
-        return f"snapshot/{rank}/{slot}/meta"
+    def meta(job: str, rank: int, slot: int) -> str:
+        return f"snapshot/{job}/{rank}/{slot}/meta"
 
 
 def _connect(address: str, timeout_s: float):
@@ -156,8 +181,13 @@ class Snapshots:
     after that event completed."""
 
     def __init__(self, state: TrainingState, *, keepers: list[str], rank: int, ranks: int, local_ranks: int,
-                 events=None, timeout_s: float = 60.0, copies: HostCopies | None = None):
+                 events=None, timeout_s: float = 60.0, copies: HostCopies | None = None, job: str = "job",
+                 agree=None):
         self.state, self.rank, self.ranks, self.events = state, rank, ranks, events
+        self.job = job
+        """The job's name in the keepers' keys (:func:`snapshot_job`)."""
+        self._agree = agree
+        """(lowest, highest) of the ranks' picks (default: :func:`agree_across_ranks`; not called with one rank)."""
         self.timeout_s = timeout_s
         self.keepers = keepers
         self._buddy = buddy_node(rank // local_ranks, len(keepers))
@@ -268,9 +298,9 @@ class Snapshots:
         meta["bytes"] = payload.numel()
         try:
             meta["xxh3"] = checksum(payload)
-            self.store.delete_key(SnapshotKeys.meta(self.rank, slot))  # the slot is not complete while it is rewritten
-            put_blob(self.store, SnapshotKeys.data(self.rank, slot), payload)
-            self.store.set(SnapshotKeys.meta(self.rank, slot), json.dumps(meta))
+            self.store.delete_key(SnapshotKeys.meta(self.job, self.rank, slot))  # the slot is not complete while it is rewritten
+            put_blob(self.store, SnapshotKeys.data(self.job, self.rank, slot), payload)
+            self.store.set(SnapshotKeys.meta(self.job, self.rank, slot), json.dumps(meta))
         except Exception as error:  # the keeper is gone: training goes on, the durable checkpoint remains
             logger.warning("rank %d: snapshot of step %d not stored: %s", self.rank, meta["step"], error)
             return
@@ -288,14 +318,46 @@ class Snapshots:
         store = self._store_of(rank)
         found = {}
         for slot in (0, 1):
-            key = SnapshotKeys.meta(rank, slot)
+            key = SnapshotKeys.meta(self.job, rank, slot)
             if store.check([key]):
                 meta = json.loads(store.get(key))
                 found[meta["step"]] = (slot, meta)
         return found
 
     def restore(self, durable_step: int) -> int | None:
-        """Load the newest snapshot every rank holds, if newer than ``durable_step``; returns its step or None."""
+        """Load the newest snapshot every rank holds whole, if newer than ``durable_step`` and every rank picked it;
+        returns its step or None. A collective: every rank of the job calls it."""
+        found = self._pick(durable_step)
+        pick = -1 if found is None else found[0]
+        lowest, highest = (pick, pick) if self.ranks == 1 else self._agreed(pick)
+        step = agreed_step(lowest, highest)
+        if step is None:
+            if highest >= 0:  # some rank could have restored: say why none does
+                logger.warning("rank %d: the ranks picked different snapshots (steps %d to %d; -1: none whole); "
+                               "resuming from the durable checkpoint (step %d)", self.rank, lowest, highest,
+                               durable_step)
+                if self.events is not None and self.rank == 0:
+                    self.events.emit("snapshot_not_restored", lowest=lowest, highest=highest,
+                                     durable_step=durable_step)
+            return None
+        _, slot, meta, payload = found
+        started = time.perf_counter()
+        self._load(step, payload, meta)
+        self._slot = 1 - slot  # the next snapshot goes to the other slot: the one restored stays whole until then
+        if self.events is not None:
+            self.events.emit("snapshot_restored", step=step, rank=self.rank, bytes=meta["bytes"],
+                             durable_step=durable_step, seconds=time.perf_counter() - started)
+        return step
+
+    def _agreed(self, pick: int) -> tuple[int, int]:
+        if self._agree is not None:
+            return self._agree(pick)
+        return agree_across_ranks(pick, self.state.tensors()[0].device)
+
+    def _pick(self, durable_step: int) -> tuple[int, int, dict, torch.Tensor] | None:
+        """This rank's pick: (step, slot, meta, payload) of the newest step every rank holds complete, newer than
+        ``durable_step``, with this rank's payload read whole; None if there is none (or a keeper is unreachable,
+        or the payload is damaged: said in the log)."""
         try:
             complete = {r: self._complete(r) for r in range(self.ranks)}
         except Exception as error:  # a keeper is unreachable: its snapshots are gone
@@ -305,23 +367,21 @@ class Snapshots:
         if step is None:
             return None
         slot, meta = complete[self.rank][step]
-        started = time.perf_counter()
-        self._load(step, self._read(step, slot, meta), meta)
-        self._slot = 1 - slot  # the next snapshot goes to the other slot: the one restored stays whole until then
-        if self.events is not None:
-            self.events.emit("snapshot_restored", step=step, rank=self.rank, bytes=meta["bytes"],
-                             durable_step=durable_step, seconds=time.perf_counter() - started)
-        return step
+        try:
+            return step, slot, meta, self._read(step, slot, meta)
+        except Exception as error:  # damaged, or the keeper went away while it was read
+            logger.warning("%s", error)
+            return None
 
     def _read(self, step: int, slot: int, meta: dict) -> torch.Tensor:
         """This rank's payload of ``step`` from its keeper, size and xxHash3 checked."""
         try:
-            payload = get_blob(self.store, SnapshotKeys.data(self.rank, slot), meta["bytes"])
+            payload = get_blob(self.store, SnapshotKeys.data(self.job, self.rank, slot), meta["bytes"])
         except ValueError:
             payload = None
         if payload is None or checksum(payload) != meta["xxh3"]:
-            raise RuntimeError(f"rank {self.rank}: the snapshot of step {step} in the keeper is damaged "
-                               "(size or xxHash3 differs); remove it or restart the job from the durable checkpoint")
+            raise RuntimeError(f"rank {self.rank}: the snapshot of step {step} in the keeper is damaged (size or "
+                               "xxHash3 differs); resuming from the durable checkpoint")
         return payload
 
     def _load(self, step: int, payload: torch.Tensor, meta: dict) -> None:
