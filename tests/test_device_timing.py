@@ -57,6 +57,9 @@ class AsyncWorker:
     def gradient_parts(self):
         return None
 
+    def needs_backward(self):
+        return False
+
 
 class CommitsAtOnce:
     """A sync with one member that commits its first reduction (the buffer is its own)."""

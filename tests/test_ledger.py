@@ -201,6 +201,9 @@ class SimulatedReplicas:
                 def gradient_parts(self):
                     return [self.local] if sim.overlap else None
 
+                def needs_backward(self):
+                    return False
+
                 def synchronize(self):
                     pass
 
@@ -316,6 +319,40 @@ class IdleWorker:
 
     def gradient_parts(self):
         return None
+
+    def needs_backward(self):
+        return False
+
+
+def test_a_spare_that_never_ran_a_backward_computes_one_microbatch_and_drops_it():
+    """A worker that must see a backward before it can place gradients of its own (a tensor-parallel norm weight's
+    is Partial while its parameter is Replicate) and holds no microbatch of the step (a spare) computes the step's
+    first id as a replay (dropped: nothing accumulated) before the reduction; once it has seen one, it computes
+    nothing."""
+
+    class TwoMembers:
+        epoch, members, committed_epoch, committed_members = 0, (0, 1), 0, (0, 1)
+
+    class Spare(IdleWorker):
+        def __init__(self):
+            self.seen, self.calls = False, []
+
+        def compute(self, g, witness=None, on_final=None):
+            self.calls.append((g, witness))
+            self.seen = True
+
+        def needs_backward(self):
+            return not self.seen
+
+    spare = Spare()
+    manager = StepRecovery(QuotaConfig(), replica=1, groups=2, per_step=4, sync=TwoMembers(), worker=spare,
+                           active=1, dtype=torch.float64)
+    ledger = manager.plan(1)
+    assert ledger.assignment.ids == {0: (0, 1, 2, 3)}  # the spare holds none
+    progress, _ = manager._compute_quota(1, ledger)
+    assert spare.calls == [(0, "replay")] and progress.done == []  # computed, dropped, not counted as its work
+    manager._compute_quota(2, manager.plan(2))
+    assert spare.calls == [(0, "replay")]  # seen: nothing more
 
 
 def test_manager_gives_up_after_the_epoch_bound():

@@ -134,14 +134,14 @@ def read_claim(coordinator, learner: int, incarnation: int, count: int, waiting=
 
 
 def outstanding(coordinator, learners: int) -> bool:
-    """Some learner's hold of a block has not ended yet: the block may still be trained, or given back (and then
-    claimed by a learner that ran out of blocks, which waits for this at the end of the budget)."""
+    """Some block a learner's key names as in training is not trained yet: its holder may still finish it, or it
+    was (or will be) given back for another learner to train. A learner out of blocks waits for this at the end
+    of the budget. Race-free against a give-back: the block stays outstanding until someone counted it trained,
+    whatever moment the giver's writes are seen at."""
     for learner in range(learners):
         record = held(coordinator, learner)
-        if record is not None and record[0] != "done":
-            block, _, incarnation = record
-            if not coordinator.check([DilocoKeys.hold(int(block), learner, incarnation)]):
-                return True
+        if record is not None and record[0] != "done" and not coordinator.check([DilocoKeys.done_of(int(record[0]))]):
+            return True
     return False
 
 

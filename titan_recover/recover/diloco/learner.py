@@ -85,6 +85,8 @@ class Learner:
         self.adoptions = 0
         self.coordinator = member.store
         self.coordinator_address = coordinator_address
+        self.finished = False
+        """:meth:`finish` ran: this rank reported done."""
         self.sender = DeltaSender(coordinator_address, learner=learner, incarnation=incarnation, rank=self.rank)
         self.puller = GlobalPuller(coordinator_address, rank=self.rank, fragments=self.fragments)
 
@@ -149,10 +151,14 @@ class Learner:
 
     # ---- data blocks -------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        """Called before every inner step: claims the step's data block; False once the budget is claimed."""
+        """Called before every inner step: claims the step's data block; False once the budget is claimed. The
+        learner then finishes at once (:meth:`finish`): the syncer's last merges need not wait for the end of
+        TorchTitan's loop (its rank 0 sleeps 2 s there, without progress)."""
+        if self.finished:
+            return False
         self.block = self._claim()
         if self.block is None:
-            self.flush()  # at once: the syncer's last merges need not wait for the end of TorchTitan's loop
+            self.finish()
             return False
         self._set_learning_rate(schedule_step(self.block, self.learners))
         return True
@@ -163,10 +169,8 @@ class Learner:
         not left untrained by a job whose other learners all ended."""
         if self.rank == 0:
             block = blocks.claim_block(self.coordinator, self.who)
-            while block >= self.blocks and blocks.outstanding(self.coordinator, self.learners):
-                self._waiting(OUTSTANDING_POLL_S)
-                block = blocks.claim_requeued(self.coordinator, self.who)
-                block = self.blocks if block is None else block
+            if block >= self.blocks:
+                block = self._await_given_back()
             if block < self.blocks:
                 blocks.record_training(self.coordinator, self.learner, block, self.step, self.incarnation)
                 self.events.emit("block_claimed", console=False, block=block, step=self.step,
@@ -177,6 +181,25 @@ class Learner:
             block = blocks.read_claim(self.coordinator, self.learner, self.incarnation, self.claims, self._waiting)
         self.claims += 1
         return block if block < self.blocks else None
+
+    def _await_given_back(self) -> int:
+        """Past the budget: while some block in training is not trained yet, wait, and take it if it is given back.
+        At most ``2 x progress_timeout_s`` (a hung holder's block is given back after one, by the syncer; without a
+        syncer nothing is): then the block stays untrained, which the job's verdict reports. Returns the block
+        taken, or the budget (none)."""
+        most_s = 2 * self.parts.config.recover.progress_timeout_s
+        deadline = time.monotonic() + most_s
+        while blocks.outstanding(self.coordinator, self.learners):
+            block = blocks.claim_requeued(self.coordinator, self.who)
+            if block is not None:
+                return block
+            if time.monotonic() > deadline:
+                logger.warning("learner %d: a block in training is still not trained after %.0f s (2 x "
+                               "recover.progress_timeout_s) and was not given back; ending without it",
+                               self.learner, most_s)
+                break
+            self._waiting(OUTSTANDING_POLL_S)
+        return self.blocks
 
     def _waiting(self, seconds: float = POLL_S) -> None:
         """Between looks of a wait for other learners (a bounded one: not a hang)."""
@@ -262,9 +285,14 @@ class Learner:
             if self.tokens_since[f]:
                 self.send(f, self.step)
 
-    def finish(self, timeout_s: float) -> None:
-        """The budget is claimed and this learner's last block trained: flush, wait until every delta left, and
-        report this rank done."""
+    def finish(self, timeout_s: float | None = None) -> None:
+        """The budget is claimed and this learner's last block trained: flush, wait (``timeout_s``, default
+        ``recover.agree_timeout_s``) until every delta left, and report this rank done. Once."""
+        if self.finished:
+            return
+        self.finished = True
+        if timeout_s is None:
+            timeout_s = self.parts.config.recover.agree_timeout_s
         self.flush()
         drained, deadline = False, time.monotonic() + timeout_s
         while not drained and time.monotonic() < deadline:  # a bounded wait, not a hang

@@ -94,6 +94,11 @@ class MicrobatchWorker(Protocol):
         ``g``'s gradient and loss; ``"replay"`` leaves nothing accumulated (docs/scout.md). ``on_final(i)``: called
         during the backward as soon as part ``i`` of :meth:`gradient_parts` holds its final value."""
 
+    def needs_backward(self) -> bool:
+        """Whether this worker must see one backward before it can build gradients of its own (a tensor-parallel
+        gradient may be placed otherwise than its parameter, and only a backward shows how): the manager then
+        computes a microbatch for it and drops it, in a step where it has none of its own (a spare's)."""
+
     def gradient_parts(self) -> list[torch.Tensor] | None:
         """The local accumulation's parts, in the order :meth:`contribution` gives them, made to exist before the
         step's last microbatch (its backward accumulates into them in place and reports each one to ``on_final``);
@@ -243,6 +248,8 @@ class StepRecovery:
         if plan is not None and self.replica in plan.replayers:
             # the replayed gradient is signed and dropped
             progress.replay_signature = self.worker.compute(plan.microbatch, witness="replay")
+        elif not own and self.worker.needs_backward():  # a spare's first step: one backward shows the placements
+            self.worker.compute(min(g for ids in ledger.assignment.ids.values() for g in ids), witness="replay")
         # the clock measures the quota's device work: none queued before it, all of it done at the end (one wait
         # each, not one per microbatch, so the device keeps running ahead of the launches)
         self.worker.synchronize()

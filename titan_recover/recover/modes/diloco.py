@@ -77,7 +77,7 @@ class DilocoMode(Mode):
 
     def train(self, run) -> None:
         run()
-        self.learner.finish(timeout_s=self.config.recover.agree_timeout_s)
+        self.learner.finish()  # done already when the budget ran out (has_work)
         if self.member.beacon is not None:
             self.member.beacon.close(done=True)
         return None

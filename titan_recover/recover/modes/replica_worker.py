@@ -191,6 +191,11 @@ class ReplicaWorker:
                 self._loaded = True
         return inputs, targets, loaded
 
+    def needs_backward(self) -> bool:
+        """Some parameter's gradient placements have not been seen in a backward yet (a spare before its first
+        microbatch): the gradients this worker would build for it would be placed as the parameter."""
+        return bool(self._placements_unknown)
+
     def _note_placements(self) -> None:
         """Record the placements of the gradients the backward made, for the parameters whose gradients may be
         placed otherwise than the parameter (:func:`needs_gradient_placements`), until each was seen."""
