@@ -174,8 +174,8 @@ def of(events, name, **where):
 
 def assert_all_equal_reference(reference, folder, events, replicas):
     """Every replica ended bitwise identical to the reference (1 rank per replica): parameters, optimizer and
-    schedule state; every logged loss and token count equals the reference's at that step (a replica that rejoined
-    logged only the steps it trained)."""
+    schedule state; every logged loss, token count and running token total equals the reference's at that step (a
+    replica that rejoined logged only the steps it trained: its total came with the state it received)."""
     finals = of(events, "final_parameters")
     assert sorted(e["replica"] for e in finals) == list(replicas)
     assert len({e["sha256"] for e in finals}) == 1, "replicas ended with different parameters"
@@ -189,6 +189,7 @@ def assert_all_equal_reference(reference, folder, events, replicas):
         for step, record in logged.items():
             assert record[LOSS] == ref[step][LOSS], (replica, step)
             assert record["recover/tokens"] == ref[step]["recover/tokens"], (replica, step)
+            assert record["n_tokens_seen"] == ref[step]["n_tokens_seen"], (replica, step)
 
 
 def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280) -> list[subprocess.CompletedProcess]:

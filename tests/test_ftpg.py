@@ -436,6 +436,12 @@ class _FakeCommunicator:
         self.works.append(work)
         return work
 
+    def broadcast(self, tensors, opts):
+        work = _FakeWork(self, tensors[0])
+        work.completed = self.auto
+        self.works.append(work)
+        return work
+
     def abort(self) -> None:
         self.aborted = True
 
@@ -471,6 +477,21 @@ def test_nccl_connects_each_epoch_at_its_first_collective_and_issues_every_piece
     assert first.pg.aborted and not second.pg.aborted
     with pytest.raises(FaultDetected, match="failed group"):
         first.allreduce_sum_(torch.ones(4))
+
+
+def test_a_broadcasts_callback_reads_each_tensor_only_after_the_stream_finished_its_last_piece(monkeypatch):
+    """NCCL's pieces complete on the device; ``on_each(i)`` reads tensor ``i`` on the host (a state transfer
+    hashes it), so the caller's stream is synchronized once tensor ``i``'s last piece completed, before the
+    callback, and once per tensor, not per piece."""
+    from titan_recover.recover.ftpg import nccl
+
+    log = []
+    monkeypatch.setattr(nccl, "synchronize", lambda device: log.append("synchronize"))
+    group = _fake_nccl()  # 16-byte pieces
+    tensors = [torch.arange(8.0), torch.arange(2.0), torch.arange(4.0)]  # 2, 1 and 1 pieces
+    group.broadcast_many_(tensors, root_replica=0, on_each=log.append)
+    assert len(group.pg.works) == 4
+    assert log == ["synchronize", 0, "synchronize", 1, "synchronize", 2]
 
 
 def test_the_nccl_communicator_is_left_to_the_group_not_to_nccls_watchdog(monkeypatch):

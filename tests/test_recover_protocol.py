@@ -1113,3 +1113,35 @@ def test_a_replica_restarted_before_epoch_0_joins_by_admission_not_as_a_member_o
     assert time.monotonic() - started < 30
     members, reason = decode_members(store.get(GroupKeys.members(0)))
     assert members == (0,) and "replicas [1] restarted before epoch 0: they join by admission" in reason
+
+
+def test_each_epochs_group_closes_the_one_before_and_side_groups_close_nothing(monkeypatch):
+    """The group of a new epoch replaces the previous epoch's, which is closed then (a NCCL communicator would
+    hold its device buffers until the process exits); a side group (a state transfer's) closes nothing, and the
+    epoch's group stays in use."""
+    from types import SimpleNamespace
+
+    from titan_recover.recover.groups import replica_sync
+
+    built = []
+
+    class Group:
+        def __init__(self, members, tag):
+            self.members, self.tag, self.closed = members, tag, False
+            built.append(self)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(replica_sync, "build_group",
+                        lambda config, store, **kw: Group(kw["members"], kw["tag"]))
+    member = SimpleNamespace(store=None, epoch=0, members=(0, 1), replica=0, rank=0, incarnation=0,
+                             progress=lambda *a, **k: None, watches_faults=False)
+    sync = replica_sync.ReplicaSync(RecoverConfig(replicas=2), member, events=None)
+    first = sync.build_group()
+    member.epoch, member.members = 1, (0, 2)
+    side = sync.build_group(members=(0,), tag="transfer", host=True)
+    assert sync.group is first and not first.closed and not side.closed
+    second = sync.build_group()
+    assert sync.group is second and second.members == (0, 2)
+    assert first.closed and not second.closed and not side.closed

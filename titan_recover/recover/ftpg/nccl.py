@@ -32,6 +32,7 @@ import torch
 from torch.distributed import PrefixStore, Store
 from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ReduceOp
 
+from titan_recover.platform import synchronize
 from titan_recover.recover.ftpg.base import register_backend
 from titan_recover.recover.ftpg.polled import check_contiguous, pieces_of, PolledGroup, Progress
 from titan_recover.recover.groups.keys import GroupKeys
@@ -124,7 +125,7 @@ class NcclGroup(PolledGroup):
             self._wait(name, work, progress)
             index = pieces[i][0]
             if on_each is not None and last[index] == i:
-                torch.cuda.current_stream(self.device).synchronize()  # a callback reads the tensors on the host
+                synchronize(self.device)  # the callback reads the tensor on the host: its pieces must be done
                 while reported <= index:
                     on_each(reported)
                     reported += 1
