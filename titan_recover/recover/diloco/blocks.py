@@ -10,10 +10,10 @@ given away and ends, rather than send progress on data another learner trains. U
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from titan_recover.recover.diloco.rules import DilocoKeys
+from titan_recover.recover.groups.member import wait_for_key, wait_slices
 
 
 def set_once(store, key: str, who: str) -> bool:
@@ -124,13 +124,15 @@ def share_claim(coordinator, learner: int, incarnation: int, count: int, block: 
         coordinator.delete_key(DilocoKeys.claim(learner, incarnation, count - 2))
 
 
-def read_claim(coordinator, learner: int, incarnation: int, count: int, waiting=lambda: time.sleep(0.05)) -> int:
-    """Rank 0's ``count``-th claim, once it is there (``waiting`` is called between looks: rank 0 may wait at the
-    end of the budget for a block to come back, :func:`outstanding`, longer than the store's timeout)."""
+def read_claim(coordinator, learner: int, incarnation: int, count: int, waiting=lambda: None) -> int:
+    """Rank 0's ``count``-th claim, once it is there: a blocking wait, in slices (``waiting`` is called between
+    them): rank 0 may wait at the end of the budget for a block to come back (:func:`outstanding`), longer than
+    the store's timeout."""
     key = DilocoKeys.claim(learner, incarnation, count)
-    while not coordinator.check([key]):
+    for slice_s in wait_slices():
+        if wait_for_key(coordinator, key, slice_s):
+            return int(coordinator.get(key))
         waiting()
-    return int(coordinator.get(key))
 
 
 def outstanding(coordinator, learners: int) -> bool:

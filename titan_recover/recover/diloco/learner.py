@@ -178,7 +178,8 @@ class Learner:
             if self.ranks > 1:
                 blocks.share_claim(self.coordinator, self.learner, self.incarnation, self.claims, block)
         else:
-            block = blocks.read_claim(self.coordinator, self.learner, self.incarnation, self.claims, self._waiting)
+            block = blocks.read_claim(self.coordinator, self.learner, self.incarnation, self.claims,
+                                      lambda: self.member.progress(phase="rejoin_wait"))
         self.claims += 1
         return block if block < self.blocks else None
 
@@ -201,7 +202,7 @@ class Learner:
             self._waiting(OUTSTANDING_POLL_S)
         return self.blocks
 
-    def _waiting(self, seconds: float = POLL_S) -> None:
+    def _waiting(self, seconds: float) -> None:
         """Between looks of a wait for other learners (a bounded one: not a hang)."""
         self.member.progress(phase="rejoin_wait")
         time.sleep(seconds)
