@@ -96,7 +96,7 @@ def test_the_manager_loads_the_newest_verified_checkpoint_and_says_why(tmp_path)
     assert len([e for e in read_events(run / "events.jsonl") if e["event"] == "checkpoint_choice"]) == 1
 
 
-def test_the_manager_refills_from_the_keeper_after_the_durable_load(tmp_path):
+def test_the_manager_refills_from_the_keeper_after_the_durable_load(tmp_path, monkeypatch):
     keeper = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     snapshot = SnapshotConfig(interval=1, keepers=[f"127.0.0.1:{keeper.port}"])
     trained = Replica(seed=0)
@@ -108,12 +108,10 @@ def test_the_manager_refills_from_the_keeper_after_the_durable_load(tmp_path):
     taking.snapshots.wait()
     expected = {k: v.clone() for k, v in trained.model.state_dict().items()}
 
-    named = Replica(seed=3)  # a step asked for by name (checkpoint.load_step) is loaded, never a newer snapshot
-    assert not manager(RecoverCheckpointManager, tmp_path, named, enable=False, _snapshot=snapshot).load(step=2)
     another_job = Replica(seed=4)  # another job (its own folder) sharing the keeper finds nothing of this one
     assert not manager(RecoverCheckpointManager, tmp_path / "another", another_job, enable=False,
                        _snapshot=snapshot).load()
-    assert named.step == another_job.step == 0
+    assert another_job.step == 0
 
     fresh = Replica(seed=1)
     restoring = manager(RecoverCheckpointManager, tmp_path, fresh, enable=False, _snapshot=snapshot)
@@ -126,6 +124,19 @@ def test_the_manager_refills_from_the_keeper_after_the_durable_load(tmp_path):
 
     without = manager(RecoverCheckpointManager, tmp_path, Replica(seed=2), enable=False)
     assert without.snapshots is None and not without.load()
+
+    # checkpoint.load_step names a step: torchrun's restarts (which pass it again) refill from the snapshots taken
+    # since; the first start loads the step asked for and discards the snapshots of the timeline it rolls back from
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = Replica(seed=5)
+    assert manager(RecoverCheckpointManager, tmp_path, restarted, enable=False, _snapshot=snapshot).load(step=2)
+    assert restarted.step == 3
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    named = Replica(seed=3)
+    assert not manager(RecoverCheckpointManager, tmp_path, named, enable=False, _snapshot=snapshot).load(step=2)
+    assert named.step == 0
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert not manager(RecoverCheckpointManager, tmp_path, Replica(seed=6), enable=False, _snapshot=snapshot).load()
 
 
 @pytest.fixture

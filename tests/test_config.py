@@ -355,9 +355,11 @@ def test_a_job_of_many_nodes_without_replica_groups_uses_every_gpu_of_each_node(
     monkeypatch.setattr(platform, "active_device", lambda: "cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # torchrun's run id on every node: a requeue keeps it
     code, out, err = launcher("train_configs/debug_model.toml", "--parallelism.data_parallel_shard_degree", "-1",
                               "--nnodes", "2", "--rdzv-endpoint", "head:29500", "--dry-run")
     assert code == 0 and "--nproc-per-node=8" in out and "--nnodes=2" in out, (out, err)
+    assert "--rdzv-id=4242" in out, out
 
 
 def test_a_replay_on_gpus_without_deterministic_kernels_is_refused_before_launch(launcher, monkeypatch):

@@ -169,3 +169,18 @@ def test_single_mode_measures_a_slow_ranks_microbatch_on_the_device(monkeypatch)
                                   forward_backward=lambda **_: device.launch(KERNEL_S))
     single.forward_backward_with_faults(parts, chaos, step=1, batch={})
     assert log == ["synchronize", "synchronize"] and measured[0] >= KERNEL_S
+
+
+def test_a_worker_needs_a_backward_before_building_gradients_only_with_tensor_parallelism_and_only_once():
+    """Every rank of a replica gives the same answer (a spare's ranks compute the microbatch it leads to together):
+    tensor parallelism on, and no backward run yet in this process."""
+    from titan_recover.recover.modes.replica_worker import ComputeHooks, ReplicaWorker
+
+    for tp in (False, True):
+        parts = fake_parts(Device([]))
+        parts.parallel_dims.tp_enabled = tp
+        worker = ReplicaWorker(parts, per_step=2, exact=False, hooks=ComputeHooks())
+        assert worker.needs_backward() is tp
+        worker.begin_step(1)
+        worker.compute(0, witness="replay")
+        assert not worker.needs_backward()

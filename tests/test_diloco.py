@@ -312,8 +312,9 @@ def test_the_syncer_gives_back_the_block_of_a_learner_whose_beat_stopped_never_o
 def test_a_learner_whose_main_thread_hangs_is_lost_and_finds_its_block_given_away_if_it_comes_back(tmp_path):
     """Learner 1's heartbeat thread beats on while its main thread makes no progress: the syncer declares it lost
     after ``progress_timeout_s`` of watched time and gives its block back. A learner out of blocks waits while a
-    hold is still open (``outstanding``), then takes the block; learner 1, coming back, cannot count it (its hold
-    ended given back): it ends without sending the block's progress (``learner.BlockGivenBack``)."""
+    block is not counted trained, then takes the block; learner 1, coming back, cannot count it (its hold ended
+    given back): it ends without sending the block's progress (``learner.BlockGivenBack``). A holder that stops
+    between the two writes of counting its block has it counted by whoever finds its hold ended."""
     from titan_recover.recover.diloco import blocks
     from titan_recover.recover.diloco.syncer.service import Syncer
 
@@ -345,15 +346,23 @@ def test_a_learner_whose_main_thread_hangs_is_lost_and_finds_its_block_given_awa
     [lost] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "learner_lost"]
     assert lost["requeued_block"] == 1 and "learner 1 rank(s) [0]: no progress (hung)" in lost["reason"], lost
     assert blocks.record_trained(coordinator, 0, 0, step=1, incarnation=0, who="0.0")
-    assert blocks.outstanding(coordinator, learners=2)  # block 1 is given back, not trained: a learner out of
-    assert blocks.claim_requeued(coordinator, "0.0") == 1  # blocks waits for it, and takes it
+    assert blocks.blocks_trained(coordinator) == 1  # block 1 is given back, not trained: a learner out of blocks
+    assert blocks.claim_requeued(coordinator, "0.0") == 1  # waits for it, and takes it
     blocks.record_training(coordinator, 0, 1, step=1, incarnation=0)
-    assert blocks.outstanding(coordinator, learners=2)  # learner 0 trains it
     assert not blocks.record_trained(coordinator, 1, 1, step=1, incarnation=0, who="1.0")  # learner 1 comes back
     assert blocks.requeue_block(coordinator, 1, "1.1") is None  # its restart: nothing more to give back
     assert blocks.record_trained(coordinator, 0, 1, step=2, incarnation=0, who="0.0")
-    assert blocks.blocks_trained(coordinator) == 2 and not blocks.outstanding(coordinator, learners=2)
+    assert blocks.blocks_trained(coordinator) == 2
     assert blocks.requeue_block(coordinator, 0, "syncer.0") is None  # a hold that ended trained is not given back
+
+    # learner 0 stops between the two writes of counting block 2 trained (its hold ended trained, the count not
+    # made): whoever then finds the hold ended counts it for it, once, and keeps its keys
+    assert blocks.claim_block(coordinator, "0.0") == 2
+    blocks.record_training(coordinator, 0, 2, step=2, incarnation=0)
+    assert blocks.set_once(coordinator, DilocoKeys.hold(2, 0, 0), "trained:0.0")
+    assert blocks.requeue_block(coordinator, 0, "syncer.0") is None
+    assert blocks.blocks_trained(coordinator) == 3 and coordinator.check([DilocoKeys.requeued_of(2)])
+    assert blocks.requeue_block(coordinator, 0, "0.1") is None and blocks.blocks_trained(coordinator) == 3
 
 
 @pytest.mark.multiprocess  # a store server in a process of its own, to stop

@@ -208,10 +208,11 @@ def test_gradients_the_replica_worker_builds_keep_a_partial_gradients_placement(
         worker = ReplicaWorker.__new__(ReplicaWorker)
         worker.params, worker.exact, worker._loaded = [norm, sharded], False, True
         worker._grad_placements, worker._placements_unknown = [None, None], [0]
+        worker.parts, worker._backward_seen = SimpleNamespace(parallel_dims=SimpleNamespace(tp_enabled=True)), False
         assert worker.needs_backward()  # a spare's first step: the manager computes a microbatch for it
         norm.grad = DTensor.from_local(torch.full((4,), 0.5), mesh, (Partial(),))  # as the backward gives it
         worker._note_placements()
-        assert worker._placements_unknown == [] and not worker.needs_backward()
+        assert worker._placements_unknown == []
         worker.replace_gradient([torch.full((4,), 2.0), torch.full((4,), 3.0)])  # a backup restored
         assert norm.grad.placements == (Partial(),) and norm.grad.to_local().tolist() == [2.0] * 4
         assert sharded.grad.placements == (Shard(0),)

@@ -170,6 +170,31 @@ def test_ranks_restore_a_snapshot_only_if_every_rank_picked_it_and_read_it_whole
     assert restore_on_both_ranks(job="another")[0] == [None, None]
 
 
+def test_a_keeper_keeps_one_jobs_snapshots_per_rank_and_another_layouts_snapshot_is_not_restored(keeper):
+    """A rank's first snapshot in a job deletes the snapshots the keeper holds of the job before it (keepers kept
+    across jobs do not grow with every job). A snapshot of other parameters under this job's name (another model
+    or sharding) is no pick: the rank resumes from its durable checkpoint instead of failing at the load."""
+    from titan_recover.recover.phoenix.snapshots import SnapshotKeys
+
+    def snapshot(replica, job):
+        taker = Snapshots(replica.state(), keepers=[keeper], rank=0, ranks=1, local_ranks=1, timeout_s=10, job=job)
+        replica.train_step(0)
+        assert taker.take(replica.step)
+        taker.wait()
+        return taker.store
+
+    store = snapshot(Replica(seed=0), job="first")
+    first = [SnapshotKeys.meta("first", 0, 0), SnapshotKeys.data("first", 0, 0) + "/0"]  # its mark, its 1st piece
+    assert all(store.check([key]) for key in first)
+    snapshot(Replica(seed=0), job="second")
+    assert not any(store.check([key]) for key in first)
+    assert store.check([SnapshotKeys.meta("second", 0, 0)])
+
+    wider = Replica(seed=1, hidden=32)  # another model under the second job's name
+    restorer = Snapshots(wider.state(), keepers=[keeper], rank=0, ranks=1, local_ranks=1, timeout_s=10, job="second")
+    assert restorer.restore(durable_step=0) is None and wider.step == 0
+
+
 class GatedCopies(DeferredCopies):
     """A side stream whose copies the sending thread can only see complete once the test opens the gate."""
 

@@ -143,8 +143,12 @@ class RecoverCheckpointManager(CheckpointManager):
         loaded = super().load(step)
         if self.snapshots is None:
             return loaded
-        if step != -1:  # a step asked for by name (checkpoint.load_step) is what the user wants, not a newer one
-            logger.info("checkpoint.load_step = %d asked for: the keepers' snapshots are not restored", step)
+        if step != -1 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+            # a step asked for by name (checkpoint.load_step) is what the user wants, not a newer snapshot; the
+            # snapshots this job holds belong to the timeline it rolls back from. torchrun's restarts pass the same
+            # step: they refill from the snapshots taken since
+            logger.info("checkpoint.load_step = %d asked for: the keepers' snapshots of this job are discarded", step)
+            self.snapshots.discard()
             return loaded
         durable_step = self._train_state.state_dict()["step"]
         return self.snapshots.restore(durable_step=durable_step) is not None or loaded

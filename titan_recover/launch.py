@@ -342,6 +342,8 @@ def torchrun_command(config, options: dict, toml_path: str | None, overrides: li
             cmd += [f"--log-dir={rank_log_dir(config)}", "--redirects=" + ",".join(f"{r}:3" for r in others)]
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={options['--rdzv-endpoint']}"]
+        if os.environ.get("SLURM_JOB_ID"):  # the job's run id on every node, kept by a requeue (snapshots' names)
+            cmd += [f"--rdzv-id={os.environ['SLURM_JOB_ID']}"]
         if "--node-rank" in options:
             cmd += [f"--node-rank={options['--node-rank']}"]
     env = dict(os.environ, LOG_RANK=str(metrics_rank))

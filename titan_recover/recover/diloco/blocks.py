@@ -5,7 +5,8 @@ block they train and the blocks they finished; the block of a learner that died 
 losing it, or by the learner's restart) and the next claim of any learner takes it first. Every decision that two
 processes may race for (a hold given back or finished, take a given-back block, count a block trained) is a
 compare-and-set on an absent key, so it happens once: a learner taken for lost that comes back finds its block
-given away and ends, rather than send progress on data another learner trains. Used by the learner and the syncer; talks only to the store passed in.
+given away and ends, rather than send progress on data another learner trains. Used by the learner and the
+syncer; talks only to the store passed in.
 """
 
 from __future__ import annotations
@@ -72,17 +73,21 @@ def collect_done(coordinator, learners: int) -> int:
     may come back and try to finish it, and its hold's key must still say given back. Any other block was trained
     by its claimer alone; once no learner's key names it, it can no longer be given back (giving back reads the
     learner's key, here or at a restart of a dead learner), so its keys are never read again. The watermark
-    is the lowest block a learner's key names as in training (and that was not given back), or the claim counter read
-    before those keys (a block claimed since is above it); kept in the coordinator's store, so a restarted syncer goes
-    on from it."""
+    is the lowest block a learner's key names as in training (and that was not given back), or the claim counter as
+    the previous pass read it (a block claimed since may not be named by its learner's key yet); both kept in the
+    coordinator's store, so a restarted syncer goes on from them."""
     start = int(coordinator.add(DilocoKeys.COLLECTED_BELOW, 0))
-    end = int(coordinator.add(DilocoKeys.NEXT_BLOCK, 0))
+    claimed = int(coordinator.add(DilocoKeys.NEXT_BLOCK, 0))
+    # a block claimed since the previous pass may not be named by its learner's key yet: not collected before then
+    end = int(coordinator.add(DilocoKeys.COLLECT_CLAIMED, 0))
+    coordinator.add(DilocoKeys.COLLECT_CLAIMED, claimed - end)
     for learner in range(learners):
         record = held(coordinator, learner)
         # a block given back is kept whatever the watermark: its former holder, which can no longer finish it, does
         # not hold the watermark
-        if record is not None and record[0] != "done" and not coordinator.check([DilocoKeys.requeued_of(int(record[0]))]):
-            end = min(end, int(record[0]))
+        if record is not None and record[0] != "done":
+            if not coordinator.check([DilocoKeys.requeued_of(int(record[0]))]):
+                end = min(end, int(record[0]))
     for block in range(start, end):
         if not coordinator.check([DilocoKeys.requeued_of(block)]):
             _collect_block(coordinator, block)
@@ -124,27 +129,16 @@ def share_claim(coordinator, learner: int, incarnation: int, count: int, block: 
         coordinator.delete_key(DilocoKeys.claim(learner, incarnation, count - 2))
 
 
-def read_claim(coordinator, learner: int, incarnation: int, count: int, waiting=lambda: None) -> int:
-    """Rank 0's ``count``-th claim, once it is there: a blocking wait, in slices (``waiting`` is called between
-    them): rank 0 may wait at the end of the budget for a block to come back (:func:`outstanding`), longer than
-    the store's timeout."""
+def read_claim(coordinator, learner: int, incarnation: int, count: int, waiting=lambda: None,
+               most_s: float = 4.0) -> int:
+    """Rank 0's ``count``-th claim, once it is there: a blocking wait, in slices of at most ``most_s`` (``waiting``
+    is called between them): rank 0 may wait at the end of the budget for a block to come back, longer than the
+    store's timeout."""
     key = DilocoKeys.claim(learner, incarnation, count)
-    for slice_s in wait_slices():
+    for slice_s in wait_slices(min(1.0, most_s), most_s):
         if wait_for_key(coordinator, key, slice_s):
             return int(coordinator.get(key))
         waiting()
-
-
-def outstanding(coordinator, learners: int) -> bool:
-    """Some block a learner's key names as in training is not trained yet: its holder may still finish it, or it
-    was (or will be) given back for another learner to train. A learner out of blocks waits for this at the end
-    of the budget. Race-free against a give-back: the block stays outstanding until someone counted it trained,
-    whatever moment the giver's writes are seen at."""
-    for learner in range(learners):
-        record = held(coordinator, learner)
-        if record is not None and record[0] != "done" and not coordinator.check([DilocoKeys.done_of(int(record[0]))]):
-            return True
-    return False
 
 
 def requeue_block(coordinator, learner: int, who: str, *, incarnation_at_most: int | None = None) -> int | None:
@@ -163,11 +157,23 @@ def requeue_block(coordinator, learner: int, who: str, *, incarnation_at_most: i
         return None
     # once per hold: a block given back, taken by another learner that dies too, is given back again
     if not set_once(coordinator, DilocoKeys.hold(int(block), learner, incarnation), who):
-        return None  # given back already, or the holder finished it a moment ago
+        _count_for_holder(coordinator, int(block), learner, incarnation, who)
+        return None  # given back already, or the holder finished it
     coordinator.set(DilocoKeys.requeued_of(int(block)), who)  # before the learner's key can name another block
     number = coordinator.add(DilocoKeys.REQUEUED, 1) - 1
     coordinator.set(DilocoKeys.requeue(number), block)
     return int(block)
+
+
+def _count_for_holder(coordinator, block: int, learner: int, incarnation: int, who: str) -> None:
+    """The hold ended trained, but its holder may have stopped between the two writes of :func:`record_trained`
+    (the hold's, then the count): count the block for it, once. Its keys are kept from then on (the holder's key may
+    name the block for ever, and the holder, if it only hung, counts it again: its done key must still be there)."""
+    value = coordinator.get(DilocoKeys.hold(block, learner, incarnation)).decode()
+    if value.startswith("trained:") and not coordinator.check([DilocoKeys.done_of(block)]):
+        coordinator.set(DilocoKeys.requeued_of(block), who)
+        if set_once(coordinator, DilocoKeys.done_of(block), f"{learner}.{incarnation}"):
+            coordinator.add(DilocoKeys.BLOCKS_DONE, 1)
 
 
 def claim_requeued(coordinator, who: str) -> int | None:

@@ -30,7 +30,7 @@ from titan_recover.recover.diloco.transport import Delta, DeltaSender, GlobalPul
 logger = logging.getLogger(__name__)
 
 OUTSTANDING_POLL_S = 0.5
-"""Past the budget, how often rank 0 looks whether a block came back (reads every learner's key: 2 requests each)."""
+"""Past the budget, how often rank 0 looks whether a block came back."""
 
 
 class BlockGivenBack(RuntimeError):
@@ -87,6 +87,8 @@ class Learner:
         self.coordinator_address = coordinator_address
         self.finished = False
         """:meth:`finish` ran: this rank reported done."""
+        self._stamp_every_s = min(1.0, config.recover.progress_timeout_s / 4)
+        """The longest a bounded wait of the main thread goes without a progress stamp."""
         self.sender = DeltaSender(coordinator_address, learner=learner, incarnation=incarnation, rank=self.rank)
         self.puller = GlobalPuller(coordinator_address, rank=self.rank, fragments=self.fragments)
 
@@ -165,8 +167,8 @@ class Learner:
 
     def _claim(self) -> int | None:
         """Rank 0 claims and shares the block with the learner's other ranks. Past the budget, it waits while some
-        other learner's hold has not ended (:func:`blocks.outstanding`): a block given back then is trained here,
-        not left untrained by a job whose other learners all ended."""
+        block is not counted trained (:meth:`_await_given_back`): a block given back then is trained here, not left
+        untrained by a job whose other learners all ended."""
         if self.rank == 0:
             block = blocks.claim_block(self.coordinator, self.who)
             if block >= self.blocks:
@@ -179,27 +181,32 @@ class Learner:
                 blocks.share_claim(self.coordinator, self.learner, self.incarnation, self.claims, block)
         else:
             block = blocks.read_claim(self.coordinator, self.learner, self.incarnation, self.claims,
-                                      lambda: self.member.progress(phase="rejoin_wait"))
+                                      lambda: self.member.progress(phase="rejoin_wait"), most_s=self._stamp_every_s)
         self.claims += 1
         return block if block < self.blocks else None
 
     def _await_given_back(self) -> int:
-        """Past the budget: while some block in training is not trained yet, wait, and take it if it is given back.
-        At most ``2 x progress_timeout_s`` (a hung holder's block is given back after one, by the syncer; without a
-        syncer nothing is): then the block stays untrained, which the job's verdict reports. Returns the block
-        taken, or the budget (none)."""
-        most_s = 2 * self.parts.config.recover.progress_timeout_s
-        deadline = time.monotonic() + most_s
-        while blocks.outstanding(self.coordinator, self.learners):
+        """Past the budget (every block is claimed): while some block is not counted trained, wait, and take it if
+        it is given back (its holder lost). The wait ends when every block is trained, or once no block was counted
+        for ``startup_timeout_s + 2 x progress_timeout_s`` (time for the syncer to give a hung holder's block back,
+        even across a syncer restart; a job whose syncer is gone for good gives nothing back): then the block stays
+        untrained, which the job's verdict reports unless another learner trains it. Returns the block taken, or the
+        budget (none)."""
+        recover = self.parts.config.recover
+        most_s = recover.startup_timeout_s + 2 * recover.progress_timeout_s
+        trained, deadline = -1, 0.0
+        while (now_trained := blocks.blocks_trained(self.coordinator)) < self.blocks:
+            if now_trained != trained:  # blocks are being counted: the others are not stuck
+                trained, deadline = now_trained, time.monotonic() + most_s
             block = blocks.claim_requeued(self.coordinator, self.who)
             if block is not None:
                 return block
             if time.monotonic() > deadline:
-                logger.warning("learner %d: a block in training is still not trained after %.0f s (2 x "
-                               "recover.progress_timeout_s) and was not given back; ending without it",
-                               self.learner, most_s)
+                logger.warning("learner %d: %d of the budget's %d blocks are trained, none was counted for %.0f s "
+                               "(recover.startup_timeout_s + 2 x recover.progress_timeout_s) and none was given back; "
+                               "ending without them", self.learner, trained, self.blocks, most_s)
                 break
-            self._waiting(OUTSTANDING_POLL_S)
+            self._waiting(min(OUTSTANDING_POLL_S, self._stamp_every_s))
         return self.blocks
 
     def _waiting(self, seconds: float) -> None:
@@ -298,12 +305,12 @@ class Learner:
         drained, deadline = False, time.monotonic() + timeout_s
         while not drained and time.monotonic() < deadline:  # a bounded wait, not a hang
             self.member.progress(phase="transfer")
-            drained = self.sender.drain(min(1.0, max(0.0, deadline - time.monotonic())))
+            drained = self.sender.drain(min(self._stamp_every_s, max(0.0, deadline - time.monotonic())))
         if self.rank == 0:
             self.events.emit("learner_finished", step=self.step, sent=self.sender.sent, drained=drained,
                              adoptions=self.adoptions)
+        self.member.finish()  # done: the syncer stops expecting deltas from this rank (and its progress stamps)
         self.close()
-        self.member.finish()  # done: the syncer stops expecting deltas from this rank
 
     def close(self) -> None:
         self.sender.stop()

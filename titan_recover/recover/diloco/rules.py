@@ -172,6 +172,7 @@ class DilocoKeys:
     REQUEUED = "diloco/requeued"  # coordinator: counter of blocks given back (their learner died)
     BLOCKS_DONE = "diloco/blocks_done"  # coordinator: counter of blocks trained to the end (each counted once)
     COLLECTED_BELOW = "diloco/collected_below"  # coordinator: done keys of blocks below it deleted (blocks.collect_done)
+    COLLECT_CLAIMED = "diloco/collect_claimed"  # coordinator: the claim counter as the previous collection read it
     VERSIONS = "global/versions"  # syncer: "GENERATION V_0 ... V_{F-1}"
 
     @staticmethod
@@ -193,7 +194,8 @@ class DilocoKeys:
 
     @staticmethod
     def requeued_of(block: int) -> str:
-        return f"diloco/requeued_of/{block}"  # coordinator: the block was given back at least once
+        # coordinator: the block was given back at least once (or counted by a giver for its holder): keys kept
+        return f"diloco/requeued_of/{block}"
 
     @staticmethod
     def hold(block: int, learner: int, incarnation: int) -> str:

@@ -107,6 +107,7 @@ class ReplicaWorker:
         """Each parameter's gradient placements as a backward made them (None: not seen yet), for the gradients
         this worker builds itself (zeros, a restored backup, a reduced sum where it computed nothing)."""
         self._placements_unknown = [i for i, p in enumerate(self.params) if needs_gradient_placements(p)]
+        self._backward_seen = False
         self.reports_final = reports_final
         if reports_final:
             for index, p in enumerate(self.params):
@@ -148,6 +149,7 @@ class ReplicaWorker:
         finally:
             self._on_final = None
         self.hooks.after_backward()
+        self._backward_seen = True
         if self._placements_unknown:
             self._note_placements()
         last_stage = not pp or self.parts.pp_has_last_stage
@@ -192,9 +194,11 @@ class ReplicaWorker:
         return inputs, targets, loaded
 
     def needs_backward(self) -> bool:
-        """Some parameter's gradient placements have not been seen in a backward yet (a spare before its first
-        microbatch): the gradients this worker would build for it would be placed as the parameter."""
-        return bool(self._placements_unknown)
+        """No backward has run in this process while tensor parallelism is on (a spare before its first
+        microbatch): a gradient it builds could be placed as its parameter, not as the backward would. The same
+        answer on every rank of the replica, which all compute the microbatch it leads to together (whether each
+        rank's own parameters need it differs between pipeline stages)."""
+        return self.parts.parallel_dims.tp_enabled and not self._backward_seen
 
     def _note_placements(self) -> None:
         """Record the placements of the gradients the backward made, for the parameters whose gradients may be

@@ -39,7 +39,7 @@ from datetime import timedelta
 
 import torch
 
-from titan_recover.recover.groups.blobs import get_blob, put_blob
+from titan_recover.recover.groups.blobs import delete_blob, get_blob, put_blob
 from titan_recover.recover.phoenix.staging import copies_for, CopyEvent, HostCopies
 from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum, StateMismatch, tensor_spec, TrainingState
 
@@ -129,6 +129,10 @@ class SnapshotKeys:
     def meta(job: str, rank: int, slot: int) -> str:
         return f"snapshot/{job}/{rank}/{slot}/meta"
 
+    @staticmethod
+    def owner(rank: int) -> str:
+        return f"snapshot/owner/{rank}"  # the job whose snapshots of this rank the keeper holds
+
 
 def _connect(address: str, timeout_s: float):
     from torch.distributed import TCPStore
@@ -197,6 +201,8 @@ class Snapshots:
         self._peer_stores = {}
         self._local_ranks = local_ranks
         self._slot = 0
+        self._claimed = False
+        """This rank's keeper slots are this job's (:meth:`_claim_keeper`, before the first snapshot is sent)."""
         self._sender: threading.Thread | None = None
         self._copied: threading.Event | None = None
         self._copies = copies
@@ -297,8 +303,11 @@ class Snapshots:
         """Hash the copied payload and store it in ``slot`` on the buddy's keeper, marking it complete last."""
         meta["bytes"] = payload.numel()
         try:
+            if not self._claimed:
+                self._claim_keeper()
             meta["xxh3"] = checksum(payload)
-            self.store.delete_key(SnapshotKeys.meta(self.job, self.rank, slot))  # the slot is not complete while it is rewritten
+            # the slot is not complete while it is rewritten
+            self.store.delete_key(SnapshotKeys.meta(self.job, self.rank, slot))
             put_blob(self.store, SnapshotKeys.data(self.job, self.rank, slot), payload)
             self.store.set(SnapshotKeys.meta(self.job, self.rank, slot), json.dumps(meta))
         except Exception as error:  # the keeper is gone: training goes on, the durable checkpoint remains
@@ -352,7 +361,39 @@ class Snapshots:
     def _agreed(self, pick: int) -> tuple[int, int]:
         if self._agree is not None:
             return self._agree(pick)
-        return agree_across_ranks(pick, self.state.tensors()[0].device)
+        tensors = self.state.parameter_tensors()
+        return agree_across_ranks(pick, tensors[0].device if tensors else torch.device("cpu"))
+
+    def discard(self) -> None:
+        """Delete this rank's snapshots of this job from its keeper (a job that rolls back to an earlier step by
+        name: its snapshots belong to the timeline it left)."""
+        try:
+            for slot in (0, 1):
+                self._delete_slot(self.store, self.job, slot)
+        except Exception as error:  # the keeper is gone: so are the snapshots
+            logger.warning("rank %d: snapshots not discarded (%s)", self.rank, error)
+
+    def _delete_slot(self, store, job: str, slot: int) -> None:
+        """Delete one slot of ``job`` of this rank: its completion mark first, then its payload's pieces."""
+        key = SnapshotKeys.meta(job, self.rank, slot)
+        if store.check([key]):
+            nbytes = json.loads(store.get(key))["bytes"]
+            store.delete_key(key)
+            delete_blob(store, SnapshotKeys.data(job, self.rank, slot), nbytes)
+
+    def _claim_keeper(self) -> None:
+        """Before this process's first snapshot: the keeper holds one job's snapshots per rank. Another job's (the
+        rank's previous owner, ``snapshot/owner/<rank>``) are deleted, so that keepers kept across jobs do not grow
+        with every job run on them."""
+        owner_key = SnapshotKeys.owner(self.rank)
+        store = self.store
+        if store.check([owner_key]):
+            previous = store.get(owner_key).decode()
+            if previous != self.job:
+                for slot in (0, 1):
+                    self._delete_slot(store, previous, slot)
+        store.set(owner_key, self.job)
+        self._claimed = True
 
     def _pick(self, durable_step: int) -> tuple[int, int, dict, torch.Tensor] | None:
         """This rank's pick: (step, slot, meta, payload) of the newest step every rank holds complete, newer than
@@ -361,12 +402,19 @@ class Snapshots:
         try:
             complete = {r: self._complete(r) for r in range(self.ranks)}
         except Exception as error:  # a keeper is unreachable: its snapshots are gone
-            logger.warning("rank %d: snapshots unreachable (%s); resuming from the durable checkpoint", self.rank, error)
+            logger.warning("rank %d: snapshots unreachable (%s); resuming from the durable checkpoint", self.rank,
+                           error)
             return None
         step = restore_step({r: set(c) for r, c in complete.items() if c}, self.ranks, durable_step)
         if step is None:
             return None
         slot, meta = complete[self.rank][step]
+        params = tensor_spec(self.state.parameter_tensors())
+        if meta["spec"][: len(params)] != params:  # another model or sharding: another job under the same name
+            logger.warning("rank %d: the snapshot of step %d has other parameters than this job (another job's, "
+                           "under the same checkpoint folder and run id); resuming from the durable checkpoint",
+                           self.rank, step)
+            return None
         try:
             return step, slot, meta, self._read(step, slot, meta)
         except Exception as error:  # damaged, or the keeper went away while it was read

@@ -96,9 +96,12 @@ class TrainingState:
                     p.copy_(value)
                     p.grad = grad
 
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        """The local parameter shards, in model order: the first of :meth:`tensors`."""
+        return [local_tensor(p.data) for part in self.model_parts for p in part.parameters()]
+
     def tensors(self) -> list[torch.Tensor]:
-        return [*(local_tensor(p.data) for part in self.model_parts for p in part.parameters()),
-                *optimizer_tensors(self.optimizers)]
+        return [*self.parameter_tensors(), *optimizer_tensors(self.optimizers)]
 
     def metadata(self) -> dict[str, Any]:
         groups = [[{k: v for k, v in g.items() if k != "params" and _is_json_scalar(v)} for g in opt.param_groups]

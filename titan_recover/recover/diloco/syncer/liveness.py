@@ -47,5 +47,5 @@ class LearnerLiveness:
                 alive.add(learner)
                 self.incarnation[learner] = bs[0].incarnation
             else:
-                self.reasons[learner] = verdict.reason().replace("replica", "learner", 1)
+                self.reasons[learner] = verdict.reason().replace("replica ", "learner ")
         return alive, done
