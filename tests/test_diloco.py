@@ -682,9 +682,12 @@ def test_one_node_on_the_embedded_store_a_hung_syncer_is_ended_and_restarted_whi
     assert [e["resumed"] for e in started] == [False, True], started
     assert started[1]["time"] - hang["time"] >= syncer_timeout_s  # ended by its launcher, not before its bound
     assert started[1]["merges"] <= 3  # resumed a checkpoint saved before the hang (merges since it are redone)
-    stopped = hang["time"]  # the learners trained while the syncer was stopped and before it was restarted
+    # the learners that had started trained while the syncer was stopped and before it was restarted (a learner
+    # whose process came up after the hang, which 2 busy cores can make 10 s late, waits for the global model)
+    stopped = hang["time"]
+    running = {e["replica"] for e in by_kind["learner_started"] if e["time"] < stopped}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {m["replica"] for m in metrics if stopped < m["time"] < started[1]["time"]} == set(range(learners))
+    assert running and {m["replica"] for m in metrics if stopped < m["time"] < started[1]["time"]} >= running
     assert sorted(collections.Counter(e["block"] for e in by_kind["block_claimed"])) == list(range(steps * learners))
     merges = by_kind["fragment_merged"]
     assert any(e["time"] > started[1]["time"] for e in merges)  # the restart merged on
