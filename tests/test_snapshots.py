@@ -291,3 +291,14 @@ def test_killed_rank_of_a_tensor_parallel_job_refills_from_the_keeper(tmp_path, 
     # every other step, with exactly the failure-free loss
     assert all(loss == ref[s] for s, losses in logged.items() for loss in losses), (dict(logged), ref)
     assert any(len(losses) == 2 for losses in logged.values()) or step == 3
+
+
+def test_extremes_are_the_lowest_and_highest_of_each_value_in_one_all_reduce(tmp_path):
+    """The ranks' agreement (the snapshot to restore, a diloco learner's versions): on one rank each value is both."""
+    from titan_recover.recover.groups.agree import extremes
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert extremes([4, -1, 0], "cpu") == ([4, -1, 0], [4, -1, 0])
+    finally:
+        torch.distributed.destroy_process_group()

@@ -26,6 +26,7 @@ from titan_recover.recover.diloco.fragments import LocalFragments
 from titan_recover.recover.diloco.messages import offer_parameters, withdraw_offer
 from titan_recover.recover.diloco.rules import DilocoKeys, due_fragments, schedule_step, total_blocks, Version
 from titan_recover.recover.diloco.transport import Delta, DeltaSender, GlobalPuller, POLL_S, SyncerLink
+from titan_recover.recover.groups.agree import extremes
 
 logger = logging.getLogger(__name__)
 
@@ -275,16 +276,12 @@ class Learner:
 
     def _agreed(self, codes: list[int], kept: bool = True) -> tuple[list[bool], bool]:
         """Per fragment: every rank of the learner holds the same version; and whether every rank's ``kept`` holds
-        (rank 0's verdict on the block reaches the others). One all-reduce of ``2F + 1`` integers; none with one
-        rank."""
+        (rank 0's verdict on the block reaches the others). One all-reduce (:func:`extremes`), read back once per
+        inner step: the adoption is the host's decision; none with one rank."""
         if self.ranks == 1:
             return [True] * self.fragments, kept
-        both = torch.tensor(codes + [-c for c in codes] + [0 if kept else 1], dtype=torch.int64,
-                            device=self.parts.device)
-        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
-        values = both.tolist()
-        highest, lowest = values[: self.fragments], [-c for c in values[self.fragments : 2 * self.fragments]]
-        return [hi == lo for hi, lo in zip(highest, lowest)], values[-1] == 0
+        lowest, highest = extremes(codes + [int(kept)], self.parts.device)
+        return [lo == hi for lo, hi in zip(lowest[:-1], highest[:-1])], lowest[-1] == 1
 
     # ---- end ---------------------------------------------------------------------------------------------
     def flush(self) -> None:

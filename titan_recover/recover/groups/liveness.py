@@ -79,12 +79,13 @@ class Liveness:
     def alive(self) -> bool:
         return not self.dead_ranks and not self.hung_ranks
 
-    def reason(self) -> str:
+    def reason(self, what: str = "replica") -> str:
+        """Why it is not alive; ``what`` names the group (a diloco syncer judges learners)."""
         parts = []
         if self.dead_ranks:
-            parts.append(f"replica {self.replica} rank(s) {list(self.dead_ranks)}: no heartbeat")
+            parts.append(f"{what} {self.replica} rank(s) {list(self.dead_ranks)}: no heartbeat")
         if self.hung_ranks:
-            parts.append(f"replica {self.replica} rank(s) {list(self.hung_ranks)}: no progress (hung)")
+            parts.append(f"{what} {self.replica} rank(s) {list(self.hung_ranks)}: no progress (hung)")
         return "; ".join(parts)
 
 

@@ -39,6 +39,7 @@ from datetime import timedelta
 
 import torch
 
+from titan_recover.recover.groups.agree import extremes
 from titan_recover.recover.groups.blobs import delete_blob, get_blob, put_blob
 from titan_recover.recover.phoenix.staging import copies_for, CopyEvent, HostCopies
 from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum, StateMismatch, tensor_spec, TrainingState
@@ -92,13 +93,6 @@ def agreed_step(lowest: int, highest: int) -> int | None:
     """The step every rank restores, from the lowest and highest of the ranks' picks (-1: none): the pick, only if
     every rank made the same one."""
     return lowest if lowest == highest and lowest >= 0 else None
-
-
-def agree_across_ranks(pick: int, device: torch.device) -> tuple[int, int]:
-    """(lowest, highest) of every rank's ``pick``: one all-reduce of two integers over the job's default group."""
-    both = torch.tensor([pick, -pick], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
-    return -int(both[1].item()), int(both[0].item())
 
 
 def snapshot_job(folder: str, environ=os.environ) -> str:
@@ -191,7 +185,8 @@ class Snapshots:
         self.job = job
         """The job's name in the keepers' keys (:func:`snapshot_job`)."""
         self._agree = agree
-        """(lowest, highest) of the ranks' picks (default: :func:`agree_across_ranks`; not called with one rank)."""
+        """(lowest, highest) of the ranks' picks (default: :func:`extremes` over the job's group; not called with one
+        rank)."""
         self.timeout_s = timeout_s
         self.keepers = keepers
         self._buddy = buddy_node(rank // local_ranks, len(keepers))
@@ -362,7 +357,8 @@ class Snapshots:
         if self._agree is not None:
             return self._agree(pick)
         tensors = self.state.parameter_tensors()
-        return agree_across_ranks(pick, tensors[0].device if tensors else torch.device("cpu"))
+        (lowest,), (highest,) = extremes([pick], tensors[0].device if tensors else torch.device("cpu"))
+        return lowest, highest
 
     def discard(self) -> None:
         """Delete this rank's snapshots of this job from its keeper (a job that rolls back to an earlier step by

@@ -47,5 +47,5 @@ class LearnerLiveness:
                 alive.add(learner)
                 self.incarnation[learner] = bs[0].incarnation
             else:
-                self.reasons[learner] = verdict.reason().replace("replica ", "learner ")
+                self.reasons[learner] = verdict.reason("learner")
         return alive, done
