@@ -20,7 +20,7 @@ import torch
 from torch.distributed import DistNetworkError, DistStoreError, HashStore, PrefixStore, TCPStore
 
 from titan_recover.recover.groups.keys import raise_fault_flag
-from titan_recover.recover.stores import etcd_prefix, open_store, parse_store_url, StoreAddress, URL_FORMS
+from titan_recover.recover.stores import etcd_prefix, open_store, parse_store_url, read_keys, StoreAddress, URL_FORMS
 from titan_recover.recover.stores.etcd import EtcdCluster, EtcdStore
 
 TIMEOUT = timedelta(seconds=0.25)
@@ -156,6 +156,24 @@ def test_check_multi_get_and_multi_set(backend):
     assert store.multi_get(["y", "x"]) == [b"2", b"1"]
     with pytest.raises(DistStoreError):
         store.multi_get(["x", "z"])
+
+
+def test_read_keys_answers_for_present_and_absent_keys_at_once(backend, monkeypatch):
+    """``read_keys`` gives each key's value or None, in order, without waiting for a missing key (the store's
+    timeout here is 30 s); on etcd all of them in one transaction (the launcher's pass of its loop reads its keys
+    so)."""
+    store = backend.client(timeout=timedelta(seconds=30))
+    store.multi_set(["a", "empty"], ["1", ""])
+    assert read_keys(store, []) == []
+    if backend.kind == "etcd":
+        requests = []
+        txn = store.cluster.txn
+        monkeypatch.setattr(store.cluster, "txn", lambda *a, **k: requests.append(a) or txn(*a, **k))
+    start = time.monotonic()
+    assert read_keys(store, ["a", "never", "empty", "a"]) == [b"1", None, b"", b"1"]
+    assert time.monotonic() - start < 15  # answered, not waited out
+    if backend.kind == "etcd":
+        assert len(requests) == 1, requests
 
 
 def test_wait_wakes_when_another_client_sets_the_key(backend):

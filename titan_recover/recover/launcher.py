@@ -34,7 +34,7 @@ from titan_recover.process_exit import die_with_parent
 from titan_recover.recover.groups.member import COORDINATOR_ENV, INCARNATION_ENV, REPLICA_ENV, RUN_DIR_ENV
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
-from titan_recover.recover.groups.keys import GroupKeys, newest_published, raise_fault_flag, read_dropped
+from titan_recover.recover.groups.keys import GroupKeys, newest_published, parse_dropped, raise_fault_flag
 from titan_recover.recover.groups.protocol import decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
@@ -42,7 +42,7 @@ from titan_recover.recover.job_store import (agree_config, announce_job, announc
 from titan_recover.recover.nodes import address_towards, agreed_text, NodeKeys, NodePlan, single_node
 from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.standby import LEADER_TTL_S
-from titan_recover.recover.stores import connect, job_url, parse_store_url
+from titan_recover.recover.stores import connect, job_url, parse_store_url, read_keys
 
 GRACE_S = 10.0
 NODE_ENV = "TITAN_RECOVER_NODE"
@@ -102,13 +102,6 @@ def _kill_all(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _dropped_incarnation(store, replica: int) -> int | None:
-    """The incarnation of ``replica`` the coordinator last removed from an epoch (it may be stopped or hung and
-    unable to exit by itself), or None."""
-    dropped = read_dropped(store, replica)
-    return dropped[0] if dropped else None
 
 
 @dataclass
@@ -210,6 +203,8 @@ class ReplicaJob:
         """Each role's leader as this launcher last read it (etcd: the coordinator's and the syncer's keys)."""
         self._deposed: dict[str, tuple[str, float | None]] = {}
         """Each role's candidate of this node that led it last, and since when another leads (None: it leads)."""
+        self._seen: dict[str, bytes | None] | None = None
+        """The keys one pass of a supervision loop consults, read at its start in one round trip (:meth:`_pass`)."""
         self.coordinator = ReplicaSlot(-1, self.recover.coordinator_restarts)
         self.coordinator_beat = BeatWatch(b"", self.recover.coordinator_timeout_s, self.recover.startup_timeout_s)
         self.slots: list[ReplicaSlot] = []
@@ -353,9 +348,34 @@ class ReplicaJob:
         self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
                                           self.recover.startup_timeout_s)
 
+    # ---- reads ---------------------------------------------------------------------------------------------
+    def _pass(self) -> None:
+        """Start a pass of a supervision loop: the keys its questions read (whether the job is over or stopping, a
+        cold restart, each replica's drop, the coordinator's and the syncer's beats and leaders) are read now, in
+        one round trip (one transaction on etcd), instead of a request or two for each, ten times a second."""
+        keys = [GroupKeys.FINISHED, GroupKeys.STOP, GroupKeys.COLD_RESTART, GroupKeys.COORDINATOR_BEAT,
+                *(GroupKeys.dropped(slot.index) for slot in self.slots)]
+        if self.recover.store:
+            keys.append(GroupKeys.COORDINATOR_LEADER)
+        if self.syncer is not None:
+            keys += [DilocoKeys.SYNCER_BEAT, *([DilocoKeys.SYNCER_LEADER] if self.recover.store else [])]
+        self._seen = dict(zip(keys, read_keys(self.store, keys)))
+
+    def _read(self, key: str) -> bytes | None:
+        """``key``'s value (None: absent): as the current pass read it, or from the store."""
+        if self._seen is not None and key in self._seen:
+            return self._seen[key]
+        return read_keys(self.store, [key])[0]
+
+    def _dropped_incarnation(self, replica: int) -> int | None:
+        """The incarnation of ``replica`` the coordinator last removed from an epoch (it may be stopped or hung and
+        unable to exit by itself), or None."""
+        value = self._read(GroupKeys.dropped(replica))
+        return None if value is None else parse_dropped(value)[0]
+
     def _beat_of(self, key: str) -> bytes:
         """A process's beat in the job's store (empty before its first)."""
-        return self.store.get(key) if self.store.check([key]) else b""
+        return self._read(key) or b""
 
     def _coordinator_beat(self) -> bytes:
         return self._beat_of(GroupKeys.COORDINATOR_BEAT)
@@ -376,7 +396,7 @@ class ReplicaJob:
     def _leader(self, key: str, identity: str) -> tuple[str, bool]:
         """The identity that leads the role held in ``key`` (etcd; empty while nobody does), and whether it changed
         since this launcher last looked; notes when this node's candidate ``identity``, having led, stopped leading."""
-        leader = self.store.get(key).decode() if self.store.check([key]) else ""
+        leader = (self._read(key) or b"").decode()
         changed = leader != self._leaders.get(key, "")
         self._leaders[key] = leader
         if leader == identity:
@@ -514,7 +534,7 @@ class ReplicaJob:
         given_up = syncer.ended_incarnation == syncer.incarnation
         if syncer.proc.poll() in (None, 0) or self.stopped_by is not None or given_up:
             return
-        if self.store.check([GroupKeys.FINISHED]):
+        if self._read(GroupKeys.FINISHED) is not None:
             return  # the job's end is recorded: nothing left to lead
         if syncer.restarts_left > 0:
             syncer.count_restart()
@@ -566,7 +586,7 @@ class ReplicaJob:
         stops at its next collective with the last committed step (and a durable checkpoint, with
         ``[checkpoint]``), never trains on without anyone to judge failures."""
         slot = self.coordinator
-        if slot.proc is None or self.stopped_by is not None or self.store.check([GroupKeys.FINISHED]):
+        if slot.proc is None or self.stopped_by is not None or self._read(GroupKeys.FINISHED) is not None:
             return  # no coordinator on this node (another node runs it), or no need for one any more
         code = slot.proc.poll()
         if code is None:
@@ -602,6 +622,7 @@ class ReplicaJob:
         """Stop the job at once with a durable checkpoint of the last committed step (written by the lowest replica
         that committed it), as a coordinator's stop does, whether or not a coordinator runs."""
         self.store.set(GroupKeys.STOP, reason)  # before anything a rank wakes by: it reads the stop with it
+        self._seen = None  # the rest of the pass reads the stop
         epoch = newest_published(self.store, int(self.store.get(GroupKeys.EPOCH))
                                  if self.store.check([GroupKeys.EPOCH]) else -1)
         if epoch >= 0:  # members in a collective or a barrier abort it and read the stop
@@ -638,10 +659,9 @@ class ReplicaJob:
 
     def cold_restart_due(self) -> int | None:
         """The empty epoch of a cold restart this launcher has not yet restarted its groups for, or None."""
-        if self.store.check([GroupKeys.COLD_RESTART]):
-            cold = int(self.store.get(GroupKeys.COLD_RESTART))
-            if cold > self.cold_restarted:
-                return cold
+        value = self._read(GroupKeys.COLD_RESTART)
+        if value is not None and int(value) > self.cold_restarted:
+            return int(value)
         return None
 
     def restart_every_group(self) -> bool:
@@ -673,17 +693,19 @@ class ReplicaJob:
     def job_state(self) -> tuple[bool, dict[int, int | None]]:
         """What the job's store says: (the job is over or stopping, so nothing is restarted; replica -> its
         incarnation last dropped)."""
-        return self.job_over(), {slot.index: _dropped_incarnation(self.store, slot.index) for slot in self.slots}
+        return self.job_over(), {slot.index: self._dropped_incarnation(slot.index) for slot in self.slots}
 
     def job_over(self) -> bool:
         """The job is over or stopping (nothing is restarted)."""
-        return self.store.check([GroupKeys.FINISHED]) or self.store.check([GroupKeys.STOP])
+        return self._read(GroupKeys.FINISHED) is not None or self._read(GroupKeys.STOP) is not None
 
     def watch(self) -> None:
         """Until every replica group has ended: keep a coordinator running, end dropped replicas, restart crashed
         ones (and the syncer). Ends early once the syncer finished (learners still restarting are not needed)."""
-        while any(slot.running for slot in self.slots) or self.restart_every_group() or self.restart_pending():
-            time.sleep(0.1)
+        while True:
+            self._pass()
+            if not (any(slot.running for slot in self.slots) or self.restart_every_group() or self.restart_pending()):
+                break
             if self.syncer is not None:
                 if self.syncer_done():  # the job ended (the budget trained, or no learner left)
                     break
@@ -695,6 +717,8 @@ class ReplicaJob:
             for slot in self.slots:
                 self.end_if_dropped(slot, dropped)
                 self.restart_if_crashed(slot, over)
+            time.sleep(0.1)
+        self._seen = None  # reads after the loop go to the store
         if self.await_verdict():
             self.watch()  # every group was restarted meanwhile (a cold restart)
 
@@ -709,14 +733,20 @@ class ReplicaJob:
         if self.plan.many:
             return self.await_job_verdict()
         deadline = time.monotonic() + self.recover.agree_timeout_s
-        while not self.store.check([GroupKeys.FINISHED]) and time.monotonic() < deadline:
-            if self.coordinator.proc.poll() is not None and self.coordinator.ended_incarnation == self.coordinator.incarnation:
-                return False  # no coordinator left to judge
-            self.supervise_coordinator()
-            if self.restart_every_group():
-                return True
-            time.sleep(0.1)
-        return False
+        try:
+            while True:
+                self._pass()
+                if self._read(GroupKeys.FINISHED) is not None or time.monotonic() >= deadline:
+                    return False
+                if self.coordinator.proc.poll() is not None \
+                        and self.coordinator.ended_incarnation == self.coordinator.incarnation:
+                    return False  # no coordinator left to judge
+                self.supervise_coordinator()
+                if self.restart_every_group():
+                    return True
+                time.sleep(0.1)
+        finally:
+            self._seen = None
 
     def await_job_verdict(self) -> bool:
         """Many nodes: this node's replica groups ended, but the job may go on on other nodes. Wait for the
@@ -725,7 +755,16 @@ class ReplicaJob:
         restart started this node's groups again meanwhile (the job goes on)."""
         slot, timeout = self.coordinator, self.recover.agree_timeout_s
         watch = BeatWatch(b"", timeout, timeout)
-        while not self.store.check([GroupKeys.FINISHED]) and self.stopped_by is None:
+        try:
+            return self._await_job_verdict(slot, timeout, watch)
+        finally:
+            self._seen = None
+
+    def _await_job_verdict(self, slot: ReplicaSlot, timeout: float, watch: BeatWatch) -> bool:
+        while True:
+            self._pass()
+            if self._read(GroupKeys.FINISHED) is not None or self.stopped_by is not None:
+                return False
             self.supervise_coordinator()
             if self.restart_every_group():
                 return True
@@ -738,7 +777,6 @@ class ReplicaJob:
                       "while this node waited for the job's verdict", file=sys.stderr, flush=True)
                 return False
             time.sleep(0.1)
-        return False
 
     # ---- the end -----------------------------------------------------------------------------------------
     def result(self) -> int:
@@ -808,26 +846,34 @@ class ReplicaJob:
         if not self.syncer_done():
             self.store.set(DilocoKeys.learners_over(self.plan.rank), "1")
         deadline, beats = None, BeatWatch(b"", self.recover.agree_timeout_s, self.recover.agree_timeout_s)
-        while not self.syncer_done() and self.stopped_by is None:
-            self.supervise_coordinator()
-            if deadline is None and all(self.store.check([DilocoKeys.learners_over(n)]) for n in range(nodes)):
-                deadline = time.monotonic() + self.recover.agree_timeout_s
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            self.supervise_syncer()
-            if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0 and not standbys:
-                break
-            if standbys and beats.quiet_s(self._syncer_beat(), time.monotonic())[0] > self.recover.agree_timeout_s:
-                print(f"[titan_recover] no syncer made progress for {self.recover.agree_timeout_s} s "
-                      "(recover.agree_timeout_s) while this node waited for the job's end", file=sys.stderr, flush=True)
-                break
-            time.sleep(0.1)
+        over_keys = [DilocoKeys.learners_over(n) for n in range(nodes)]
+        try:
+            while True:
+                self._pass()
+                if self.syncer_done() or self.stopped_by is not None:
+                    break
+                self.supervise_coordinator()
+                if deadline is None and None not in read_keys(self.store, over_keys):
+                    deadline = time.monotonic() + self.recover.agree_timeout_s
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                self.supervise_syncer()
+                if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0 and not standbys:
+                    break
+                if standbys and \
+                        beats.quiet_s(self._syncer_beat(), time.monotonic())[0] > self.recover.agree_timeout_s:
+                    print(f"[titan_recover] no syncer made progress for {self.recover.agree_timeout_s} s (recover."
+                          "agree_timeout_s) while this node waited for the job's end", file=sys.stderr, flush=True)
+                    break
+                time.sleep(0.1)
+        finally:
+            self._seen = None
         print(f"[titan_recover] syncer exit code {syncer.proc.poll()}", file=sys.stderr, flush=True)
         return self.syncer_done()
 
     def syncer_done(self) -> bool:
         """This node's syncer ended the job (exit 0), or, with standbys (etcd), any syncer recorded its end."""
-        return self.syncer.proc.poll() == 0 or (bool(self.recover.store) and self.store.check([GroupKeys.FINISHED]))
+        return self.syncer.proc.poll() == 0 or (bool(self.recover.store) and self._read(GroupKeys.FINISHED) is not None)
 
     def cleanup(self) -> None:
         """SIGTERM to every child still running, SIGKILL after GRACE_S, then any process carrying the run's

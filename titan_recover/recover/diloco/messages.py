@@ -24,6 +24,7 @@ import torch
 from titan_recover.recover.diloco.rules import DilocoKeys, Version
 from titan_recover.recover.groups.blobs import delete_blob, get_blob, put_blob
 from titan_recover.recover.phoenix.state_transfer import bytes_view
+from titan_recover.recover.stores import read_keys
 
 
 def offer_parameters(store, learner: int, rank: int, names: list[str], tensors: list[torch.Tensor],
@@ -85,8 +86,8 @@ def announce_sender(store, learner: int, rank: int, incarnation: int) -> None:
 
 def read_sender(store, learner: int, rank: int) -> int | None:
     """The incarnation sending from ``(learner, rank)``, or None before its first hello."""
-    key = DilocoKeys.hello(learner, rank)
-    return int(store.get(key)) if store.check([key]) else None
+    hello = read_keys(store, [DilocoKeys.hello(learner, rank)])[0]
+    return None if hello is None else int(hello)
 
 
 def write_delta(store, learner: int, incarnation: int, rank: int, number: int, *, fragment: int, step: int,

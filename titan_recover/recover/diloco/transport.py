@@ -20,7 +20,7 @@ import torch
 
 from titan_recover.recover.diloco.messages import announce_sender, read_fragment, write_delta
 from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, Version
-from titan_recover.recover.stores import connect
+from titan_recover.recover.stores import connect, read_keys
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +36,10 @@ WATCH_S = 0.25
 
 def read_syncer(coordinator) -> tuple[str, int] | None:
     """The syncer's ``(HOST:PORT, generation)`` as published in the coordinator's store, or None."""
-    if not coordinator.check([DilocoKeys.SYNCER]):
+    published = read_keys(coordinator, [DilocoKeys.SYNCER])[0]
+    if published is None:
         return None
-    address, generation = coordinator.get(DilocoKeys.SYNCER).decode().split()
+    address, generation = published.decode().split()
     return address, int(generation)
 
 

@@ -278,7 +278,12 @@ def read_dropped(store: Store, replica: int) -> tuple[int, float] | None:
     """``(incarnation, time)`` of ``replica``'s start last removed from an epoch, or None (never dropped)."""
     if not store.check([GroupKeys.dropped(replica)]):
         return None
-    incarnation, _, when = store.get(GroupKeys.dropped(replica)).decode().partition("|")
+    return parse_dropped(store.get(GroupKeys.dropped(replica)))
+
+
+def parse_dropped(value: bytes) -> tuple[int, float]:
+    """``(incarnation, time)`` from the value of a :meth:`GroupKeys.dropped` key."""
+    incarnation, _, when = value.decode().partition("|")
     return int(incarnation), float(when)
 
 

@@ -2,13 +2,15 @@
 
 Owns the store URL (:func:`parse_store_url`, pure), :func:`open_store` (a ``TCPStore`` hosted by one process of
 the job, or etcd: :mod:`.etcd`), :func:`connect` (what every process of a job calls with the URL the launcher gave
-it), :func:`job_url` (the URL of one job's keys on etcd), and leader election on etcd for a standby coordinator
+it), :func:`read_keys` (many keys, present or not, in one round trip where the store can), :func:`job_url` (the
+URL of one job's keys on etcd), and leader election on etcd for a standby coordinator
 (:mod:`.leader`). May import: nothing of the project; etcd3gw is imported only when an etcd store is opened.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -106,6 +108,16 @@ def connect(url: str, timeout_s: float) -> Store:
     the job's keys, :func:`job_url`), with ``timeout_s`` as its timeout: what every process of a job opens with
     the address its launcher gave it (``TITAN_RECOVER_COORDINATOR``, ``--store``)."""
     return open_store(url, timeout=timedelta(seconds=timeout_s))
+
+
+def read_keys(store: Store, keys: Sequence[str]) -> list[bytes | None]:
+    """The values of ``keys`` now, in order, None for a key that is absent (no waiting). A store that reads many
+    keys in one request does (etcd: one transaction, :meth:`~.etcd.EtcdStore.read_present`); any other is asked
+    ``check`` then ``get`` for each key (a TCPStore has no read that answers for a missing key without waiting)."""
+    read_present = getattr(store, "read_present", None)
+    if read_present is not None:
+        return read_present(keys)
+    return [store.get(key) if store.check([key]) else None for key in keys]
 
 
 def host_port(host: str, port: int) -> str:

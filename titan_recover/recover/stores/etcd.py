@@ -336,6 +336,11 @@ class EtcdStore(Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._wait_values(list(keys), self.timeout if timeout is None else timeout)
 
+    def read_present(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The keys' values now, None for an absent one (no waiting): one transaction per :data:`MAX_TXN_OPS`
+        keys (:func:`titan_recover.recover.stores.read_keys`)."""
+        return self._read(list(keys))[0]
+
     def check(self, keys: list[str]) -> bool:
         """True if every key exists now (no waiting)."""
         return not self._read(list(keys))[1]

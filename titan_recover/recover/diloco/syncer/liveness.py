@@ -11,6 +11,7 @@ import time
 
 from titan_recover.recover.groups.keys import GroupKeys
 from titan_recover.recover.groups.liveness import absent_beat, decode_group_beat, LivenessWatch
+from titan_recover.recover.stores import read_keys
 
 LIVENESS_EVERY_S = 0.2
 
@@ -28,12 +29,16 @@ class LearnerLiveness:
     def judge(self) -> tuple[set[int], set[int]]:
         """(learners alive, learners done: every rank reported done)."""
         alive, done, beats = set(), set(), {}
+        ranks = range(self.ranks)
+        done_keys = [GroupKeys.done(learner, rank) for learner in range(self.learners) for rank in ranks]
+        beat_keys = [GroupKeys.heartbeat(learner) for learner in range(self.learners)]  # relayed by its leader rank
+        values = read_keys(self.coordinator, done_keys + beat_keys)  # one request on etcd
         for learner in range(self.learners):
-            if all(self.coordinator.check([GroupKeys.done(learner, rank)]) for rank in range(self.ranks)):
+            if None not in values[learner * self.ranks : (learner + 1) * self.ranks]:
                 done.add(learner)
                 continue
-            key = GroupKeys.heartbeat(learner)  # relayed by the learner's leader rank
-            relayed = decode_group_beat(self.coordinator.get(key)) if self.coordinator.check([key]) else {}
+            beat = values[len(done_keys) + learner]
+            relayed = decode_group_beat(beat) if beat is not None else {}
             if 0 in relayed:
                 incarnation = relayed[0].incarnation
                 beats[learner] = [relayed.get(rank) or absent_beat(incarnation) for rank in range(self.ranks)]

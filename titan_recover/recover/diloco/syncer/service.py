@@ -26,7 +26,7 @@ from titan_recover.recover.diloco.syncer.liveness import LearnerLiveness, LIVENE
 from titan_recover.recover.diloco.syncer.metrics import Progress, SyncerMetrics
 from titan_recover.recover.diloco.syncer.rounds import merge_record, Rounds
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.stores import connect, host_port
+from titan_recover.recover.stores import connect, host_port, read_keys
 from titan_recover.recover.groups.keys import GroupKeys
 
 logger = logging.getLogger("titan_recover.syncer")
@@ -263,7 +263,7 @@ class Syncer:
         last deltas (a learner still restarting is not waited for: the blocks it held were given back and trained
         by others), or no learner was alive for ``startup_timeout_s`` (a node lost with its launcher reports
         nothing; a restart beats well within that)."""
-        if all(self.coordinator.check([DilocoKeys.learners_over(n)]) for n in range(self.nodes)):
+        if None not in read_keys(self.coordinator, [DilocoKeys.learners_over(n) for n in range(self.nodes)]):
             self.end_reason = "every learner ended"
             return True
         if blocks_trained(self.coordinator) >= self.blocks and not self.alive:
