@@ -747,6 +747,32 @@ def test_a_block_given_back_is_taken_once_and_given_back_once():
     assert requeue_block(store, 2, "syncer.1") is None
 
 
+def test_a_learners_other_ranks_wait_for_rank_0s_claim_past_the_stores_timeout_and_stamp_progress_meanwhile():
+    """Past the budget, rank 0 of a learner of 2 ranks waits for a block to come back (up to ``startup_timeout_s +
+    2 x progress_timeout_s``, longer than the store's timeout); rank 1 waits for rank 0's claim meanwhile, in slices
+    of at most ``most_s``, stamping its progress after each (so neither the hang observer nor the syncer takes a
+    rank in a bounded wait for hung). Here the store's timeout is 0.3 s and rank 0 shares its claim 1.2 s late: rank
+    1 reads it (the block given back, 7), and next the budget (rank 0 found none: the learner finishes)."""
+    import threading
+
+    from titan_recover.recover.diloco.blocks import read_claim, share_claim
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=0.3))
+    stamps = []
+    sharer = threading.Timer(1.2, share_claim, args=(store, 0, 0, 5, 7))
+    sharer.start()
+    start = time.monotonic()
+    try:
+        assert read_claim(store, learner=0, incarnation=0, count=5, waiting=lambda: stamps.append(time.monotonic()),
+                          most_s=0.2) == 7
+    finally:
+        sharer.join()
+    assert time.monotonic() - start >= 1.1  # it waited for the claim, past the store's timeout
+    assert len(stamps) >= 4 and all(b - a < 1.0 for a, b in zip([start, *stamps], stamps))  # progress kept stamped
+    share_claim(store, 0, 0, 6, 48)  # rank 0 found nothing given back: the budget, no block
+    assert read_claim(store, learner=0, incarnation=0, count=6, most_s=0.2) == 48
+
+
 def test_a_block_is_given_back_once_for_each_learner_start_that_held_it():
     """The syncer judges a learner lost from heartbeats a moment old; by the time it reads the learner's key, the
     learner's restart may have given back the dead start's block and claimed another. That one is the restart's:
