@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import xxhash
-from torch.distributed.tensor import DTensor
 
 from titan_recover.recover.phoenix.staging import copies_for, CopyEvent, Done, HostCopies
 
@@ -48,6 +47,9 @@ class ChecksumError(RuntimeError):
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank's own part of a (possibly distributed) tensor: a DTensor's local shard, anything else itself."""
+    from torch.distributed.tensor import DTensor  # imported here: the coordinator, which reads this module's
+    # config, never moves a tensor and need not load DTensor (0.6 s of a process start)
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 
