@@ -448,6 +448,45 @@ def test_a_group_that_crashed_as_the_last_one_running_is_still_restarted(tmp_pat
     assert not job.restart_pending()
 
 
+def test_a_pass_of_the_launchers_loop_reads_its_keys_once_and_reads_again_after_a_stop(tmp_path):
+    """The questions a pass of the launcher's loop asks (over or stopping, a cold restart, each group's drop, the
+    coordinator's beat) are answered from one read at its start (one request on etcd: tests/test_stores.py); a
+    change in the store meanwhile is seen at the next pass, except the stop the launcher writes itself, which the
+    rest of its pass reads."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.launcher import ReplicaJob
+
+    class Counting(HashStore):
+        reads = 0
+
+        def check(self, keys):
+            Counting.reads += 1
+            return super().check(keys)
+
+    config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path)])
+    job = ReplicaJob(config, None, [], 1, 0)
+    job.store = Counting()
+    job.slots = [SimpleNamespace(index=0), SimpleNamespace(index=1)]
+    job.store.set(GroupKeys.dropped(1), "2|1700000000.5")
+    job.store.set(GroupKeys.COLD_RESTART, "3")
+    job._pass()
+    reads = Counting.reads
+    job.store.set(GroupKeys.FINISHED, "trained")  # written after the pass read: the next pass sees it
+    assert job.job_state() == (False, {0: None, 1: 2})
+    assert job.cold_restart_due() == 3 and job._coordinator_beat() == b""
+    assert Counting.reads == reads  # every answer from the pass's read
+    job._pass()
+    assert job.job_over()
+    job.store.delete_key(GroupKeys.FINISHED)
+    job._pass()
+    job.stop_job("stopping for the test")
+    assert job.job_over()  # the launcher's own stop, within the pass that wrote it
+
+
 def test_a_taken_port_for_the_jobs_store_is_named_as_such(tmp_path):
     from torch.distributed import TCPStore
 

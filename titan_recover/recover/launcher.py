@@ -702,25 +702,31 @@ class ReplicaJob:
     def watch(self) -> None:
         """Until every replica group has ended: keep a coordinator running, end dropped replicas, restart crashed
         ones (and the syncer). Ends early once the syncer finished (learners still restarting are not needed)."""
-        while True:
-            self._pass()
-            if not (any(slot.running for slot in self.slots) or self.restart_every_group() or self.restart_pending()):
-                break
-            if self.syncer is not None:
-                if self.syncer_done():  # the job ended (the budget trained, or no learner left)
-                    break
-                self.supervise_syncer()
-            self.honour_stop_request()
-            self.supervise_coordinator()
-            self.restart_every_group()
-            over, dropped = self.job_state()
-            for slot in self.slots:
-                self.end_if_dropped(slot, dropped)
-                self.restart_if_crashed(slot, over)
-            time.sleep(0.1)
-        self._seen = None  # reads after the loop go to the store
+        try:
+            while self._watch_pass():
+                time.sleep(0.1)
+        finally:
+            self._seen = None  # reads after the loop go to the store
         if self.await_verdict():
             self.watch()  # every group was restarted meanwhile (a cold restart)
+
+    def _watch_pass(self) -> bool:
+        """One pass of :meth:`watch`; False once the watch is over."""
+        self._pass()
+        if not (any(slot.running for slot in self.slots) or self.restart_every_group() or self.restart_pending()):
+            return False
+        if self.syncer is not None:
+            if self.syncer_done():  # the job ended (the budget trained, or no learner left)
+                return False
+            self.supervise_syncer()
+        self.honour_stop_request()
+        self.supervise_coordinator()
+        self.restart_every_group()
+        over, dropped = self.job_state()
+        for slot in self.slots:
+            self.end_if_dropped(slot, dropped)
+            self.restart_if_crashed(slot, over)
+        return True
 
     def await_verdict(self) -> bool:
         """The replica groups ended: wait (``agree_timeout_s`` at most) for the coordinator to record the job's
