@@ -377,7 +377,6 @@ def _candidate(url: str, prefix: str, identity: str, events) -> None:
     time.sleep(120)  # leads until killed
 
 
-@pytest.mark.multiprocess
 def test_a_standby_whose_lease_lapsed_stands_by_again_with_a_new_one(monkeypatch):
     """etcd out of reach longer than the lease while a candidate stands by: its campaign raises (lease lost); the
     candidate resigns that election and campaigns with a new one, instead of ending its process (which the
@@ -410,6 +409,7 @@ def test_a_standby_whose_lease_lapsed_stands_by_again_with_a_new_one(monkeypatch
     assert elected is made[1] and made[0].resigned and not made[1].resigned
 
 
+@pytest.mark.multiprocess
 def test_a_standby_takes_over_when_the_leader_dies(etcd_server):
     """The leader's process is killed (its keepalive with it): the standby leads within the lease's TTL + 1 s."""
     from titan_recover.recover.stores.leader import LeaderElection
