@@ -17,7 +17,7 @@ from wandb_offline import read_run
 from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, token_weights
 from titan_recover.recover.events import read_events
 from titan_recover.recover.launcher import processes_of_run
-from titan_recover.recover.groups.keys import GroupKeys
+from titan_recover.recover.groups.keys import GroupKeys, read_dropped
 from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
 
 
@@ -307,6 +307,10 @@ def test_the_syncer_gives_back_the_block_of_a_learner_whose_beat_stopped_never_o
     assert blocks.claim_block(coordinator, "0.0") == 4  # block 3 was not given back
     lost = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "learner_lost"]
     assert [(e["learner"], e["requeued_block"]) for e in lost] == [(1, 1), (2, None)]
+    # learner 1's start, whose block was given back, is named dropped for its launcher to end (and restart);
+    # learner 2's lost start gave nothing back and was not stuck: nothing named (its restart trains on)
+    assert read_dropped(coordinator, 1)[0] == 0
+    assert read_dropped(coordinator, 2) is None and read_dropped(coordinator, 0) is None
 
 
 def test_a_learner_whose_main_thread_hangs_is_lost_and_finds_its_block_given_away_if_it_comes_back(tmp_path):
@@ -345,6 +349,7 @@ def test_a_learner_whose_main_thread_hangs_is_lost_and_finds_its_block_given_awa
     assert time.monotonic() - started >= 0.6 and syncer.alive == {0}
     [lost] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "learner_lost"]
     assert lost["requeued_block"] == 1 and "learner 1 rank(s) [0]: no progress (hung)" in lost["reason"], lost
+    assert read_dropped(coordinator, 1)[0] == 0  # for its launcher to end the stuck start (and restart it)
     assert blocks.record_trained(coordinator, 0, 0, step=1, incarnation=0, who="0.0")
     assert blocks.blocks_trained(coordinator) == 1  # block 1 is given back, not trained: a learner out of blocks
     assert blocks.claim_requeued(coordinator, "0.0") == 1  # waits for it, and takes it
@@ -702,7 +707,8 @@ def test_a_learner_whose_main_thread_hangs_is_named_and_its_block_trained_by_the
     fault). Its hang observer names it (``hang_threshold_s``, report only here); the syncer, which sees its
     progress stamp stand still, declares it lost after ``progress_timeout_s`` and gives its block back; learner 0
     trains that block too (waiting for it once the counter is past the budget), so the whole budget is trained and
-    the launcher exits 0, ending the stuck learner."""
+    the launcher exits 0. The launcher ends the stuck learner as soon as the syncer named it lost (it cannot exit by
+    itself; the observer here only reports) and starts it again."""
     from conftest import launch
 
     steps, learners, progress_timeout_s = 20, 2, 6.0
@@ -720,6 +726,8 @@ def test_a_learner_whose_main_thread_hangs_is_named_and_its_block_trained_by_the
     [stall] = by_kind["fault_injected"]
     [hang] = by_kind["hang_detected"]
     assert hang["replica"] == 1 and hang["kind"] == "stalled" and not hang["ended"], hang
+    assert "replica 1 (start 0) was dropped from the job: ending its processes" in proc.stderr, proc.stderr[-3000:]
+    assert "replica 1 exited with -9: restarting it (start 1" in proc.stderr, proc.stderr[-3000:]
     [lost] = by_kind["learner_lost"]
     assert lost["learner"] == 1 and "no progress (hung)" in lost["reason"], lost
     assert lost["time"] - stall["time"] >= progress_timeout_s

@@ -25,6 +25,7 @@ from titan_recover.recover.groups.keys import (
     missing_keys,
     raise_fault_flag,
     read_join_requests,
+    write_dropped,
 )
 from titan_recover.recover.groups.liveness import group_beats, Heartbeat, LivenessWatch, WatchedTime
 from titan_recover.recover.groups.protocol import (
@@ -386,7 +387,7 @@ class Coordinator:
         """Publish ``state``'s epoch to the members (every write idempotent: a restart may repeat them); False if
         it stops the job."""
         for replica in state.removed:
-            self.store.set(GroupKeys.dropped(replica), f"{state.dropped[replica]}|{time.time():.6f}")
+            write_dropped(self.store, replica, state.dropped[replica])
         if state.admitted is not None:
             self.store.set(GroupKeys.admitted(state.epoch), encode_admission(*state.admitted))
         if state.stop:  # before the members: a rank woken by the members key sees the stop that came with them

@@ -281,6 +281,13 @@ def read_dropped(store: Store, replica: int) -> tuple[int, float] | None:
     return parse_dropped(store.get(GroupKeys.dropped(replica)))
 
 
+def write_dropped(store: Store, replica: int, incarnation: int) -> None:
+    """Name ``replica``'s start ``incarnation`` as removed from the job (by the coordinator from an epoch, by the
+    DiLoCo syncer from its learners): its launcher ends it if it still runs (stopped or hung, it cannot exit by
+    itself) and restarts it while it has restarts left."""
+    store.set(GroupKeys.dropped(replica), f"{incarnation}|{time.time():.6f}")
+
+
 def parse_dropped(value: bytes) -> tuple[int, float]:
     """``(incarnation, time)`` from the value of a :meth:`GroupKeys.dropped` key."""
     incarnation, _, when = value.decode().partition("|")

@@ -25,6 +25,8 @@ class LearnerLiveness:
         """Each learner's start last judged alive (what the syncer gives back for, once it is lost)."""
         self.reasons: dict[int, str] = {}
         """Why each learner with a beat was last judged not alive (no heartbeat, or no progress)."""
+        self.hung: set[int] = set()
+        """Learners last judged with a rank whose heartbeat beats but whose main thread made no progress."""
 
     def judge(self) -> tuple[set[int], set[int]]:
         """(learners alive, learners done: every rank reported done)."""
@@ -53,4 +55,8 @@ class LearnerLiveness:
                 self.incarnation[learner] = bs[0].incarnation
             else:
                 self.reasons[learner] = verdict.reason("learner")
+            if verdict.hung_ranks:
+                self.hung.add(learner)
+            else:
+                self.hung.discard(learner)
         return alive, done

@@ -27,7 +27,7 @@ from titan_recover.recover.diloco.syncer.metrics import Progress, SyncerMetrics
 from titan_recover.recover.diloco.syncer.rounds import merge_record, Rounds
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.stores import connect, host_port, read_keys
-from titan_recover.recover.groups.keys import GroupKeys
+from titan_recover.recover.groups.keys import GroupKeys, write_dropped
 
 logger = logging.getLogger("titan_recover.syncer")
 
@@ -172,8 +172,12 @@ class Syncer:
         if alive:
             self._someone_alive_at = time.monotonic()
         for learner in sorted(self.alive - alive - done):
-            given_back = requeue_block(self.coordinator, learner, self.who,
-                                       incarnation_at_most=self.liveness.incarnation[learner])
+            start = self.liveness.incarnation[learner]
+            given_back = requeue_block(self.coordinator, learner, self.who, incarnation_at_most=start)
+            if given_back is not None or learner in self.liveness.hung:
+                # that start can add nothing (its block is another's) or is stuck: its launcher ends it if it still
+                # runs, and starts it again; one that only missed beats between blocks trains on
+                write_dropped(self.coordinator, learner, start)
             reason = self.liveness.reasons.get(learner, "no heartbeat")
             self.events.emit("learner_lost", learner=learner, reason=reason, requeued_block=given_back)
         self.alive, self.done = alive, done
