@@ -413,6 +413,11 @@ class _Starts:
 
             self.store = open_store(f"etcd://{request.getfixturevalue('etcd_server')}",
                                     timeout=timedelta(seconds=5), prefix=f"resume-{uuid.uuid4().hex}")
+            request.addfinalizer(self.resign)  # the last start's lease is not left refreshed for the session
+
+    def resign(self) -> None:
+        if self.election is not None:
+            self.election.resign()
 
     def next(self):
         if self.kind == "tcp":
