@@ -368,8 +368,8 @@ class ReplicaJob:
         return read_keys(self.store, [key])[0]
 
     def _dropped_incarnation(self, replica: int) -> int | None:
-        """The incarnation of ``replica`` the coordinator last removed from an epoch (it may be stopped or hung and
-        unable to exit by itself), or None."""
+        """The incarnation of ``replica`` last removed from the job (by the coordinator from an epoch, by the DiLoCo
+        syncer from its learners; it may be stopped or hung and unable to exit by itself), or None."""
         value = self._read(GroupKeys.dropped(replica))
         return None if value is None else parse_dropped(value)[0]
 
