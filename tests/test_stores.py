@@ -24,6 +24,7 @@ from titan_recover.recover.stores import etcd_prefix, open_store, parse_store_ur
 from titan_recover.recover.stores.etcd import EtcdCluster, EtcdStore
 
 TIMEOUT = timedelta(seconds=0.25)
+CONNECT_TIMEOUT = timedelta(seconds=30)
 
 
 class Backend:
@@ -39,7 +40,11 @@ class Backend:
         self.store = self.client()
 
     def client(self, timeout: timedelta = TIMEOUT):
-        return open_store(self.url, timeout=timeout, prefix=self.prefix)
+        """A client held to ``timeout``, connected with a longer one: a busy host may take more than 250 ms to accept
+        a connection (seen in the fast tier: a setup failed to connect to the server it had just started)."""
+        store = open_store(self.url, timeout=max(timeout, CONNECT_TIMEOUT), prefix=self.prefix)
+        store.set_timeout(timeout)
+        return store
 
 
 @pytest.fixture(params=["tcp", pytest.param("etcd", marks=pytest.mark.multiprocess)])
