@@ -33,7 +33,9 @@ class Backend:
     def __init__(self, kind: str, request):
         self.kind = kind
         if kind == "tcp":
-            self.server = open_store("127.0.0.1:0", timeout=TIMEOUT, is_server=True)
+            # the server's own client connects to it too: with the longer bound, as every client here does
+            self.server = open_store("127.0.0.1:0", timeout=CONNECT_TIMEOUT, is_server=True)
+            self.server.set_timeout(TIMEOUT)
             self.url, self.prefix = f"127.0.0.1:{self.server.port}", None
         else:
             self.url, self.prefix = f"etcd://{request.getfixturevalue('etcd_server')}", f"test-{uuid.uuid4().hex}"
@@ -270,9 +272,9 @@ def test_every_job_has_its_own_etcd_prefix():
 
 
 def test_open_store_tcp():
-    server = open_store("tcp://127.0.0.1:0", timeout=TIMEOUT, is_server=True, prefix="run-42")
+    server = open_store("tcp://127.0.0.1:0", timeout=CONNECT_TIMEOUT, is_server=True, prefix="run-42")
     assert isinstance(server, PrefixStore) and isinstance(server.underlying_store, TCPStore)
-    client = open_store(f"127.0.0.1:{server.underlying_store.port}", timeout=TIMEOUT)
+    client = open_store(f"127.0.0.1:{server.underlying_store.port}", timeout=CONNECT_TIMEOUT)
     server.set("k", "v")
     assert client.get("run-42/k") == b"v"
     with pytest.raises(ValueError, match="port 0 .* only for the process that hosts the store"):

@@ -334,7 +334,7 @@ def torchrun_command(config, options: dict, toml_path: str | None, overrides: li
     """The one torchrun of a job without replica groups, and its environment."""
     from titan_recover.recover.chaos.config import JOB_START_ENV
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, "-m", "titan_recover.torchrun", f"--nproc-per-node={nproc}"]
     if nnodes == 1:
         cmd += ["--standalone", f"--local-ranks-filter={metrics_rank}"]
         others = [r for r in range(nproc) if r != metrics_rank]

@@ -455,7 +455,7 @@ class ReplicaJob:
                                      COORDINATOR_ENV: self.address, "LOG_RANK": str(metrics_rank)})
         if self.devices is not None:  # the group's own GPUs: its local rank r is the r-th of them
             env[VISIBLE_ENV] = ",".join(self.devices[slot.index])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0",
+        cmd = [sys.executable, "-m", "titan_recover.torchrun", "--standalone", "--max-restarts=0",
                f"--nproc-per-node={ranks_per_replica}", f"--local-ranks-filter={metrics_rank}",
                "-m", "titan_recover.train", *([toml_path] if toml_path else []), *overrides]
         slot.proc = self._start(cmd, env, f"[replica {slot.index}] ", death_signal=signal.SIGTERM,
