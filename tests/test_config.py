@@ -360,6 +360,19 @@ def test_a_job_of_many_nodes_without_replica_groups_uses_every_gpu_of_each_node(
                               "--nnodes", "2", "--rdzv-endpoint", "head:29500", "--dry-run")
     assert code == 0 and "--nproc-per-node=8" in out and "--nnodes=2" in out, (out, err)
     assert "--rdzv-id=4242" in out, out
+    code, out, err = launcher("train_configs/debug_model.toml", "--parallelism.data_parallel_shard_degree", "-1",
+                              "--nnodes", "2", "--rdzv-endpoint", "head:29500", "--rdzv-id", "run-7", "--dry-run")
+    assert code == 0 and "--rdzv-id=run-7" in out and "4242" not in out, (out, err)  # the user's id wins
+
+
+def test_a_run_id_is_refused_where_torchrun_would_not_use_it(launcher):
+    """``--rdzv-id`` names a job of many nodes without replica groups (its snapshots' names): on one node torchrun
+    runs standalone with a fresh id, and each replica group is a standalone torchrun, so the id would be dropped
+    without a word."""
+    code, _, err = launcher("train_configs/debug_model.toml", "--rdzv-id", "run-7", "--dry-run")
+    assert code == 2 and "--rdzv-id names a job of many nodes" in err, err
+    code, _, err = launcher("train_configs/replicas.toml", "--rdzv-id", "run-7", "--dry-run")
+    assert code == 2 and "each replica group is a torchrun of its own node" in err, err
 
 
 def test_a_replay_on_gpus_without_deterministic_kernels_is_refused_before_launch(launcher, monkeypatch):

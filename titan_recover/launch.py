@@ -15,6 +15,8 @@ Launcher options (everything else is a config override):
                           node; not needed with recover.store = "etcd://...")
     --node-rank R         this node's rank (0 ... N-1); with replica groups node 0 hosts the job's store and runs
                           the coordinator, and node R runs its block of the replica groups
+    --rdzv-id ID          without replica groups, on many nodes: torchrun's run id, the same on every node (default
+                          $SLURM_JOB_ID, else torchrun's "none"); names the job's in-memory snapshots (docs/phoenix.md)
     --dry-run             do every check, print the torchrun command (or this node's groups), start nothing
     --reference           also run the same config without [chaos] into <dump_folder>-reference (or reuse the one
                           there, if it ran the same resolved config), then print the largest per-step difference
@@ -40,7 +42,7 @@ import time
 from titan_recover.config.apply import ConfigError
 
 _FLAGS = {"--help", "-h", "--print-config", "--list-models", "--dry-run", "--verbose", "--reference"}
-_OPTIONS = {"--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--node-rank"}
+_OPTIONS = {"--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--node-rank", "--rdzv-id"}
 
 
 def split_args(argv: list[str]) -> tuple[str | None, dict[str, str | bool], list[str]]:
@@ -274,6 +276,9 @@ def check_job(config, options: dict):
         check_batch(config.training, config.parallelism, layout)
         check_replica_layout(config, layout, nnodes)
         check_replay_determinism(config, device)
+        if "--rdzv-id" in options:
+            raise ConfigError("--rdzv-id is torchrun's run id of a job without replica groups; each replica group "
+                              "is a torchrun of its own node (--standalone): drop --rdzv-id")
         plan = node_plan(config, options)
         evaluation_placement(config, group_placement(config, nproc, device, len(plan.groups)))
         return nproc, nnodes, layout
@@ -291,6 +296,9 @@ def check_job(config, options: dict):
     check_batch(config.training, config.parallelism, layout)
     if nnodes > 1 and "--rdzv-endpoint" not in options:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
+    if nnodes == 1 and "--rdzv-id" in options:
+        raise ConfigError("--rdzv-id names a job of many nodes: one node runs torchrun --standalone, which draws a "
+                          "fresh run id for every launch (kept across its restarts); drop --rdzv-id")
     return nproc, nnodes, layout
 
 
@@ -342,8 +350,9 @@ def torchrun_command(config, options: dict, toml_path: str | None, overrides: li
             cmd += [f"--log-dir={rank_log_dir(config)}", "--redirects=" + ",".join(f"{r}:3" for r in others)]
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={options['--rdzv-endpoint']}"]
-        if os.environ.get("SLURM_JOB_ID"):  # the job's run id on every node, kept by a requeue (snapshots' names)
-            cmd += [f"--rdzv-id={os.environ['SLURM_JOB_ID']}"]
+        run_id = options.get("--rdzv-id") or os.environ.get("SLURM_JOB_ID")
+        if run_id:  # the job's run id on every node (a requeue keeps SLURM's): the snapshots' names
+            cmd += [f"--rdzv-id={run_id}"]
         if "--node-rank" in options:
             cmd += [f"--node-rank={options['--node-rank']}"]
     env = dict(os.environ, LOG_RANK=str(metrics_rank))
