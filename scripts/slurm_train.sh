@@ -11,7 +11,7 @@ root="${SLURM_SUBMIT_DIR:-$(pwd)}"
 source "$root/scripts/bootstrap.sh"
 head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 gpus="${SLURM_GPUS_ON_NODE:-8}"
-srun --kill-on-bad-exit=1 "$PY" -m torch.distributed.run \
+srun --kill-on-bad-exit=1 "$PY" -m titan_recover.torchrun \
   --nnodes "$SLURM_NNODES" --nproc-per-node "$gpus" \
   --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" --rdzv-endpoint "$head_node:29500" \
   -m titan_recover.train "$config" "$@"
