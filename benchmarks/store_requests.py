@@ -2,9 +2,9 @@
 """Requests a real job makes to its store on etcd: the requests etcd served while one job ran alone on it, by gRPC
 method, read from etcd's own counters (``/metrics``: ``grpc_server_handled_total`` and
 ``process_cpu_seconds_total``) before the launcher starts and after it exits. The job's every process is counted
-(launchers, coordinators, members, DiLoCo syncer and learners), start-up and end included; etcd's own traffic
-(none on a one-member cluster) and any other client of the same etcd would be counted too, so give the job an
-etcd of its own.
+(launchers, coordinators, members, DiLoCo syncer and learners), start-up and end included; anything else the
+same etcd serves meanwhile (another client, another job) would be counted too, so give the job an etcd of its
+own.
 
     etcd --data-dir /tmp/etcd-requests --listen-client-urls http://127.0.0.1:2379 \\
          --advertise-client-urls http://127.0.0.1:2379 &
