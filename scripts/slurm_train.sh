@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# Multi-node training under SLURM: one torchrun per node, joined by torchrun's c10d rendezvous on the first node.
+# Multi-node training without replica groups under SLURM: one launcher per node (./run_train.sh = python -m
+# titan_recover.launch), each started by srun with this node's rank; the launchers' torchruns join through torchrun's
+# c10d rendezvous on the first node. Every launcher checks the config first (a bad one exits 2 on every node before
+# any training process starts), prepares the default data where missing, and runs this node's snapshot keeper where
+# [recover.snapshot] asks for one.
 #   sbatch --nodes 8 --gpus-per-node 8 scripts/slurm_train.sh train_configs/llama3_70b.toml [--section.key value ...]
+# Environment: RDZV_PORT (default 29500: a free port on the first node, reachable from every node). The run id is
+# $SLURM_JOB_ID (it names the job's in-memory snapshots, docs/phoenix.md).
 #SBATCH --job-name=titan_recover
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
@@ -11,7 +17,8 @@ root="${SLURM_SUBMIT_DIR:-$(pwd)}"
 source "$root/scripts/bootstrap.sh"
 head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 gpus="${SLURM_GPUS_ON_NODE:-8}"
-srun --kill-on-bad-exit=1 "$PY" -m titan_recover.torchrun \
-  --nnodes "$SLURM_NNODES" --nproc-per-node "$gpus" \
-  --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" --rdzv-endpoint "$head_node:29500" \
-  -m titan_recover.train "$config" "$@"
+cd "$root"
+# One task per node. No --node-rank: torchrun's c10d rendezvous orders the nodes itself (it ignores a node rank).
+exec srun --nodes "$SLURM_NNODES" --ntasks "$SLURM_NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 \
+  "$PY" -m titan_recover.launch "$config" --nnodes "$SLURM_NNODES" --nproc-per-node "$gpus" \
+  --rdzv-endpoint "$head_node:${RDZV_PORT:-29500}" --rdzv-id "$SLURM_JOB_ID" "$@"

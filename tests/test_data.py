@@ -63,6 +63,29 @@ def test_user_jsonl_and_text_inputs(tmp_path):
     assert not (tmp_path / "bad_out").exists()  # a failed preparation leaves nothing behind
 
 
+def test_launchers_preparing_the_same_folder_at_once_keep_the_first_complete_one(tmp_path, monkeypatch):
+    """One launcher per node prepares the default data on a shared file system: a launcher that finishes second
+    neither fails nor replaces the folder the first one's ranks may already read."""
+    import titan_recover.data.prepare as prepare_module
+
+    (tmp_path / "in.txt").write_text("Every node builds the same dataset from the same documents.\n" * 20)
+    out, train = tmp_path / "out", prepare_module.train_tokenizer
+
+    def another_launcher_finishes_first(documents, vocab_size):
+        monkeypatch.setattr(prepare_module, "train_tokenizer", train)
+        prepare(str(out), [str(tmp_path / "in.txt")], vocab_size=300)  # the other node's launcher, meanwhile
+        (out / "in_use").write_text("")  # its ranks read this folder now
+        return train(documents, vocab_size)
+
+    monkeypatch.setattr(prepare_module, "train_tokenizer", another_launcher_finishes_first)
+    assert prepare(str(out), [str(tmp_path / "in.txt")], vocab_size=300) == out
+    assert (out / "in_use").exists() and (out / "meta.json").exists()  # the first complete folder, kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out"]  # the second copy discarded
+    (out / "meta.json").unlink()  # a folder that is not a complete dataset is still replaced
+    assert json.loads((prepare(str(out), [str(tmp_path / "in.txt")], vocab_size=300) / "meta.json").read_text())
+    assert not (out / "in_use").exists()
+
+
 def test_microbatch_is_a_pure_function_of_its_address(default_data):
     a = AddressableTokens(default_data, seq_len=32, seed=3)
     b = AddressableTokens(default_data, seq_len=32, seed=3)  # "another process"

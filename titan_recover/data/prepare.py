@@ -13,7 +13,8 @@ Output folder (also a valid TorchTitan ``hf_assets_path``)::
 
 Deterministic: the same inputs and options give byte-identical files (a test checks it). The folder is written
 under a temporary name and renamed into place, so an interrupted run never leaves a half-written dataset and
-never replaces a good one.
+never replaces a good one; several launchers preparing the same folder at once (one per node, on a shared file
+system) keep the first complete one and discard the others' identical copies.
 """
 
 from __future__ import annotations
@@ -95,9 +96,14 @@ def prepare(out: str, inputs: list[str] | None = None, vocab_size: int = 2048, f
             "tokens_sha256": digest.hexdigest(),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if out_path.exists():
-            shutil.rmtree(out_path)
-        os.replace(tmp, out_path)
+        if out_path.exists() and (force or not (out_path / "meta.json").exists()):
+            shutil.rmtree(out_path)  # a rebuild asked for, or a folder that is not a dataset of ours
+        try:
+            os.replace(tmp, out_path)
+        except OSError:  # a complete folder appeared meanwhile: another launcher (another node) built it first
+            if force or not (out_path / "meta.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # the same bytes (deterministic); theirs may be in use already
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
