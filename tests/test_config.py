@@ -437,6 +437,17 @@ def test_the_verdict_of_a_committed_job_stands_after_a_late_signal(tmp_path):
     assert job.result() == 1
 
 
+def test_a_replica_group_jobs_processes_run_without_nccls_heartbeat_monitor(tmp_path, monkeypatch):
+    """On GPUs, NCCL's heartbeat monitor of a process's first group (TorchTitan's) ends the process minutes after any
+    group's watchdog saw an error: a fault-tolerant group's abandoned pieces after a peer died would kill the
+    survivors. Every process of a replica-group job gets it off, whatever the environment said."""
+    from titan_recover.recover.launcher import NCCL_MONITORING_ENV, ReplicaJob
+
+    monkeypatch.setenv(NCCL_MONITORING_ENV, "1")
+    config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path)])
+    assert ReplicaJob(config, None, [], 1, 0).base_env[NCCL_MONITORING_ENV] == "0"
+
+
 def test_a_group_that_crashed_as_the_last_one_running_is_still_restarted(tmp_path):
     """The watch goes on while a group that ended with an error has restarts left (it may have been the last one
     running when it ended), not once the job is over, and not without restarts."""

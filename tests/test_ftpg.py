@@ -455,7 +455,13 @@ class _FakeNccl(NcclGroup):
         self.device = torch.device("cpu")  # its "device" tensors are host tensors
 
     def _connect(self, store, group_rank, size):
-        return _FakeCommunicator(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.auto)
+        self.pg = _FakeCommunicator(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.auto)
+        self.communicators.append(self.pg)
+
+    @property
+    def communicators(self) -> list:
+        """Every communicator this group made (the group itself lets an aborted one go)."""
+        return self.__dict__.setdefault("_communicators", [])
 
 
 def _fake_nccl(epoch=0, timeout_s=5.0, auto=True, chunk_mb=16 / 2**20):
@@ -473,8 +479,8 @@ def test_nccl_connects_each_epoch_at_its_first_collective_and_issues_every_piece
     second.allreduce_sum_(torch.ones(4))
     assert first.pg is not second.pg and (first.pg.prefix, second.pg.prefix) == ("ftpg/e0/p2", "ftpg/e1/p2")
     assert len(second.pg.works) == 1  # the next epoch's communicator is its own
-    first.close()  # the next epoch's group exists: the previous communicator is aborted, never used again
-    assert first.pg.aborted and not second.pg.aborted
+    first.close()  # the next epoch's group exists: the previous communicator is aborted, let go, never used again
+    assert first.communicators[0].aborted and first.pg is None and not second.pg.aborted
     with pytest.raises(FaultDetected, match="failed group"):
         first.allreduce_sum_(torch.ones(4))
 
@@ -523,6 +529,7 @@ def test_the_nccl_communicator_is_left_to_the_group_not_to_nccls_watchdog(monkey
     group = nccl.NcclGroup.__new__(nccl.NcclGroup)
     group.timeout_s, group.device = 30.0, torch.device("cuda", 1)
     group._connect(HashStore(), 1, 2)
+    assert isinstance(group.pg, StandIn)  # held before it connects: a peer lost meanwhile leaves it to abort
     assert seen == {"handling": "0", "rank": 1, "size": 2, "blocking": False, "timeout": nccl.WATCHDOG,
                     "device": torch.device("cuda", 1)}
     assert os.environ[nccl.ASYNC_ERROR_HANDLING_ENV] == "3"
@@ -558,10 +565,10 @@ class _BrokenCommunicator(_FakeCommunicator):
 def test_a_failed_piece_aborts_the_communicator_first_even_when_the_flag_cannot_be_raised():
     group = _fake_nccl(auto=False)
     group.store = _LostStore()
-    group._connect = lambda *args: _BrokenCommunicator(args[0])
+    group._connect = lambda *args: group.communicators.append(setattr(group, "pg", _BrokenCommunicator(args[0])))
     with pytest.raises(FaultDetected) as fault:
         group.allreduce_sum_(torch.ones(4))
-    assert fault.value.raised_here and group.failed and group.pg.aborted
+    assert fault.value.raised_here and group.failed and group.communicators and _FakeCommunicator.made[-1].aborted
     assert "peer gone" in fault.value.reason and "raising the epoch's fault flag failed" in fault.value.reason
 
 
@@ -582,7 +589,7 @@ def test_a_fault_flag_aborts_the_nccl_communicator_and_releases_the_wait():
         group.allreduce_sum_(torch.ones(4))
     assert not fault.value.raised_here and stored
     assert len([t for t in polls if t > stored[0]]) <= 1, (len(polls), "polls after the flag was stored")
-    assert group.pg.aborted and group.failed
+    assert group.communicators[0].aborted and group.failed and group.pg is None
     with pytest.raises(FaultDetected, match="failed group"):  # never used again
         group.allreduce_sum_(torch.ones(4))
 
@@ -604,10 +611,44 @@ def test_a_fault_during_an_overlapped_reduction_ends_it_at_the_join_and_the_back
     threading.Timer(0.2, lambda: raise_fault_flag(group.store, 0, "replica 1 lost in backward")).start()
     with pytest.raises(FaultDetected, match="replica 1 lost in backward"):
         reduction.join()
-    assert group.pg.aborted and backup.saved == [48, 12, 32]  # every part issued, so saved whole
+    assert group.communicators[0].aborted and backup.saved == [48, 12, 32]  # every part issued, so saved whole
     for part in parts:
         part.add_(1000.0)  # partial sums an abandoned collective may leave
     assert [r.tolist() for r in backup.restored(parts)] == [[1.0] * 12, [2.0] * 3, [3.0] * 8]
+
+
+def test_an_aborted_communicator_is_let_go_off_the_training_thread():
+    """Until it is destroyed, a NCCL communicator holds the inputs of the pieces no one waited for (gradient views:
+    a whole gradient per fault, on the device); its destructor joins NCCL's watchdog. After a fault the group holds
+    it no more, nor does the fault's traceback, and the last reference goes on a thread of its own."""
+    destroyed, aborted = [], threading.Event()
+
+    class Work:
+        def is_completed(self):
+            if aborted.is_set():
+                raise RuntimeError("NCCL communicator was aborted")
+            return False
+
+    class Communicator:
+        def allreduce(self, tensors, opts):
+            return Work()
+
+        def abort(self):
+            aborted.set()
+
+        def __del__(self):
+            destroyed.append(threading.current_thread().name)
+
+    group = _fake_nccl(auto=False)
+    group._connect = lambda *args: setattr(group, "pg", Communicator())
+    threading.Timer(0.2, lambda: raise_fault_flag(group.store, 0, "replica 1 lost")).start()
+    with pytest.raises(FaultDetected, match="replica 1 lost") as fault:
+        group.allreduce_sum_(torch.ones(4))
+    deadline = time.monotonic() + 30  # a hang guard: the release thread runs at once
+    while not destroyed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert aborted.is_set() and group.pg is None and fault.value is not None  # the traceback is still alive here
+    assert destroyed == ["titan-recover-nccl-release"]
 
 
 def test_nccl_without_progress_for_the_timeout_aborts_and_raises_the_flag(monkeypatch):
@@ -646,7 +687,7 @@ def test_nccl_without_progress_for_the_timeout_aborts_and_raises_the_flag(monkey
     threading.Thread(target=complete_some, daemon=True).start()
     with pytest.raises(FaultDetected, match=r"made no progress for 0.3 s \(2 piece\(s\)") as fault:
         group.allreduce_sum_(torch.ones(12))  # 3 pieces
-    assert fault.value.raised_here and group.pg.aborted and done.is_set()
+    assert fault.value.raised_here and group.communicators[0].aborted and done.is_set()
     assert clock[0] > 2 * timeout_s  # the deadline moved with each completed piece
     assert group.store.check([GroupKeys.fault(0)])
 

@@ -45,6 +45,9 @@ from titan_recover.recover.standby import LEADER_TTL_S
 from titan_recover.recover.stores import connect, job_url, parse_store_url, read_keys
 
 GRACE_S = 10.0
+NCCL_MONITORING_ENV = "TORCH_NCCL_ENABLE_MONITORING"
+"""Off in every process of a replica-group job (:meth:`ReplicaJob._base_env`)."""
+
 NODE_ENV = "TITAN_RECOVER_NODE"
 """Set by the launcher in every child's environment: the node rank, so that a launcher's cleanup ends its own node's
 processes only (several "nodes" may share a machine in tests)."""
@@ -217,6 +220,10 @@ class ReplicaJob:
         env = dict(os.environ, **{RUN_DIR_ENV: self.run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1",
                                   NODE_ENV: str(self.plan.rank)})
         env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here (node 0's start)
+        # On GPUs: NCCL's heartbeat monitor of a process's first group ends the process minutes after the watchdog of
+        # any of its groups saw an error, a fault-tolerant group's included (its abandoned pieces after a peer died);
+        # the replica protocol handles those, and the hang observer watches for hung ranks (docs/replica_groups.md)
+        env[NCCL_MONITORING_ENV] = "0"
         # torchrun caps a worker's CPU threads only when it starts several; R single-process replicas on one node
         # would each take every core and thrash. Share the cores unless the user chose.
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(len(self.plan.groups) * self.ranks)))

@@ -8,7 +8,9 @@ pieces, all at once (NCCL queues them on its stream in order), and the caller's 
 completion (``work.is_completed()``, a query of its CUDA event) together with the epoch's fault flag and the
 progress deadline (:mod:`.polled`). On a fault the communicator is aborted (``ncclCommAbort``), which releases the
 kernels still waiting, and the group is never used again: the next epoch creates a new communicator, and the
-previous epoch's is aborted once the new group exists (:meth:`NcclGroup.close`: its device buffers are freed).
+previous epoch's is aborted once the new group exists (:meth:`NcclGroup.close`). An aborted communicator is let go
+at once, off the training thread (:func:`_let_go`): what it holds (its device buffers, the inputs of pieces never
+waited for) is freed, where a failed group kept alive would keep up to a gradient on the device per fault.
 
 NCCL's own watchdog never decides for this group: the communicator is created with
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (read by each ``ProcessGroupNCCL`` when it is constructed; the process's
@@ -24,6 +26,7 @@ Why this and not ``torch.distributed.shrink_group`` or a communicator in a subpr
 from __future__ import annotations
 
 import os
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -65,11 +68,12 @@ class NcclGroup(PolledGroup):
     def _communicator(self):
         if self.pg is None:
             prefix = PrefixStore(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.store)
-            self.pg = self._connect(prefix, self.group_rank, len(self.members))
+            self._connect(prefix, self.group_rank, len(self.members))
         return self.pg
 
-    def _connect(self, store: Store, group_rank: int, size: int):
-        """A new non-blocking communicator of this epoch, connected (tests replace it with a fake)."""
+    def _connect(self, store: Store, group_rank: int, size: int) -> None:
+        """A new non-blocking communicator of this epoch in :attr:`pg`, then connected: a peer lost while it connects
+        leaves a communicator to abort, not one destroyed on this thread (tests replace it with a fake)."""
         from torch.distributed import ProcessGroupNCCL
 
         # the time NCCL allows a non-blocking init or abort before giving up (torchft sets it the same way)
@@ -78,16 +82,15 @@ class NcclGroup(PolledGroup):
         options.config.blocking = False
         options._timeout = WATCHDOG
         with _environment(ASYNC_ERROR_HANDLING_ENV, "0"):  # errors are ours to handle: no teardown by the watchdog
-            pg = ProcessGroupNCCL(store, group_rank, size, options)
-        pg.eager_connect_single_device(self.device)
-        return pg
+            self.pg = ProcessGroupNCCL(store, group_rank, size, options)
+        self.pg.eager_connect_single_device(self.device)
 
     def close(self) -> None:
         """Abort the communicator of a group that is done with (a new epoch's group replaces it): a non-blocking
-        abort returns at once and frees its device buffers."""
+        abort returns at once; the communicator is then let go (:func:`_let_go`), which frees its device buffers."""
         if self.pg is not None and not self.failed:
             self.failed = True
-            self.pg.abort()
+            self._abort()
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         self.allreduce_many_([tensor])
@@ -112,12 +115,14 @@ class NcclGroup(PolledGroup):
     def _collective(self, name: str, tensors: list[torch.Tensor], root: int | None, on_each=None,
                     before_piece=None) -> None:
         pieces = pieces_of(tensors, self.config.chunk_bytes)
-        pg = self._communicator()
+        self._communicator()
         works = []
         for piece in pieces:
             if before_piece is not None:  # queued on the caller's stream, which NCCL's stream waits for
                 before_piece(*piece)
-            works.append(self._issue(pg, piece[2], root))
+            # no local reference to the communicator: a fault's traceback keeps this frame, and the communicator
+            # must be let go off this thread (:func:`_let_go`)
+            works.append(self._issue(self.pg, piece[2], root))
         progress = Progress(self.timeout_s)
         last = {index: i for i, (index, _, _) in enumerate(pieces)}
         reported = 0
@@ -155,6 +160,19 @@ class NcclGroup(PolledGroup):
     def _abort(self) -> None:
         if self.pg is not None:
             self.pg.abort()
+            _let_go(self)  # a failed group is never used again (its ``failed`` says so)
+
+
+def _let_go(group: NcclGroup) -> None:
+    """Take ``group``'s aborted communicator from it and drop the last reference on a thread of its own (no local
+    variable of this thread may hold it meanwhile). Until it is destroyed it holds the inputs of every piece no one
+    waited for (with torch's default of no ``recordStream``, NCCL keeps them alive until a wait, or until a later
+    call on the training thread that a failed group never gets): gradient views that would keep a whole gradient on
+    the device per fault. Its destructor joins NCCL's watchdog thread, which may still be writing its debug dump,
+    so it must not run on the training thread."""
+    holder = [group.pg]
+    group.pg = None
+    threading.Thread(target=holder.clear, daemon=True, name="titan-recover-nccl-release").start()
 
 
 @contextmanager

@@ -61,7 +61,7 @@ class HostStaging:
             return None
         with torch.cuda.stream(self.stream):
             target.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # a waiting thread sleeps instead of spinning against gloo's
             done.record(self.stream)
         return done
 
