@@ -365,6 +365,30 @@ def test_a_job_of_many_nodes_without_replica_groups_uses_every_gpu_of_each_node(
     assert code == 0 and "--rdzv-id=run-7" in out and "4242" not in out, (out, err)  # the user's id wins
 
 
+def test_torchruns_restarts_meet_on_a_fresh_store_every_round_on_one_node_or_many():
+    """A node whose workers torchrun restarts because another node's failed counts no restart, so the nodes' restart
+    counts differ within a round: the launcher has torchrun give every round a fresh store of its own; a multi-node
+    torchrun started by hand without it is refused at its start, not left to hang at the first restart."""
+    from titan_recover.job_config import build_config
+    from titan_recover.launch import torchrun_command
+    from titan_recover.train import fresh_store_after_restart, SEPARATE_ROUND_STORES_ENV
+
+    config = build_config("train_configs/debug_model.toml", ["--recover.max_restarts", "2"])
+    for nnodes, options in ((1, {}), (2, {"--rdzv-endpoint": "head:29500"})):
+        cmd, env = torchrun_command(config, options, None, [], 2, nnodes, 0)
+        assert "--max-restarts=2" in cmd and env[SEPARATE_ROUND_STORES_ENV] == "1"
+
+    by_hand = {"TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
+               "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "0"}
+    with pytest.raises(RuntimeError, match=f"needs {SEPARATE_ROUND_STORES_ENV}=1"):
+        fresh_store_after_restart(dict(by_hand))
+    for fine in ({"TORCHELASTIC_MAX_RESTARTS": "0"}, {"TORCHELASTIC_USE_AGENT_STORE": "False"},
+                 {"WORLD_SIZE": "8"}):  # no restarts, the launcher's separate stores, one node's first start
+        environ = dict(by_hand, **fine)
+        fresh_store_after_restart(environ)
+        assert environ == dict(by_hand, **fine)
+
+
 def test_a_run_id_is_refused_where_torchrun_would_not_use_it(launcher):
     """``--rdzv-id`` names a job of many nodes without replica groups (its snapshots' names): on one node torchrun
     runs standalone with a fresh id, and each replica group is a standalone torchrun, so the id would be dropped

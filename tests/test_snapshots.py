@@ -11,6 +11,9 @@ failure-free run's loss at every step.
 from __future__ import annotations
 
 import collections
+import re
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 
@@ -18,7 +21,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from conftest import LAYOUT_STEPS, launch, read_metrics, same_training
+from conftest import free_port, LAYOUT_STEPS, launch, read_metrics, same_training
 from test_state_transfer import Deferred, DeferredCopies, Replica
 from titan_recover.recover.events import read_events
 from titan_recover.recover.phoenix.snapshots import buddy_node, restore_step, Snapshots
@@ -43,6 +46,30 @@ def test_snapshot_config_errors_say_what_to_change():
     with pytest.raises(ValueError, match="HOST:PORT"):
         SnapshotConfig(interval=1, keepers=["node3"])
     assert RecoverConfig(max_restarts=1, snapshot=SnapshotConfig(interval=2)).snapshot.interval == 2
+
+
+def test_the_keepers_are_listed_or_the_launchers_in_node_order_learnt_from_the_ranks():
+    from titan_recover.recover.phoenix.snapshots import KEEPERS_ENV, keeper_addresses, NODE_KEEPER_ENV, SnapshotConfig
+
+    def never(own):
+        raise AssertionError("no gather where the keepers are known")
+
+    listed = SnapshotConfig(interval=1, keepers=["a:1", "b:2"])
+    assert keeper_addresses(listed, {NODE_KEEPER_ENV: "x:9"}, gather=never) == ["a:1", "b:2"]
+    assert keeper_addresses(SnapshotConfig(interval=1), {KEEPERS_ENV: "127.0.0.1:5"}, gather=never) == ["127.0.0.1:5"]
+    # many nodes: 3 nodes x 2 ranks; torchrun numbers the ranks node by node, in its rendezvous' node order, which
+    # no launcher knows in advance: each rank says its own node's keeper, and node n's are ranks 2n and 2n+1
+    said = ["c:3", "c:3", "a:1", "a:1", "b:2", "b:2"]
+    assert keeper_addresses(SnapshotConfig(interval=1), {NODE_KEEPER_ENV: "c:3"}, gather=lambda own: said,
+                            local_ranks=2) == ["c:3", "a:1", "b:2"]
+    with pytest.raises(ValueError, match=r"the ranks of node 1 name different snapshot keepers \['a:1', 'b:2'\]"):
+        keeper_addresses(SnapshotConfig(interval=1), {NODE_KEEPER_ENV: "c:3"},
+                         gather=lambda own: ["c:3", "c:3", "a:1", "b:2"], local_ranks=2)
+    with pytest.raises(ValueError, match=r"several nodes name the same snapshot keeper \['localhost:7'\]"):
+        keeper_addresses(SnapshotConfig(interval=1), {NODE_KEEPER_ENV: "localhost:7"},
+                         gather=lambda own: ["localhost:7", "localhost:7"], local_ranks=1)
+    with pytest.raises(RuntimeError, match="no snapshot keeper: start the job with ./run_train.sh"):
+        keeper_addresses(SnapshotConfig(interval=1), {}, gather=never)
 
 
 @pytest.fixture
@@ -291,6 +318,48 @@ def test_killed_rank_of_a_tensor_parallel_job_refills_from_the_keeper(tmp_path, 
     # every other step, with exactly the failure-free loss
     assert all(loss == ref[s] for s, losses in logged.items() for loss in losses), (dict(logged), ref)
     assert any(len(losses) == 2 for losses in logged.values()) or step == 3
+
+
+@pytest.mark.multiprocess
+def test_on_two_nodes_each_ranks_snapshots_go_to_the_other_nodes_keeper_and_refill_it(tmp_path, tp_reference,
+                                                                                       seed_checkpoint):
+    """Two launchers as two nodes of one job (1 rank each, TP over both), torchrun's c10d rendezvous on this
+    machine: each launcher starts its node's keeper, the ranks learn both, and each rank's snapshots go to the keeper
+    of the node it does not run on (which the rank's own launcher did not start). Node 1's rank is killed; both
+    torchruns restart their workers, which refill from the snapshots and log the failure-free losses."""
+    reference, _ = tp_reference
+    run, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
+    args = [*same_training(seed_checkpoint, 1), "--dump_folder", str(run), "--recover.max_restarts", "1",
+            "--recover.snapshot.interval", "1", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+            "--chaos.faults", '[{kind = "kill", replica = 0, rank = 1, step = 4, phase = "forward"}]']
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]  # files, not pipes: neither launcher waits on a reader
+    nodes = [subprocess.Popen([sys.executable, "-m", "titan_recover.launch", "train_configs/tp.toml", *args],
+                              stdout=log.open("w"), stderr=subprocess.STDOUT) for log in logs]
+    try:
+        for node in nodes:
+            node.wait(timeout=240)
+    finally:
+        for node in nodes:
+            node.kill()
+    outputs = [log.read_text() for log in logs]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    own = [re.search(r"this node's snapshot keeper: (\S+)", o).group(1) for o in outputs]
+    assert own[0] != own[1]
+    for node, output in enumerate(outputs):  # every start of the rank this launcher ran (and restarted)
+        buddies = set(re.findall(r"rank \d: snapshots go to node \d's keeper (\S+) \(of 2\)", output))
+        assert buddies == {own[1 - node]}, output[-3000:]
+
+    events = read_events(run / "events.jsonl")
+    assert [(e["rank"], e["step"]) for e in events if e["event"] == "fault_injected"] == [(1, 4)]
+    restored = [e for e in events if e["event"] == "snapshot_restored"]
+    assert sorted(e["rank"] for e in restored) == [0, 1] and {e["keeper"] for e in restored} == set(own)
+    assert {e["step"] for e in restored} == {restored[0]["step"]}
+    ref = {r["step"]: r["loss_metrics/global_avg_loss"] for r in read_metrics(reference)}
+    logged = collections.defaultdict(list)
+    for record in read_metrics(run):
+        logged[record["step"]].append(record["loss_metrics/global_avg_loss"])
+    assert sorted(logged) == sorted(ref) == list(range(1, LAYOUT_STEPS + 1))
+    assert all(loss == ref[s] for s, losses in logged.items() for loss in losses), (dict(logged), ref)
 
 
 def test_extremes_are_the_lowest_and_highest_of_each_value_in_one_all_reduce(tmp_path):

@@ -39,7 +39,8 @@ from torchtitan.tools import filesystem
 
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import REPLICA_ENV, RUN_DIR_ENV
-from titan_recover.recover.phoenix.snapshots import keeper_addresses, snapshot_job, SnapshotConfig, Snapshots
+from titan_recover.recover.phoenix.snapshots import (gather_from_ranks, keeper_addresses, snapshot_job, SnapshotConfig,
+                                                     Snapshots)
 from titan_recover.recover.phoenix.state_transfer import TrainingState
 from titan_recover.recover.scout.verified import only_unverified, step_to_load
 
@@ -122,10 +123,14 @@ class RecoverCheckpointManager(CheckpointManager):
             raise ValueError(f"snapshots need the trainer's state: build the checkpoint manager with "
                              f"states={{{TRAIN_STATE!r}: trainer}}, as TorchTitan's trainer does")
         rank, world = rank_and_world()
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         state = TrainingState(model_parts, list(optimizers), lr_schedulers, train_state=self._train_state)
-        return Snapshots(state, keepers=keeper_addresses(config), rank=rank, ranks=world,
-                         local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)), events=self.events,
-                         job=snapshot_job(folder))
+        keepers = keeper_addresses(config, gather=gather_from_ranks, local_ranks=local_ranks)
+        snapshots = Snapshots(state, keepers=keepers, rank=rank, ranks=world, local_ranks=local_ranks,
+                              events=self.events, job=snapshot_job(folder))
+        logger.info("rank %d: snapshots go to node %d's keeper %s (of %d)", rank, snapshots.buddy,
+                    keepers[snapshots.buddy], len(keepers))
+        return snapshots
 
     @property
     def events(self) -> EventLog:

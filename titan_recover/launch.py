@@ -341,6 +341,7 @@ def torchrun_command(config, options: dict, toml_path: str | None, overrides: li
                      metrics_rank: int) -> tuple[list[str], dict]:
     """The one torchrun of a job without replica groups, and its environment."""
     from titan_recover.recover.chaos.config import JOB_START_ENV
+    from titan_recover.train import SEPARATE_ROUND_STORES_ENV
 
     cmd = [sys.executable, "-m", "titan_recover.torchrun", f"--nproc-per-node={nproc}"]
     if nnodes == 1:
@@ -365,6 +366,7 @@ def torchrun_command(config, options: dict, toml_path: str | None, overrides: li
         # torchrun restarts every worker when one dies; gloo must not connect at group creation for that
         cmd += [f"--max-restarts={config.recover.max_restarts}"]
         env["TORCH_GLOO_LAZY_INIT"] = "1"
+        env[SEPARATE_ROUND_STORES_ENV] = "1"  # a fresh store for every round, on every node (train.py)
     cmd += ["-m", "titan_recover.train"] + ([toml_path] if toml_path else []) + overrides
     return cmd, env
 
@@ -384,7 +386,7 @@ def torchrun_job(config, options: dict, toml_path: str | None, overrides: list[s
     if keeper_here:
         from titan_recover.recover.phoenix.keeper import run_with_keeper
 
-        return run_with_keeper(cmd, env, os.path.abspath(config.dump_folder))
+        return run_with_keeper(cmd, env, many_nodes=nnodes > 1)
     os.execve(cmd[0], cmd, env)
     return 0  # not reached
 

@@ -12,13 +12,31 @@ import sys
 from typing import NoReturn
 
 
+SEPARATE_ROUND_STORES_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torchrun's own opt-out of the store its agents share across rendezvous rounds: with it set to 1, every round's
+node-rank-0 agent picks a fresh port and the round's rank 0 hosts a fresh store there. The launcher sets it for
+every job torchrun restarts (``titan_recover.launch.torchrun_command``)."""
+
+
 def fresh_store_after_restart(environ=os.environ) -> None:
     """torchrun's restarted workers connect to the agent's store, which outlives the failed round: the process-group
     keys of the dead workers (their gloo addresses) are still there, and a restarted rank that reads a peer's old
-    address before the peer republished it connects to a dead port. After a restart, rank 0 hosts a fresh store
-    for this round on a new port, announced through the agent's store under a key of this round."""
+    address before the peer republished it connects to a dead port. With torchrun's stores separate per round
+    (:data:`SEPARATE_ROUND_STORES_ENV`, as the launcher starts it) there is nothing to do. Otherwise (torchrun
+    started by hand), on one node, after a restart, rank 0 hosts a fresh store for this round on a new port,
+    announced through the agent's store under a key of this round; on many nodes the nodes' restart counts differ
+    (a node whose workers are restarted because another node's failed counts no restart), so no such key is common
+    to a round: a job that torchrun may restart is refused at its start with a sentence saying what to set."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    if environ.get("WORLD_SIZE", "1") != environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")):
+        if int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            raise RuntimeError(f"torchrun --max-restarts on several nodes needs {SEPARATE_ROUND_STORES_ENV}=1 in "
+                               "torchrun's environment (a fresh store for every rendezvous round; ./run_train.sh "
+                               "sets it): the restarted ranks would otherwise meet on the last round's keys")
+        return
     attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if attempt == 0:
         return
     import socket
     from datetime import timedelta

@@ -2,9 +2,9 @@
 
 The keeper is a c10d ``TCPStore`` server and nothing else; the ranks' side (take, restore) is
 :mod:`titan_recover.recover.phoenix.snapshots`. ``./run_train.sh`` starts one on its node around the job
-(:func:`run_with_keeper`) and passes its address in ``TITAN_RECOVER_SNAPSHOT_KEEPERS``; a multi-node job starts
-``python -m titan_recover.recover.phoenix.keeper --port P`` on every node and lists them in
-``[recover.snapshot] keepers``.
+(:func:`run_with_keeper`) and passes its address to the ranks, on every node of a multi-node job too (the ranks
+learn every node's); keepers started by hand (``python -m titan_recover.recover.phoenix.keeper --port P`` on every
+node) are listed in ``[recover.snapshot] keepers`` instead.
 """
 
 from __future__ import annotations
@@ -12,14 +12,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from datetime import timedelta
 
 from titan_recover.process_exit import die_with_parent
-from titan_recover.recover.phoenix.snapshots import KEEPERS_ENV
+from titan_recover.recover.phoenix.snapshots import KEEPERS_ENV, NODE_KEEPER_ENV
 from titan_recover.recover.servers import announce_port, wait_for_port
 
 logger = logging.getLogger(__name__)
@@ -28,18 +31,25 @@ MODULE = "titan_recover.recover.phoenix.keeper"
 """``python -m`` this module to start a keeper."""
 
 
-def run_with_keeper(cmd: list[str], env: dict, run_dir: str) -> int:
-    """Start this node's keeper, run ``cmd`` (torchrun) with its address, end the keeper when ``cmd`` ends."""
-    os.makedirs(run_dir, exist_ok=True)
-    address_file = os.path.join(run_dir, "snapshot_keeper.port")
-    if os.path.exists(address_file):
-        os.remove(address_file)
+def run_with_keeper(cmd: list[str], env: dict, *, many_nodes: bool = False) -> int:
+    """Start this node's keeper, run ``cmd`` (torchrun) with its address, end the keeper when ``cmd`` ends.
+
+    On one node the ranks get the job's only keeper (``KEEPERS_ENV``, 127.0.0.1). On many nodes they get this node's
+    keeper as the other nodes reach it (``NODE_KEEPER_ENV``: the node's fully qualified name, which torchrun also
+    gives the other nodes for its own store, and the keeper's port); the ranks put the nodes' keepers in order
+    themselves (:func:`~titan_recover.recover.phoenix.snapshots.keeper_addresses`)."""
+    folder = tempfile.mkdtemp(prefix="titan_recover_keeper.")  # this node's own: a run folder may be shared
+    address_file = os.path.join(folder, "port")
     keeper = subprocess.Popen([sys.executable, "-m", MODULE, "--address-file", address_file], env=env,
                               start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL))
     try:
         port = wait_for_port(address_file, keeper, "snapshot keeper")
         if port is None:
             return 1
+        if many_nodes:
+            address = f"{socket.getfqdn()}:{port}"
+            print(f"[titan_recover] this node's snapshot keeper: {address}", file=sys.stderr, flush=True)
+            return _run_forwarding_signals(cmd, dict(env, **{NODE_KEEPER_ENV: address}))
         return _run_forwarding_signals(cmd, dict(env, **{KEEPERS_ENV: f"127.0.0.1:{port}"}))
     finally:
         keeper.terminate()
@@ -47,6 +57,7 @@ def run_with_keeper(cmd: list[str], env: dict, run_dir: str) -> int:
             keeper.wait(10)
         except subprocess.TimeoutExpired:
             keeper.kill()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict) -> int:

@@ -48,7 +48,11 @@ logger = logging.getLogger(__name__)
 
 KEEPERS_ENV = "TITAN_RECOVER_SNAPSHOT_KEEPERS"
 """Comma-separated HOST:PORT of the keepers, one per node in node order (set by the launcher's
-:func:`titan_recover.recover.phoenix.keeper.run_with_keeper`)."""
+:func:`titan_recover.recover.phoenix.keeper.run_with_keeper` on one node)."""
+
+NODE_KEEPER_ENV = "TITAN_RECOVER_SNAPSHOT_NODE_KEEPER"
+"""HOST:PORT of this node's keeper as the other nodes reach it (set by the launcher of each node of a multi-node
+job): the ranks gather every node's into the keepers in node order (:func:`keeper_addresses`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,16 +76,45 @@ class SnapshotConfig:
             raise ValueError(f"recover.snapshot.keepers must be HOST:PORT addresses, got {bad}")
 
 
-def keeper_addresses(config: SnapshotConfig, environ=os.environ) -> list[str]:
+def keeper_addresses(config: SnapshotConfig, environ=os.environ, gather=None, local_ranks: int = 1) -> list[str]:
     """The keepers of this job in node order: ``[recover.snapshot] keepers`` if listed, else the one the launcher
-    started (an error that says how to get one if neither)."""
+    started on a single node, else every node's, which the launchers of a multi-node job started: ``gather`` (every
+    rank's value in rank order, a collective: :func:`gather_from_ranks`) collects each rank's own node's keeper and
+    :func:`node_keepers` orders them by torchrun's node ranks. An error that says how to get keepers if none."""
     keepers = list(config.keepers) or [k for k in environ.get(KEEPERS_ENV, "").split(",") if k]
+    if not keepers and environ.get(NODE_KEEPER_ENV) and gather is not None:
+        keepers = node_keepers(gather(environ[NODE_KEEPER_ENV]), local_ranks)
     if not keepers:
         raise RuntimeError(
             f"[recover.snapshot] interval = {config.interval} but no snapshot keeper: start the job with "
             f"./run_train.sh (it starts one per node) or list them in recover.snapshot.keepers"
         )
     return keepers
+
+
+def node_keepers(own: list[str], local_ranks: int) -> list[str]:
+    """Every node's keeper in node order from each rank's own node's keeper in rank order (torchrun numbers the
+    ranks node by node: node = rank // local_ranks). ValueError where a node's ranks name different keepers or two
+    nodes name the same one (a buddy on its own node would lose the snapshots with it)."""
+    nodes = [own[start:start + local_ranks] for start in range(0, len(own), local_ranks)]
+    for node, named in enumerate(nodes):
+        if len(set(named)) != 1:
+            raise ValueError(f"the ranks of node {node} name different snapshot keepers {sorted(set(named))}: "
+                             "every node's ranks must come from one launcher")
+    keepers = [named[0] for named in nodes]
+    shared = sorted({k for k in keepers if keepers.count(k) > 1})
+    if shared:
+        raise ValueError(f"several nodes name the same snapshot keeper {shared}: a node's name must reach that "
+                         "node from the others (socket.getfqdn(), as torchrun names it); or list the keepers in "
+                         "recover.snapshot.keepers")
+    return keepers
+
+
+def gather_from_ranks(value: str) -> list[str]:
+    """``value`` of every rank of the job, in rank order (one all-gather over the job's default group)."""
+    out: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
 
 
 def buddy_node(node: int, nodes: int) -> int:
@@ -189,7 +222,8 @@ class Snapshots:
         rank)."""
         self.timeout_s = timeout_s
         self.keepers = keepers
-        self._buddy = buddy_node(rank // local_ranks, len(keepers))
+        self.buddy = buddy_node(rank // local_ranks, len(keepers))
+        """The node (index into ``keepers``) whose keeper holds this rank's snapshots."""
         self._store = None
         """The buddy keeper's client, connected at first use (:attr:`store`): a keeper that is gone leaves a start
         without snapshots, not a failed start."""
@@ -213,7 +247,7 @@ class Snapshots:
     def store(self):
         """The client of this rank's buddy keeper (connected now if it is not yet)."""
         if self._store is None:
-            self._store = _connect(self.keepers[self._buddy], self.timeout_s)
+            self._store = _connect(self.keepers[self.buddy], self.timeout_s)
         return self._store
 
     @store.setter
@@ -350,7 +384,8 @@ class Snapshots:
         self._slot = 1 - slot  # the next snapshot goes to the other slot: the one restored stays whole until then
         if self.events is not None:
             self.events.emit("snapshot_restored", step=step, rank=self.rank, bytes=meta["bytes"],
-                             durable_step=durable_step, seconds=time.perf_counter() - started)
+                             durable_step=durable_step, seconds=time.perf_counter() - started,
+                             keeper=self.keepers[self.buddy])
         return step
 
     def _agreed(self, pick: int) -> tuple[int, int]:
