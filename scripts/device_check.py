@@ -31,6 +31,7 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
+import queue
 import platform
 import signal
 import statistics
@@ -153,9 +154,15 @@ def ftpg_gloo(device: torch.device, mb: int, members: int, reps: int = 3) -> dic
     for p in procs:
         p.start()
     got: dict = {"round": {}, "kill": {}, "error": {}}
+    deadline = time.monotonic() + 150  # the whole section's, so that one hung member cannot take the script's time
     try:
         for _ in range(2 * members - 1):
-            kind, replica, value = results.get(timeout=240)
+            try:
+                kind, replica, value = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                missing = 2 * members - 1 - sum(map(len, got.values()))
+                got["error"]["section"] = f"{missing} result(s) missing after 150 s"
+                break
             got[kind][replica] = value
             if kind == "error":
                 break
@@ -210,6 +217,8 @@ def ftpg_nccl(device: torch.device, mb: int) -> dict:
     proc.start()
     try:
         return results.get(timeout=120)
+    except queue.Empty:
+        return {"error": "no result within 120 s (communicator creation or the all-reduce hung)"}
     finally:
         proc.join(10)
         if proc.is_alive():
@@ -339,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             report[name] = {"error": traceback.format_exc()[-2000:]}
         report[name]["section_s"] = round(time.perf_counter() - start, 2)
         print(f"{name}: {json.dumps(report[name], default=str)[:600]}", flush=True)
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+        # after every section: a run ended by the machine's time limit keeps the figures of the sections done
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {args.out}")
     return 0
 
