@@ -196,6 +196,36 @@ def test_one_replica_writes_the_checkpoint_and_a_restart_loads_it_whoever_wrote_
     restarted.close()
 
 
+def test_a_stops_checkpoint_resumes_the_full_state_whatever_the_final_export_settings(tmp_path, process_group):
+    """TorchTitan's final save (``last_step=True``) is an export: with its default ``last_save_model_only`` (kept by
+    the llama3 8B/70B/405B configs) it writes the model alone, in ``export_dtype``, and a later start, which loads the
+    full state of any step but 0, fails on the missing keys. A stop's checkpoint is one the job resumes from: the
+    optimizer's state and the step are in it, and a fresh replica resumes from it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def keys(step):
+        return set(FileSystemReader(str(tmp_path / "checkpoint" / f"step-{step}")).read_metadata().state_dict_metadata)
+
+    stopped = trained(3)
+    export = dict(enable=True, interval=500, folder=str(tmp_path / "checkpoint"), last_save_model_only=True,
+                  export_dtype="bfloat16")
+    writer = manager(RecoverCheckpointManager, tmp_path / "replica_0", stopped, **export)
+    writer.writer = False
+    assert not writer.save_resumable(3)  # not the writer: nothing written
+    writer.writer = True
+    assert writer.save_resumable(3) and writer.save(curr_step=4, last_step=True)  # the stop's, then an export
+    writer.close()
+    model = {name for name, _ in stopped.model.named_parameters()}
+    assert keys(4) == model  # what the export leaves: the weights alone
+    assert keys(3) >= model | {"optimizer", "lr_scheduler.last_epoch", "train_state.step", "dataloader"}, keys(3)
+
+    fresh = Replica(seed=7)
+    resumed = manager(RecoverCheckpointManager, tmp_path / "replica_1", fresh, load_step=3, **export)
+    assert resumed.load(step=3) and fresh.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(stopped.model.parameters(), fresh.model.parameters()))
+    resumed.close()
+
+
 def test_the_purge_keeps_complete_checkpoints_over_a_lost_writers_partial_one(tmp_path, process_group):
     assert stale_checkpoints([2, 4, 6, 8, 10], complete=[2, 4, 8], keep=2) == [2]  # 6 partial, 10 in flight
     assert stale_checkpoints([2, 4, 6], complete=[2], keep=2) == []  # too few complete: purge nothing

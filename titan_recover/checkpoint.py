@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 
 from titan_recover.recover.events import EventLog
@@ -163,6 +163,21 @@ class RecoverCheckpointManager(CheckpointManager):
         if not self.writer:
             return False
         return super()._save(curr_step, last_step)
+
+    def save_resumable(self, step: int) -> bool:
+        """A checkpoint of ``step`` the job resumes from, written now on the checkpoint writer (a stop's): the full
+        training state, synchronously, whatever the interval says, and whatever ``last_save_model_only`` /
+        ``last_save_in_hf`` / ``export_dtype`` say: those shape TorchTitan's final export (``save(last_step=True)``),
+        whose model-only folder a later start could not load (TorchTitan loads the full state of any step but 0).
+        False where nothing is written (checkpoints off or load-only, or not the writer)."""
+        if not self.enable or self.load_only or not self.writer:
+            return False
+        self.maybe_wait_for_saving()
+        logger.info("saving a full checkpoint of step %d to resume from", step)
+        self.dcp_save(self._flattened_model_states_sd(), checkpoint_id=self._create_checkpoint_id(step),
+                      async_mode=AsyncMode.DISABLED, enable_garbage_collection=True)
+        self._purge_stale_checkpoints()
+        return True
 
     def _purge_stale_checkpoints(self) -> None:
         """TorchTitan's purge (rank 0, ``keep_latest_k > 0``, through its purge thread), counting only complete

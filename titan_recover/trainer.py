@@ -87,9 +87,9 @@ class RecoverTrainer(Trainer):
         if stop is None:
             return
         self.step, self.ntokens_seen = stop.step, stop.ntokens_seen
-        if stop.save:  # the mode chose this replica to write the stop's checkpoint
+        if stop.save:  # the mode chose this replica to write the stop's checkpoint, one the job resumes from
             self.checkpointer.writer = True
-            self.checkpointer.save(curr_step=stop.step, last_step=True)
+            self.checkpointer.save_resumable(stop.step)
         self.mode.stopped(stop, checkpoint_saved=stop.save)
         raise SystemExit(stop.exit_code)
 
