@@ -141,3 +141,22 @@ def test_a_rank_hanging_in_a_collective_and_a_desynchronised_collective_are_name
     assert sorted(r for e in of(events, "epoch_formed") for r in e["removed"]) == [1, 2]
     assert sorted(metrics_by_replica(tmp_path)[0]) == list(range(1, 6))
     assert processes_of_run(str(tmp_path)) == []
+
+
+def test_a_rank_is_inside_its_replica_collective_until_the_device_completed_it(tmp_path, monkeypatch):
+    """On NCCL a collective call returns once it is queued; the host waits later. The beacon must show the rank
+    inside the collective until the device completed it, or the observer sees no rank waiting in a collective and
+    cannot tell a rank behind from one stalled."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from titan_recover import platform
+    from titan_recover.recover.modes.sync import SyncMode
+
+    beacon = Beacon(str(tmp_path / "beacon"))
+    seen = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op: seen.append(("issued", beacon.phase)))
+    monkeypatch.setattr(platform, "synchronize", lambda device: seen.append(("completed", beacon.phase)))
+    SyncMode._replica_all_reduce_max(SimpleNamespace(member=SimpleNamespace(beacon=beacon)), torch.zeros(1))
+    assert seen == [("issued", "collective"), ("completed", "collective")] and beacon.phase != "collective"

@@ -197,6 +197,9 @@ class SyncMode(Mode):
             return
         with beacon.collective("all_reduce(max)", "replica", tensor.shape):
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+            # on NCCL the call returns once the collective is queued: the rank is inside it until it completed (a
+            # hang observer that saw it leave at once would take its wait for a stalled rank elsewhere)
+            platform.synchronize(tensor.device)
 
     def _agree_speed(self, speed: float) -> float:
         """The replica's speed as one number on all its ranks (their timings differ slightly)."""
