@@ -277,6 +277,14 @@ def test_each_replica_group_gets_its_own_gpus():
         group_devices(3, 4, visible, spares=1)
     # shared (tests): consecutive devices, wrapping around, still distinct inside each group
     assert group_devices(3, 2, ["0", "1", "2"], share=True) == [["0", "1"], ["2", "0"], ["1", "2"]]
+    from titan_recover.recover.placement import check_backend_on_shared_devices, shared_devices
+
+    assert shared_devices([["0", "1"], ["2", "0"]]) == ["0"] and shared_devices([["0"], ["1"]]) == []
+    check_backend_on_shared_devices("auto", [["0"], ["1"]])  # own GPUs: NCCL is fine
+    check_backend_on_shared_devices("gloo", [["0"], ["0"]])
+    for backend in ("auto", "nccl"):
+        with pytest.raises(ValueError, match=r"GPU\(s\) 0, .* refuses a communicator with two ranks on one GPU"):
+            check_backend_on_shared_devices(backend, [["0"], ["0"]])
     with pytest.raises(ValueError, match=r"a replica group of 4 processes needs 4 GPUs, this node has 2"):
         group_devices(1, 4, ["0", "1"], share=True)
 
@@ -342,8 +350,11 @@ def test_the_launcher_splits_the_gpus_between_replica_groups(launcher, monkeypat
     assert "GPUs per group: 0: 0; 1: 1; 2: 2; 3: 3" in out
     code, _, err = launcher("train_configs/replicas.toml", "--recover.replicas", "3", "--dry-run")
     assert code == 2 and "3 replica groups x 2 processes need 6 GPUs, this node has 4" in err, err
+    code, _, err = launcher("train_configs/replicas.toml", "--recover.replicas", "3", "--recover.share_devices",
+                            "--dry-run")  # NCCL (auto on CUDA) refuses two ranks of a communicator on one GPU
+    assert code == 2 and "GPU(s) 0,1" in err and 'set recover.ftpg.backend = "gloo"' in err, err
     code, out, err = launcher("train_configs/replicas.toml", "--recover.replicas", "3", "--recover.share_devices",
-                              "--dry-run")
+                              "--recover.ftpg.backend", "gloo", "--dry-run")
     assert code == 0 and "GPUs per group: 0: 0,1; 1: 2,3; 2: 0,1" in out, err
 
 

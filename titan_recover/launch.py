@@ -165,16 +165,21 @@ def group_placement(config, nproc: int, device: str, groups: int | None = None) 
         return None
     import torch
 
-    from titan_recover.recover.placement import group_devices, visible_devices
+    from titan_recover.recover.placement import check_backend_on_shared_devices, group_devices, visible_devices
 
     recover = config.recover
     try:
         if groups is not None and groups != recover.groups:  # one node's block of the groups
-            return group_devices(groups, nproc, visible_devices(torch.cuda.device_count), share=recover.share_devices)
-        return group_devices(recover.groups, nproc, visible_devices(torch.cuda.device_count),
-                             share=recover.share_devices, spares=recover.spares)
+            devices = group_devices(groups, nproc, visible_devices(torch.cuda.device_count),
+                                    share=recover.share_devices)
+        else:
+            devices = group_devices(recover.groups, nproc, visible_devices(torch.cuda.device_count),
+                                    share=recover.share_devices, spares=recover.spares)
+        if not recover.diloco_mode:  # learners reduce nothing across each other
+            check_backend_on_shared_devices(recover.ftpg.backend, devices)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return devices
 
 
 def evaluation_placement(config, devices: list[list[str]] | None) -> str:

@@ -84,7 +84,8 @@ class RecoverConfig:
     share_devices: bool = False
     """On a GPU node every replica group gets its own GPUs (group ``i`` of ``W`` ranks: visible devices
     ``i W ... (i + 1) W - 1``), and a node with fewer GPUs than groups x ranks is refused. ``true`` lets groups
-    share GPUs instead (tests on a machine with fewer GPUs; every group's memory then lands on the same devices)."""
+    share GPUs instead (tests on a machine with fewer GPUs; every group's memory then lands on the same devices;
+    groups sharing a GPU need ``[recover.ftpg] backend = "gloo"``: NCCL refuses two ranks of a communicator on one)."""
 
     coordinator_port: int = 0
     """TCP port of the job's embedded store on one node (hosted by the launcher; the coordinator and every rank are

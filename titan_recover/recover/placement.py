@@ -47,6 +47,28 @@ def group_devices(groups: int, ranks: int, visible: list[str], *, share: bool = 
     return [[visible[(g * ranks + r) % available] for r in range(ranks)] for g in range(groups)]
 
 
+def shared_devices(groups: list[list[str]]) -> list[str]:
+    """The devices more than one replica group got (``groups``: what :func:`group_devices` gave them), in order."""
+    owners: dict[str, int] = {}
+    for devices in groups:
+        for device in dict.fromkeys(devices):
+            owners[device] = owners.get(device, 0) + 1
+    return [device for device, count in owners.items() if count > 1]
+
+
+def check_backend_on_shared_devices(backend: str, groups: list[list[str]]) -> None:
+    """Replica groups sharing GPUs (``share_devices``) cannot reduce across replicas through NCCL, which refuses a
+    communicator with two ranks on one GPU (the cross-replica group's rank ``r`` of two groups that got the same
+    device): ValueError saying what to set, for ``nccl`` and for ``auto`` (NCCL on CUDA)."""
+    shared = shared_devices(groups)
+    if shared and backend in ("nccl", "auto"):
+        raise ValueError(
+            f"recover.share_devices puts several replica groups on GPU(s) {','.join(shared)}, and [recover.ftpg] "
+            f"backend = {backend!r} reduces across the groups through NCCL, which refuses a communicator with two "
+            "ranks on one GPU: set recover.ftpg.backend = \"gloo\" (its CUDA path stages through pinned host "
+            "memory), or give every group its own GPUs")
+
+
 def evaluation_device(eval_device: str, groups: list[list[str]], visible: list[str], *, share: bool = False
                       ) -> str | None:
     """The visible device the diloco syncer evaluates on for ``[recover.diloco] eval_device``: None for ``"cpu"``;
