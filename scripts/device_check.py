@@ -31,8 +31,8 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
-import queue
 import platform
+import queue
 import signal
 import statistics
 import sys

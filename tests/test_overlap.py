@@ -80,6 +80,54 @@ def test_a_failed_computation_abandons_the_collective_with_a_reason():
         reduction.join()
 
 
+def test_on_a_device_the_collectives_thread_queues_on_a_side_stream_the_caller_then_waits_for():
+    """On a GPU the collective's thread must not queue on the default stream, the backward's (its gates' waits for
+    the parts' events would hold the rest of the backward behind each part's reduce-scatter); the caller's stream
+    comes after the side stream before join returns or raises (the backup's copies are read after it). A stand-in
+    stream on CPU tensors records where each gate ran and when the caller waited."""
+    log = []
+
+    class Side:
+        active = False
+
+        def running(self):
+            side = self
+
+            class Running:
+                def __enter__(self):
+                    side.active = True
+
+                def __exit__(self, *exc):
+                    side.active = False
+                    log.append("left the side stream")
+
+            return Running()
+
+        def caller_waits(self):
+            log.append("caller waits")
+
+    side = Side()
+
+    def collective(tensors, before_piece):
+        for index, tensor in enumerate(tensors):
+            before_piece(index, 0, tensor.view(-1))
+            log.append(("issued", index, side.active))
+
+    for fail in (False, True):
+        log.clear()
+        reduction = OverlappedReduction([torch.zeros(2)], torch.zeros(1), collective, epoch=0, side=side).start()
+        if fail:
+            reduction.abandon("the backward failed")
+            with pytest.raises(Abandoned):
+                reduction.join()
+            assert log == ["left the side stream", "caller waits"]
+            continue
+        reduction.release()
+        reduction.tail_ready()
+        reduction.join()
+        assert log == [("issued", 0, True), ("issued", 1, True), "left the side stream", "caller waits"]
+
+
 def test_the_backup_restores_parts_saved_in_reverse_order_and_those_never_issued():
     originals = [torch.arange(5, dtype=torch.float32) + 10 * i for i in range(4)]
     parts = [t.clone() for t in originals]

@@ -33,15 +33,42 @@ class Abandoned(RuntimeError):
     stops at its next gate; the group reports it as a fault)."""
 
 
+class SideStream:
+    """The CUDA stream the collective's thread queues its work on (the gates' waits, the backup's copies, and what
+    the group's issue makes NCCL's stream wait for), one per device, reused. Without it the thread's current stream
+    is the device's default stream, the one the backward runs on: a gate's wait for a part's event (recorded on
+    FSDP2's reduce-scatter stream) would hold every backward kernel queued after it behind that reduce-scatter,
+    and the collective's pieces behind the backward, undoing the overlap."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        self.stream = self._streams[device]
+
+    def running(self):
+        """The collective's thread runs inside this: its current stream is the side stream."""
+        return torch.cuda.stream(self.stream)
+
+    def caller_waits(self) -> None:
+        """The caller's stream (the training thread's) comes after everything the collective's thread queued."""
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
 class OverlappedReduction:
     """One step's reduction of ``parts`` (in place; the local accumulation in parameter order) and ``tail``,
     issued by ``collective`` on a thread as :meth:`part_ready` / :meth:`release` / :meth:`tail_ready` allow.
-    ``epoch``: the epoch whose group ``collective`` belongs to. ``backup``: saved piece by piece at the gate."""
+    ``epoch``: the epoch whose group ``collective`` belongs to. ``backup``: saved piece by piece at the gate.
+    ``side``: the collective thread's stream on a CUDA device (default: :class:`SideStream` of the parts' device;
+    none on CPU)."""
 
     def __init__(self, parts: list[torch.Tensor], tail: torch.Tensor, collective: Collective, *, epoch: int,
-                 backup: Backup | None = None):
+                 backup: Backup | None = None, side: SideStream | None = None):
         self.parts, self.tail, self.epoch = parts, tail, epoch
         self.backup = backup
+        device = tail.device
+        self._side = side if side is not None or device.type != "cuda" else SideStream(device)
         self.order = issue_order(parts, tail)
         """The issue order, the same on every member and as without overlap."""
         self._collective = collective
@@ -108,13 +135,19 @@ class OverlappedReduction:
         """Wait for the collective (it ends: every part is released, or abandoned, before this is called; the group
         bounds its own waits by the progress deadline and the fault flag) and raise what it raised."""
         self._thread.join()
+        if self._side is not None:  # the backup's copies and a staging's copies back, before the caller reads them
+            self._side.caller_waits()
         if self._error is not None:
             raise self._error
 
     # ---- the collective's thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._collective(self.order, self._gate)
+            if self._side is None:
+                self._collective(self.order, self._gate)
+            else:
+                with self._side.running():
+                    self._collective(self.order, self._gate)
         except BaseException as error:  # handed to the caller of join
             self._error = error
 
