@@ -9,6 +9,8 @@ for FlexAttention or varlen attention, the block-causal document masks TorchTita
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from titan_recover import platform
@@ -81,8 +83,9 @@ class Validator:
         self.local_batch = config.training.local_batch_size
 
     @torch.no_grad()
-    def loss(self, parameters: dict[str, torch.Tensor]) -> float:
-        """Mean token cross-entropy of the model with ``parameters`` (names as the plain model has them)."""
+    def loss(self, parameters: dict[str, torch.Tensor], progress: Callable[[], None] | None = None) -> float:
+        """Mean token cross-entropy of the model with ``parameters`` (names as the plain model has them);
+        ``progress`` is called after every microbatch (a caller watched for hangs says it is alive)."""
         own = dict(self.model.named_parameters())
         missing = sorted(set(own) - set(parameters))
         if missing:
@@ -100,4 +103,6 @@ class Validator:
                     logits.reshape(-1, logits.shape[-1]).float(), labels.to(self.device).reshape(-1),
                     reduction="sum"))
                 count += labels.numel()
+                if progress is not None:
+                    progress()
         return total / count

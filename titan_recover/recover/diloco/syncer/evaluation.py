@@ -15,7 +15,8 @@ class GlobalEvaluator:
         self.config, self.ranks = config, ranks
         self.validator = None
 
-    def loss(self, parameters: dict[str, torch.Tensor]) -> float:
+    def loss(self, parameters: dict[str, torch.Tensor], progress=None) -> float:
+        """``progress``: called after every validation microbatch (the syncer's beat)."""
         if self.validator is None:
             # imported here: titan_recover.evaluate loads TorchTitan's model and data code
             from titan_recover.config.validate import resolve_layout
@@ -27,4 +28,4 @@ class GlobalEvaluator:
                 torch.cuda.set_device(device)  # compiled kernels and the allocator's context there, not on cuda:0
             self.validator = Validator(self.config, self.config.recover.diloco.eval_microbatches,
                                        shard_degree=layout.dp_shard, device=device)
-        return self.validator.loss(parameters)
+        return self.validator.loss(parameters, progress)

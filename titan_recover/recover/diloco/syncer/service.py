@@ -220,7 +220,9 @@ class Syncer:
         parameters = self.model.parameters()
         if parameters is None:
             return None
-        self.val_loss = self.evaluator.loss(parameters)
+        # beats between validation microbatches: an evaluation longer than syncer_timeout_s is not a hang (one
+        # microbatch longer than it, e.g. a first compile on a GPU, still is; docs/diloco.md)
+        self.val_loss = self.evaluator.loss(parameters, progress=self.beat)
         self._eval_at = time.monotonic()
         self.metrics.log(now, self.progress, len(self.alive), val_loss=self.val_loss)
         self.events.emit("global_evaluated", merges=self.progress.merges, versions=list(self.versions),
