@@ -192,7 +192,9 @@ def test_one_replica_writes_the_checkpoint_and_a_restart_loads_it_whoever_wrote_
     restarted = manager(RecoverCheckpointManager, tmp_path / "replica_0", fresh, enable=True, interval=2,
                         folder=str(shared))
     assert restarted.load() and fresh.step == 4
-    assert all(torch.equal(a, b) for a, b in zip(survivor.state().tensors(), fresh.state().tensors()))
+    # the weights, bitwise (the optimizer's state goes through TorchTitan's optimizer container in a job, which a
+    # plain torch optimizer here is not: the multiprocess restart tests check the losses after a load bitwise)
+    assert all(torch.equal(a, b) for a, b in zip(survivor.model.parameters(), fresh.model.parameters(), strict=True))
     restarted.close()
 
 

@@ -167,7 +167,7 @@ def test_a_fresh_replica_becomes_bitwise_its_donor_and_stays_so(direct_bytes):
     assert torch.equal(torch.get_rng_state(), donor_rng)
     assert joiner.step == 3 and joiner.scheduler.last_epoch == donor.scheduler.last_epoch
     assert joiner.optimizer.param_groups[0]["lr"] == donor.optimizer.param_groups[0]["lr"]
-    for a, b in zip(donor.state().tensors(), joiner.state().tensors()):
+    for a, b in zip(donor.state().tensors(), joiner.state().tensors(), strict=True):
         assert torch.equal(a, b)
     # the next steps are identical too: the optimizer state (moments, step count) and the schedule came along
     for batch in (3, 4):
@@ -271,7 +271,7 @@ def test_without_digests_the_same_bytes_arrive_and_a_flipped_bit_goes_unseen():
     donor.train_step(0)
     _, received = run_transfer(donor, joiner, chunk_bytes=128, checksummed=False)
     assert not isinstance(received, Exception), received
-    assert all(torch.equal(a, b) for a, b in zip(donor.state().tensors(), joiner.state().tensors()))
+    assert all(torch.equal(a, b) for a, b in zip(donor.state().tensors(), joiner.state().tensors(), strict=True))
 
     def flip_a_bit_of_the_third_chunk(n, t):
         if n == 5:
@@ -284,7 +284,7 @@ def test_without_digests_the_same_bytes_arrive_and_a_flipped_bit_goes_unseen():
                                checksummed=False)
     assert not isinstance(received, Exception), received
     assert other.step == donor.step == 1
-    assert not all(torch.equal(a, b) for a, b in zip(donor.state().tensors(), other.state().tensors()))
+    assert not all(torch.equal(a, b) for a, b in zip(donor.state().tensors(), other.state().tensors(), strict=True))
 
 
 def test_the_ring_plan_gives_every_window_at_most_ring_staged_chunks_and_reuses_the_buffers_in_turn():
@@ -314,7 +314,7 @@ def test_the_ring_never_holds_more_than_its_buffers_and_every_byte_arrives(ring,
     assert windows and all(len(storages) <= ring for storages in windows)  # each window's distinct host buffers
     assert len(set().union(*windows)) <= 2 * ring  # the donor's ring and the receiver's, nothing else
     assert joiner.step == donor.step == 2
-    for a, b in zip(donor.state().tensors(), joiner.state().tensors()):
+    for a, b in zip(donor.state().tensors(), joiner.state().tensors(), strict=True):
         assert torch.equal(a, b)
     for batch in (2, 3):
         donor.train_step(batch)
