@@ -18,7 +18,8 @@ config="${1:?usage: sbatch scripts/slurm_replicas.sh CONFIG.toml [overrides]}"
 shift
 root="${SLURM_SUBMIT_DIR:-$(pwd)}"
 source "$root/scripts/bootstrap.sh"
-head="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+nodes="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"  # whole: a pipe into head could end scontrol by SIGPIPE
+head="${nodes%%$'\n'*}"
 port="${STORE_PORT:-29600}"
 run_dir="${RUN_DIR:-$root/outputs/$(basename "$config" .toml)}"
 mkdir -p "$run_dir"

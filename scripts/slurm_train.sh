@@ -15,7 +15,8 @@ config="${1:?usage: sbatch scripts/slurm_train.sh CONFIG.toml [overrides]}"
 shift
 root="${SLURM_SUBMIT_DIR:-$(pwd)}"
 source "$root/scripts/bootstrap.sh"
-head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+nodes="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"  # whole: a pipe into head could end scontrol by SIGPIPE
+head_node="${nodes%%$'\n'*}"
 gpus="${SLURM_GPUS_ON_NODE:-8}"
 cd "$root"
 # One task per node. No --node-rank: torchrun's c10d rendezvous orders the nodes itself (it ignores a node rank).
