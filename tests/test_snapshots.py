@@ -302,22 +302,26 @@ def test_killed_rank_of_a_tensor_parallel_job_refills_from_the_keeper(tmp_path, 
                   "--chaos.faults", '[{kind = "kill", replica = 0, rank = 1, step = 4, phase = "forward"}]',
                   timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    restored, logged = refilled_with_the_failure_free_losses(run, reference)
+    assert any(len(losses) == 2 for losses in logged.values()) or restored[0]["step"] == 3
+
+
+def refilled_with_the_failure_free_losses(run, reference) -> tuple[list[dict], dict[int, list[float]]]:
+    """Rank 1 killed once, at step 4; every rank refilled from the same snapshot; the steps after it trained twice
+    (before the kill and after the restart): both times, and every other step, with exactly the failure-free loss.
+    Returns the ``snapshot_restored`` events and the losses logged per step."""
     events = read_events(run / "events.jsonl")
     assert [(e["rank"], e["step"]) for e in events if e["event"] == "fault_injected"] == [(1, 4)]
     restored = [e for e in events if e["event"] == "snapshot_restored"]
-    assert sorted(e["rank"] for e in restored) == [0, 1]  # every rank refilled, from the same step
-    step = restored[0]["step"]
-    assert {e["step"] for e in restored} == {step} and 1 <= step <= 3
-
+    assert sorted(e["rank"] for e in restored) == [0, 1]
+    assert {e["step"] for e in restored} == {restored[0]["step"]} and 1 <= restored[0]["step"] <= 3
     ref = {r["step"]: r["loss_metrics/global_avg_loss"] for r in read_metrics(reference)}
     logged = collections.defaultdict(list)
     for record in read_metrics(run):
         logged[record["step"]].append(record["loss_metrics/global_avg_loss"])
     assert sorted(logged) == sorted(ref) == list(range(1, LAYOUT_STEPS + 1))
-    # steps after the restored one were trained twice (before the kill and after the restart): both times, and
-    # every other step, with exactly the failure-free loss
     assert all(loss == ref[s] for s, losses in logged.items() for loss in losses), (dict(logged), ref)
-    assert any(len(losses) == 2 for losses in logged.values()) or step == 3
+    return restored, logged
 
 
 @pytest.mark.multiprocess
@@ -349,17 +353,8 @@ def test_on_two_nodes_each_ranks_snapshots_go_to_the_other_nodes_keeper_and_refi
         buddies = set(re.findall(r"rank \d: snapshots go to node \d's keeper (\S+) \(of 2\)", output))
         assert buddies == {own[1 - node]}, output[-3000:]
 
-    events = read_events(run / "events.jsonl")
-    assert [(e["rank"], e["step"]) for e in events if e["event"] == "fault_injected"] == [(1, 4)]
-    restored = [e for e in events if e["event"] == "snapshot_restored"]
-    assert sorted(e["rank"] for e in restored) == [0, 1] and {e["keeper"] for e in restored} == set(own)
-    assert {e["step"] for e in restored} == {restored[0]["step"]}
-    ref = {r["step"]: r["loss_metrics/global_avg_loss"] for r in read_metrics(reference)}
-    logged = collections.defaultdict(list)
-    for record in read_metrics(run):
-        logged[record["step"]].append(record["loss_metrics/global_avg_loss"])
-    assert sorted(logged) == sorted(ref) == list(range(1, LAYOUT_STEPS + 1))
-    assert all(loss == ref[s] for s, losses in logged.items() for loss in losses), (dict(logged), ref)
+    restored, _ = refilled_with_the_failure_free_losses(run, reference)
+    assert {e["keeper"] for e in restored} == set(own)  # each rank's from the other node's keeper
 
 
 def test_extremes_are_the_lowest_and_highest_of_each_value_in_one_all_reduce(tmp_path):
