@@ -158,3 +158,18 @@ def test_a_diloco_job_is_one_wandb_run_each_learner_on_its_own_step(tmp_path, mo
     assert [(r["syncer/merges"], r["syncer/val_loss"]) for r in rows if "syncer/merges" in r] == [(1, 7.9)]
     assert [r["events/fault_injected"] for r in rows if "events/fault_injected" in r] == [1]
     assert not [r for r in rows if "events/fragment_merged" in r]
+
+
+def test_reading_events_skips_a_broken_line_and_says_so(tmp_path, caplog):
+    """A writer killed mid-line, or lines of several hosts interleaved by a network file system: the readers
+    (the comparison, --reference) keep every whole event and say how many lines they skipped, not crash."""
+    from titan_recover.recover.events import EventLog, read_events
+
+    path = tmp_path / "events.jsonl"
+    log = EventLog(str(path), "coordinator")
+    log.emit("epoch_formed", console=False, epoch=0)
+    with open(path, "a") as fh:
+        fh.write('{"time": 1.0, "event": "step_comm\n[1, 2]\n')  # a partial line, and a line that is no event
+    log.emit("epoch_formed", console=False, epoch=1)
+    assert [e["epoch"] for e in read_events(path)] == [0, 1]
+    assert "2 line(s) that are not one event skipped" in caplog.text

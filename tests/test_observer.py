@@ -160,3 +160,28 @@ def test_a_rank_is_inside_its_replica_collective_until_the_device_completed_it(t
     monkeypatch.setattr(platform, "synchronize", lambda device: seen.append(("completed", beacon.phase)))
     SyncMode._replica_all_reduce_max(SimpleNamespace(member=SimpleNamespace(beacon=beacon)), torch.zeros(1))
     assert seen == [("issued", "collective"), ("completed", "collective")] and beacon.phase != "collective"
+
+
+def test_a_beacon_left_by_an_earlier_job_in_the_same_run_folder_is_not_this_starts(tmp_path, monkeypatch):
+    """A run folder used again: the beacon of the earlier job's rank names a PID that is gone (or, worse, reused by
+    another process). Before this start's rank writes its own, the observer reads it as not written yet: it neither
+    stops watching (a gone PID read as an exited rank) nor judges the earlier job's timestamps."""
+    import threading
+    import time
+
+    from titan_recover.recover.scout import beacon as beacon_module
+    from titan_recover.recover.scout.observer import Observer
+
+    path = beacon_path(str(tmp_path), 0, 0, incarnation=0)
+    with monkeypatch.context() as earlier:  # the earlier job's rank: an hour ago, a PID no process has now
+        earlier.setattr(beacon_module.time, "time", lambda: 1000.0)
+        earlier.setattr(beacon_module.os, "getpid", lambda: 2**22 + 12345)  # above Linux's largest pid_max
+        Beacon(path).update(step=7, phase="forward")
+    assert read_beacon(path).time == 1000.0
+
+    observer = Observer(str(tmp_path), 0, 0, ranks=1, threshold_s=0.5, end_hung=True)
+    ended = threading.Event()
+    threading.Thread(target=lambda: (observer.run(), ended.set()), daemon=True).start()
+    assert not ended.wait(1.0)  # still watching: nothing of this start to judge yet
+    observer.request_stop()
+    assert ended.wait(5.0)

@@ -1,7 +1,10 @@
 """Structured resilience events: one JSON object per line in ``<run>/events.jsonl``.
 
 Every process of a run (coordinator, every rank) appends to the same file; each event is written with a single
-``write`` on a file opened with ``O_APPEND``, so lines from different processes never interleave. Fields common to
+``write`` on a file opened with ``O_APPEND``, so on a local file system lines from different processes never
+interleave. A network file system does not promise that for writers on several hosts (NFS may corrupt appends made
+at once by several clients), and a process killed mid-write may leave a partial line: readers skip a line that is
+not one JSON object and say how many they skipped. Fields common to
 all events: ``time`` (wall clock), ``event`` (kind), ``source`` (``coordinator`` or ``replica/rank``).
 """
 
@@ -40,7 +43,24 @@ class EventLog:
 
 
 def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every event of ``path`` in file order; a line that is not one JSON object is skipped, with a warning."""
     if not os.path.exists(path):
         return []
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    events, broken = [], 0
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                broken += 1
+                continue
+            if isinstance(record, dict):
+                events.append(record)
+            else:
+                broken += 1
+    if broken:
+        logger.warning("%s: %d line(s) that are not one event skipped (a writer killed mid-line, or lines of "
+                       "several hosts interleaved by a network file system)", path, broken)
+    return events

@@ -54,7 +54,7 @@ def join_embedded(host: str, port: int, wait_s: float, timeout_s: float) -> tupl
         raise NoJobStore(f"no job store at {host}:{port} after {wait_s:g} s: is node 0's launcher running (with "
                          f"the same --rdzv-endpoint)? ({str(e).splitlines()[0]})") from None
     store.set_timeout(timedelta(seconds=timeout_s))
-    return store, f"{host}:{port}"
+    return store, host_port(host, port)  # an IPv6 host in brackets, as every process parses it
 
 
 def run_segment(run_dir: str) -> str:

@@ -238,6 +238,11 @@ class ReplicaJob:
             _signal_group(proc, signal.SIGTERM)
         return proc
 
+    def _node_log(self, name: str) -> str:
+        """The log of a role every node may run (a standby coordinator or syncer on etcd): one file per node in the
+        shared run folder (``coordinator_node1``), the plain name on one node."""
+        return f"{name}_node{self.plan.rank}" if self.plan.many else name
+
     def log_path(self, name: str) -> str:
         return os.path.join(self.logs, f"{name}.log")
 
@@ -267,7 +272,8 @@ class ReplicaJob:
                 self.job_log = DilocoJobLog(self.run_dir, sinks[0]).start()
             return
         if self.logs:
-            print(f"[titan_recover] each process's full output: {self.logs}/ (replica_<i>.log, coordinator.log); "
+            coordinator = "coordinator_node<r>.log" if self.plan.many else "coordinator.log"
+            print(f"[titan_recover] each process's full output: {self.logs}/ (replica_<i>.log, {coordinator}); "
                   "--verbose shows them here", file=sys.stderr, flush=True)
         if sinks:
             self.job_log = JobLog(self.run_dir, sinks).start()
@@ -350,7 +356,7 @@ class ReplicaJob:
              "--recover-json", json.dumps(asdict(recover)), "--chaos-json", json.dumps(asdict(self.chaos)),
              "--checkpoint-folder", self.checkpoint_folder, *standby],
             self.base_env, "[coordinator] " if not self.plan.many else f"[coordinator node {self.plan.rank}] ",
-            log="coordinator",
+            log=self._node_log("coordinator"),
         )
         self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
                                           self.recover.startup_timeout_s)
@@ -516,7 +522,7 @@ class ReplicaJob:
              self.syncer_host(), "--port", str(port), "--nodes", str(self.plan.nnodes), *standby,
              *([toml_path] if toml_path else []), *overrides],
             dict(self.base_env, OMP_NUM_THREADS="1"),
-            "[syncer] " if not self.plan.many else f"[syncer node {self.plan.rank}] ", log="syncer")
+            "[syncer] " if not self.plan.many else f"[syncer node {self.plan.rank}] ", log=self._node_log("syncer"))
 
     def _syncer_beat(self) -> bytes:
         return self._beat_of(DilocoKeys.SYNCER_BEAT)

@@ -112,6 +112,9 @@ class Observer:
         self.paths = {r: beacon_path(run_dir, replica, r, incarnation) for r in range(ranks)}
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), f"observer/{replica}", replica=replica)
         self._stop = False
+        self.started = time.time()
+        """Beacons written before this (by a job that ran earlier in the same run folder, whose ranks' PIDs are
+        gone or, worse, reused) are not this start's: read as not written yet."""
 
     def request_stop(self, *_args) -> None:
         self._stop = True
@@ -120,6 +123,7 @@ class Observer:
         tick = min(0.25, self.threshold_s / 10)
         while not self._stop:
             beacons = {r: read_beacon(p) for r, p in self.paths.items()}
+            beacons = {r: b if b is not None and b.time >= self.started else None for r, b in beacons.items()}
             # a rank that exited is the fault-tolerant group's business, not a hang: no longer judged
             beacons = {r: b for r, b in beacons.items() if b is None or b.phase == "done" or _alive(b.pid)}
             if not beacons or all(b is not None and b.phase == "done" for b in beacons.values()):
