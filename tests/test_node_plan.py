@@ -141,3 +141,17 @@ def test_config_rejects_bad_store_urls():
     with pytest.raises(ConfigError, match=r"recover.store: store URL 'etcd://e1:2379//x': an empty segment"):
         build_config(None, ["--recover.store", "etcd://e1:2379//x"])
     assert build_config(None, ["--recover.store", "etcd://e1:2379"]).recover.store == "etcd://e1:2379"
+
+
+def test_a_server_advertised_to_other_nodes_at_a_loopback_name_is_warned_about_and_the_node_address_wins():
+    """A snapshot keeper or a standby syncer advertised at a name that resolves to loopback here (a hostname mapped
+    to Debian's 127.0.1.1) cannot be reached from other machines: the launcher warns, naming the variable that
+    sets the node's address; several "nodes" on one machine (the tests) still work, hence not an error."""
+    from titan_recover.recover.nodes import is_loopback, node_address, NODE_ADDRESS_ENV, unreachable
+
+    assert is_loopback("127.0.0.1") and is_loopback("127.0.1.1") and is_loopback("::1")
+    assert not is_loopback("10.1.2.3") and not is_loopback("no-such-host.invalid")
+    assert NODE_ADDRESS_ENV in unreachable("this node's snapshot keeper", "127.0.1.1")
+    assert unreachable("this node's snapshot keeper", "10.1.2.3") is None
+    assert node_address(lambda: "localhost", environ={NODE_ADDRESS_ENV: "10.1.2.3"}) == "10.1.2.3"
+    assert node_address(lambda: "node7.cluster", environ={}) == "node7.cluster"

@@ -39,7 +39,8 @@ from titan_recover.recover.groups.protocol import decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
                                              run_segment)
-from titan_recover.recover.nodes import address_towards, agreed_text, NodeKeys, NodePlan, single_node
+from titan_recover.recover.nodes import (address_towards, agreed_text, is_loopback, node_address, NodeKeys, NodePlan,
+                                        single_node, unreachable)
 from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.standby import LEADER_TTL_S
 from titan_recover.recover.stores import connect, job_url, parse_store_url, read_keys
@@ -496,13 +497,22 @@ class ReplicaJob:
     def syncer_host(self) -> str:
         """The address the learners reach this node's syncer at: on many nodes with the embedded store node 0's,
         the host part of ``--rdzv-endpoint`` (every node reaches it); with etcd this node's address on its route to
-        the etcd cluster (``nodes.address_towards``; the host's name where no route is known), since a standby on
+        the etcd cluster (``nodes.address_towards``; the host's name where no route is known or the route is a
+        loopback one; ``TITAN_RECOVER_NODE_ADDRESS`` wins), since a standby on
         any node may serve."""
         if self.recover.store:
-            try:
-                return address_towards(*parse_store_url(self.recover.store).endpoints[0])
-            except OSError:
-                return socket.getfqdn()
+            def towards_the_store() -> str:
+                try:
+                    found = address_towards(*parse_store_url(self.recover.store).endpoints[0])
+                except OSError:
+                    return socket.getfqdn()
+                return socket.getfqdn() if is_loopback(found) else found  # an etcd on this node, or its gateway
+
+            host = node_address(towards_the_store)
+            warning = unreachable("this node's syncer", host) if self.plan.many else None
+            if warning:
+                print(f"[titan_recover] warning: {warning}", file=sys.stderr, flush=True)
+            return host
         return self.plan.endpoint[0] if self.plan.endpoint else "127.0.0.1"
 
     def start_syncer(self) -> None:

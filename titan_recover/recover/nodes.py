@@ -10,6 +10,8 @@ everyone has read it (:class:`NodeKeys`).
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
 from dataclasses import dataclass
 
@@ -86,6 +88,39 @@ def address_towards(host: str, port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(address)
         return probe.getsockname()[0]
+
+
+NODE_ADDRESS_ENV = "TITAN_RECOVER_NODE_ADDRESS"
+"""This node's address as the job's other nodes reach it, where a server of this node is advertised to them (its
+snapshot keeper in a job without replica groups, a standby syncer on an etcd store). Unset: found as
+:func:`node_address` says."""
+
+
+def node_address(found, environ=os.environ) -> str:
+    """``TITAN_RECOVER_NODE_ADDRESS`` if set, else ``found()`` (the node's fully qualified name, as torchrun names a
+    node to the others, or the address on the route to a store); a loopback result is refused by the caller's
+    :func:`unreachable`."""
+    return environ.get(NODE_ADDRESS_ENV) or found()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` resolves only to loopback addresses (a hostname mapped to Debian's 127.0.1.1 included):
+    no other machine reaches it there. False where it does not resolve here."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def unreachable(what: str, host: str) -> str | None:
+    """The warning for a server of this node advertised to other nodes at a loopback ``host``, or None. A warning,
+    not an error: several "nodes" on one machine (tests) reach each other there."""
+    if not is_loopback(host):
+        return None
+    return (f"{what} is advertised to the other nodes as {host!r}, which resolves to a loopback address here: "
+            f"other machines cannot reach it. Set {NODE_ADDRESS_ENV} to this node's address on the network the "
+            "nodes share (or fix the hostname's entry in /etc/hosts)")
 
 
 def agreed_text(config_text: str, ranks_per_replica: int) -> str:

@@ -22,8 +22,10 @@ import threading
 from datetime import timedelta
 
 from titan_recover.process_exit import die_with_parent
+from titan_recover.recover.nodes import node_address, unreachable
 from titan_recover.recover.phoenix.snapshots import KEEPERS_ENV, NODE_KEEPER_ENV
 from titan_recover.recover.servers import announce_port, wait_for_port
+from titan_recover.recover.stores import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,12 @@ def run_with_keeper(cmd: list[str], env: dict, *, many_nodes: bool = False) -> i
         if port is None:
             return 1
         if many_nodes:
-            address = f"{socket.getfqdn()}:{port}"
+            host = node_address(socket.getfqdn)
+            address = host_port(host, port)
             print(f"[titan_recover] this node's snapshot keeper: {address}", file=sys.stderr, flush=True)
+            warning = unreachable("this node's snapshot keeper", host)
+            if warning:
+                print(f"[titan_recover] warning: {warning}", file=sys.stderr, flush=True)
             return _run_forwarding_signals(cmd, dict(env, **{NODE_KEEPER_ENV: address}))
         return _run_forwarding_signals(cmd, dict(env, **{KEEPERS_ENV: f"127.0.0.1:{port}"}))
     finally:

@@ -165,6 +165,7 @@ def _connect(address: str, timeout_s: float):
     from torch.distributed import TCPStore
 
     host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 host, as store URLs write it
     return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
