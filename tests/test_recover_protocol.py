@@ -1150,3 +1150,20 @@ def test_each_epochs_group_closes_the_one_before_and_side_groups_close_nothing(m
     second = sync.build_group()
     assert sync.group is second and second.members == (0, 2)
     assert first.closed and not second.closed and not side.closed
+
+
+def test_a_hold_for_a_restart_never_outlasts_rejoin_wait_s_whatever_the_coordinators_clock():
+    """The drop's time is the coordinator's wall clock, on another host perhaps: a member's host whose clock is
+    behind would otherwise hold the whole job for the skew on top of ``rejoin_wait_s``. The hold's end is fixed at
+    the first sight, on the leader's monotonic clock."""
+    from types import SimpleNamespace
+
+    from titan_recover.recover.phoenix.admission import Admission
+
+    admission = Admission(SimpleNamespace(config=SimpleNamespace(rejoin_wait_s=10.0)))
+    now, mono = time.time(), time.monotonic()
+    ahead = admission._hold_end(1, 0, dropped_at=now + 3600) - mono  # the coordinator's clock an hour ahead
+    assert 9.0 < ahead <= 10.5
+    assert 6.0 < admission._hold_end(2, 0, dropped_at=now - 3) - mono <= 7.5  # dropped 3 s ago
+    assert admission._hold_end(3, 0, dropped_at=now - 3600) - mono <= 0.5  # long ago: no hold
+    assert admission._hold_end(1, 0, dropped_at=now - 3600) - mono == ahead  # fixed at the first sight

@@ -35,6 +35,8 @@ class Admission:
         self.sync = sync
         self._last_held: int | None = None
         """The leader: the last step boundary it held and said so in its group's store (``held/s{step}``)."""
+        self._hold_ends: dict[tuple[int, int], float] = {}
+        """(replica, dropped incarnation) -> when, on this process's monotonic clock, the hold for it ends."""
 
     def admit_pending(self, step: int, state: TrainingState) -> None:
         """At the start of ``step``: run the admission decided by the previous commit (members), or wait to be
@@ -140,17 +142,29 @@ class Admission:
         if dropped is None or dropped[0] >= sync.config.max_restarts:
             return  # a member, never dropped, or not restarted again
         incarnation, when = dropped
-        deadline = when + sync.config.rejoin_wait_s
-        started = time.time()
-        while time.time() < deadline:
+        deadline = self._hold_end(replica, incarnation, when)
+        started = time.monotonic()
+        while time.monotonic() < deadline:
             asked = read_join_requests(store, replica, ranks)
             if asked is not None and all(v > incarnation for v in asked.values()):
                 break
             sync.member.progress(step=step, phase="rejoin_wait")
             time.sleep(REJOIN_POLL_S)
-        if time.time() - started > 0.1:
+        if time.monotonic() - started > 0.1:
             sync.events.emit("rejoin_wait", step=step, replica=replica, dropped_incarnation=incarnation,
-                             waited_s=time.time() - started, ready=time.time() < deadline)
+                             waited_s=time.monotonic() - started, ready=time.monotonic() < deadline)
+
+    def _hold_end(self, replica: int, incarnation: int, dropped_at: float) -> float:
+        """When the hold for ``replica``'s restart after its drop at ``dropped_at`` ends, on this process's monotonic
+        clock: ``rejoin_wait_s`` after the drop, as far as this host's wall clock tells the drop's age, fixed when
+        this leader first sees the drop. The drop's time is the coordinator's wall clock, on another host perhaps:
+        a clock behind it cannot make the hold longer than ``rejoin_wait_s``."""
+        key = (replica, incarnation)
+        if key not in self._hold_ends:
+            wait = self.sync.config.rejoin_wait_s
+            left = min(wait, max(0.0, dropped_at + wait - time.time()))
+            self._hold_ends[key] = time.monotonic() + left
+        return self._hold_ends[key]
 
     def _held_by_leader(self, step: int) -> None:
         """A rank other than the leader: wait until its leader stopped holding ``step``'s boundary."""
