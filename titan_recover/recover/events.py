@@ -46,21 +46,26 @@ def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every event of ``path`` in file order; a line that is not one JSON object is skipped, with a warning."""
     if not os.path.exists(path):
         return []
-    events, broken = [], 0
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                broken += 1
-                continue
-            if isinstance(record, dict):
-                events.append(record)
-            else:
-                broken += 1
+    with open(path, "rb") as fh:
+        return json_records(fh.read().splitlines(), path, "event")
+
+
+def json_records(lines: list[bytes], path: str | os.PathLike, what: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file's ``lines``; the others (a writer killed mid-line, or lines of several hosts
+    interleaved by a network file system) are skipped, and their count said in one warning naming ``what``."""
+    records, broken = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            broken += 1
     if broken:
-        logger.warning("%s: %d line(s) that are not one event skipped (a writer killed mid-line, or lines of "
-                       "several hosts interleaved by a network file system)", path, broken)
-    return events
+        logger.warning("%s: %d line(s) that are not one %s skipped (a writer killed mid-line, or lines of several "
+                       "hosts interleaved by a network file system)", path, broken, what)
+    return records

@@ -14,7 +14,6 @@ files are read metrics first, then events, so an event written before a metrics 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -22,6 +21,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
+
+from titan_recover.recover.events import json_records
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +93,7 @@ class JsonlTail:
             return []
         end = data.rfind(b"\n") + 1
         self.offset += end
-        records = []
-        for line in data[:end].splitlines():
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    logger.warning("%s: a line that is not JSON was skipped: %r", self.path, line[:200])
-        return records
+        return json_records(data[:end].splitlines(), self.path, "record")
 
 
 class Sink(Protocol):

@@ -98,8 +98,8 @@ snapshot keeper in a job without replica groups, a standby syncer on an etcd sto
 
 def node_address(found, environ=os.environ) -> str:
     """``TITAN_RECOVER_NODE_ADDRESS`` if set, else ``found()`` (the node's fully qualified name, as torchrun names a
-    node to the others, or the address on the route to a store); a loopback result is refused by the caller's
-    :func:`unreachable`."""
+    node to the others, or the address on the route to a store); the caller warns about a loopback one
+    (:func:`unreachable`)."""
     return environ.get(NODE_ADDRESS_ENV) or found()
 
 

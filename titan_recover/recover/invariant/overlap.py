@@ -17,6 +17,7 @@ manager restores the accumulation and goes round again as after any aborted redu
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Callable
 
@@ -33,6 +34,12 @@ class Abandoned(RuntimeError):
     stops at its next gate; the group reports it as a fault)."""
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the process's whole life (a stream is cheap to keep, not to make per step)."""
+    return torch.cuda.Stream(device)
+
+
 class SideStream:
     """The CUDA stream the collective's thread queues its work on (the gates' waits, the backup's copies, and what
     the group's issue makes NCCL's stream wait for), one per device, reused. Without it the thread's current stream
@@ -40,12 +47,8 @@ class SideStream:
     FSDP2's reduce-scatter stream) would hold every backward kernel queued after it behind that reduce-scatter,
     and the collective's pieces behind the backward, undoing the overlap."""
 
-    _streams: dict[torch.device, torch.cuda.Stream] = {}
-
     def __init__(self, device: torch.device):
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        self.stream = self._streams[device]
+        self.stream = _side_stream(device)
 
     def running(self):
         """The collective's thread runs inside this: its current stream is the side stream."""

@@ -105,8 +105,8 @@ def node_keepers(own: list[str], local_ranks: int) -> list[str]:
     shared = sorted({k for k in keepers if keepers.count(k) > 1})
     if shared:
         raise ValueError(f"several nodes name the same snapshot keeper {shared}: a node's name must reach that "
-                         "node from the others (socket.getfqdn(), as torchrun names it); or list the keepers in "
-                         "recover.snapshot.keepers")
+                         "node from the others (socket.getfqdn(), as torchrun names it, or TITAN_RECOVER_NODE_ADDRESS); or "
+                         "list the keepers in recover.snapshot.keepers")
     return keepers
 
 
