@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "titan_recover"
 COMPONENTS = ("invariant", "phoenix", "scout", "diloco", "chaos")
 BELOW = ("groups", "ftpg", "stores")
@@ -79,3 +81,41 @@ def test_no_function_is_longer_than_sixty_lines():
                 if lines > 60:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+@pytest.mark.multiprocess
+def test_importing_any_module_first_leaves_the_platform_free_to_choose_the_device():
+    """TorchTitan's trainer, metrics, parallel-dims and distributed-utils modules copy its device globals when
+    imported, so :func:`titan_recover.platform.activate` must run before them. Every module that imports TorchTitan
+    at top level is imported first thing in a fresh interpreter (one fork each): none may have brought one of those
+    modules in without activating the platform (``build_config`` would then refuse to run on CPU)."""
+    import subprocess
+    import sys
+
+    first = sorted(
+        ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+        for path in ROOT.rglob("*.py")
+        if any(isinstance(node, (ast.Import, ast.ImportFrom)) and node.col_offset == 0
+               and (getattr(node, "module", None) or node.names[0].name).startswith("torchtitan")
+               for node in ast.parse(path.read_text()).body)
+    )
+    assert "titan_recover.trainer" in first
+    check = f"""
+import os, sys, importlib, torch
+for name in {first!r}:
+    pid = os.fork()
+    if pid == 0:
+        importlib.import_module(name)
+        from titan_recover import platform
+        early = [m for m in platform._COPIES_DEVICE_GLOBALS if m in sys.modules]
+        if early and platform._active_device is None:
+            print(name, "imported", ", ".join(early), "before activating the platform")
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        print(name, "failed to import")
+"""
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "", done.stdout

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torchtitan.components.metrics import _get_metrics_rank, BaseLogger, LoggerContainer, MetricsProcessor
+
+from titan_recover import platform
+
+platform.activate()  # before TorchTitan's metrics module, which copies the device globals
+
+from torchtitan.components.metrics import _get_metrics_rank, BaseLogger, LoggerContainer, MetricsProcessor  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -12,14 +12,19 @@ import dataclasses
 from functools import partial
 
 import torch.nn as nn
-from torchtitan.models import llama3 as tt_llama3
-from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim, Embedding, Linear, RMSNorm
-from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
-from torchtitan.models.common.param_init import depth_scaled_std
-from torchtitan.models.llama3 import config_registry as tt_configs
-from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 
-from titan_recover.models import RegisteredModel, register_model
+from titan_recover import platform
+
+platform.activate()  # TorchTitan's llama3 package imports its trainer, which copies the device globals
+
+from torchtitan.models import llama3 as tt_llama3  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config  # noqa: E402
+from torchtitan.models.common.param_init import depth_scaled_std  # noqa: E402
+from torchtitan.models.llama3 import config_registry as tt_configs  # noqa: E402
+from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock  # noqa: E402
+
+from titan_recover.models import RegisteredModel, register_model  # noqa: E402
 
 _HARDWARE = {
     "debugmodel": "any: 6 M parameters, CPU or one GPU",
