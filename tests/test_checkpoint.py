@@ -96,6 +96,34 @@ def test_the_manager_loads_the_newest_verified_checkpoint_and_says_why(tmp_path)
     assert len([e for e in read_events(run / "events.jsonl") if e["event"] == "checkpoint_choice"]) == 1
 
 
+def test_a_start_founding_the_epoch_after_a_cold_restart_loads_the_coordinators_step(tmp_path, monkeypatch):
+    """After losing every replica, every group loads the step the coordinator chose (its launcher passes it),
+    not the newest its own listing of the folder shows (a shared file system may show a newer step to some nodes
+    first), nor the user's explicit ``load_step``; and the coordinator chooses as the manager would."""
+    from titan_recover.recover.coordinator_process import newest_checkpoint
+    from titan_recover.recover.groups.member import FOUNDING_STEP_ENV
+
+    run = tmp_path / "run"
+    folder = run / "checkpoint"
+    checkpoints(folder)
+    assert newest_checkpoint(str(folder), verified=True).step == 6  # no verification record: the newest
+    mark_verified(str(folder), 2)
+    mark_verified(str(folder), 4)
+    chosen = newest_checkpoint(str(folder), verified=True)
+    assert chosen.step == 4 and chosen.why.startswith("newest verified checkpoint, step 4 (unverified newer: [6])")
+    assert newest_checkpoint(str(folder), verified=False).step == 6
+    assert newest_checkpoint(str(tmp_path / "none"), verified=True) is None
+    assert newest_checkpoint("", verified=True) is None  # checkpoints off
+
+    monkeypatch.setenv(FOUNDING_STEP_ENV, "2")
+    for load_verified in (True, False):
+        founder = manager(RecordingManager, run, Replica(seed=0), enable=True, load_verified=load_verified)
+        assert founder.load() and founder.loaded == ["step-2"]
+        assert founder.load(step=6) and founder.loaded == ["step-2", "step-2"]
+    choices = [e for e in read_events(run / "events.jsonl") if e["event"] == "checkpoint_choice"]
+    assert [e["step"] for e in choices] == [2] * 4 and "chosen by the coordinator" in choices[0]["reason"]
+
+
 def test_the_manager_refills_from_the_keeper_after_the_durable_load(tmp_path, monkeypatch):
     keeper = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     snapshot = SnapshotConfig(interval=1, keepers=[f"127.0.0.1:{keeper.port}"])

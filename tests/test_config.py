@@ -476,11 +476,17 @@ def test_a_replica_group_jobs_processes_run_without_nccls_heartbeat_monitor(tmp_
     """On GPUs, NCCL's heartbeat monitor of a process's first group (TorchTitan's) ends the process minutes after any
     group's watchdog saw an error: a fault-tolerant group's abandoned pieces after a peer died would kill the
     survivors. Every process of a replica-group job gets it off, whatever the environment said."""
-    from titan_recover.recover.launcher import NCCL_MONITORING_ENV, ReplicaJob
+    from titan_recover.recover.launcher import NCCL_MONITORING_ENV, NCCL_NONBLOCKING_TIMEOUT_ENV, ReplicaJob
 
     monkeypatch.setenv(NCCL_MONITORING_ENV, "1")
-    config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path)])
-    assert ReplicaJob(config, None, [], 1, 0).base_env[NCCL_MONITORING_ENV] == "0"
+    monkeypatch.delenv(NCCL_NONBLOCKING_TIMEOUT_ENV, raising=False)
+    config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path),
+                                 "--recover.collective_timeout_s", "45"])
+    env = ReplicaJob(config, None, [], 1, 0).base_env
+    assert env[NCCL_MONITORING_ENV] == "0"
+    assert env[NCCL_NONBLOCKING_TIMEOUT_ENV] == "45"  # before any communicator: torch reads it once per process
+    monkeypatch.setenv(NCCL_NONBLOCKING_TIMEOUT_ENV, "600")  # the user's choice stands
+    assert ReplicaJob(config, None, [], 1, 0).base_env[NCCL_NONBLOCKING_TIMEOUT_ENV] == "600"
 
 
 def test_a_group_that_crashed_as_the_last_one_running_is_still_restarted(tmp_path):
@@ -544,6 +550,46 @@ def test_a_pass_of_the_launchers_loop_reads_its_keys_once_and_reads_again_after_
     job._pass()
     job.stop_job("stopping for the test")
     assert job.job_over()  # the launcher's own stop, within the pass that wrote it
+
+
+def test_a_cold_restart_is_published_with_its_step_and_every_group_is_started_to_load_it(tmp_path, monkeypatch):
+    """Losing every replica: the coordinator writes the checkpoint step it chose ahead (in its state) and before
+    the cold restart itself; each node's launcher starts every group it supervises with that step to load, and
+    names each start as the founder of the next epoch."""
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.config import RecoverConfig
+    from titan_recover.recover.groups.coordinator import Coordinator
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.member import FOUNDING_STEP_ENV
+    from titan_recover.recover.groups.protocol import CoordinatorState
+    from titan_recover.recover.launcher import ReplicaJob, ReplicaSlot
+
+    class Order(HashStore):
+        written = []
+
+        def set(self, key, value):
+            Order.written.append(key)
+            return super().set(key, value)
+
+    store = Order()
+    coordinator = Coordinator(RecoverConfig(replicas=2), store, replicas=2, ranks_per_replica=1, run_dir=str(tmp_path))
+    coordinator._publish(3, (), (0, 1), "every replica lost", timing={}, cold=4)
+    assert CoordinatorState.decode(store.get(GroupKeys.COORDINATOR_STATE)).durable_step == 4
+    written = Order.written
+    assert written.index(GroupKeys.founding_step(3)) < written.index(GroupKeys.COLD_RESTART)
+    assert store.get(GroupKeys.founding_step(3)) == b"4" and store.get(GroupKeys.COLD_RESTART) == b"3"
+    assert any(GroupKeys.founding_step(3).startswith(prefix) for prefix in GroupKeys.of_epoch(3)[1])  # collected
+
+    config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path)])
+    job = ReplicaJob(config, None, [], 1, 0)
+    job.store, started = store, []
+    job.slots = [ReplicaSlot(0, restarts_left=1), ReplicaSlot(1, restarts_left=0)]
+    monkeypatch.setattr(job, "_start", lambda cmd, env, *args, **kwargs: started.append(env))
+    job._pass()
+    assert job.restart_every_group() and not job.restart_every_group()  # once per cold restart
+    assert [env[FOUNDING_STEP_ENV] for env in started if "TITAN_RECOVER_REPLICA" in env] == ["4"]
+    assert store.get(GroupKeys.founding(3, 0)) == b"1" and store.get(GroupKeys.founding(3, 1)) == b"-1"
 
 
 def test_a_taken_port_for_the_jobs_store_is_named_as_such(tmp_path):

@@ -33,6 +33,8 @@ def test_every_replica_killed_at_once_restarts_from_the_newest_checkpoint(tmp_pa
     assert not of(events, "step_committed", step=5, epoch=0)  # all died before any could commit step 5
     [cold] = of(events, "cold_restart")
     assert cold["durable"].startswith("newest verified checkpoint, step 2 (unverified newer: [4])"), cold
+    founders_loaded = [e for e in of(events, "checkpoint_choice") if "chosen by the coordinator" in e["reason"]]
+    assert sorted((e["replica"], e["step"]) for e in founders_loaded) == [(r, cold["step"]) for r in range(REPLICAS)]
     founded = [e for e in of(events, "epoch_formed") if e["epoch"] == cold["epoch"] + 1]
     assert founded and founded[0]["members"] == [0, 1, 2], founded
     assert sorted(e["replica"] for e in of(events, "founding")) == [0, 1, 2]

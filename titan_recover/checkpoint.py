@@ -38,7 +38,7 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 
 from titan_recover.recover.events import EventLog
-from titan_recover.recover.groups.member import REPLICA_ENV, RUN_DIR_ENV
+from titan_recover.recover.groups.member import FOUNDING_STEP_ENV, REPLICA_ENV, RUN_DIR_ENV
 from titan_recover.recover.phoenix.snapshots import (gather_from_ranks, keeper_addresses, snapshot_job, SnapshotConfig,
                                                      Snapshots)
 from titan_recover.recover.phoenix.state_transfer import TrainingState
@@ -190,6 +190,12 @@ class RecoverCheckpointManager(CheckpointManager):
             self.purge_queue.put(self._create_checkpoint_id(step))
 
     def _load(self, step: int = -1) -> bool:
+        founding = os.environ.get(FOUNDING_STEP_ENV)
+        if founding is not None:  # a start made after losing every replica: the step every group loads
+            step = int(founding)
+            self.events.emit("checkpoint_choice", step=step, reason=f"step {step}, chosen by the coordinator for "
+                             "every group's restart after losing every replica")
+            return super()._load(step)
         if self.load_verified:
             step, reason = verified_load_step(self.folder, step)
             if reason is not None:

@@ -1,7 +1,8 @@
 """The coordinator's process (started, and restarted, by the launcher; docs/replica_groups.md).
 
     python -m titan_recover.recover.coordinator_process --replicas R --ranks-per-replica W --run-dir DIR \
-        --store URL [--recover-json JSON] [--chaos-json JSON] [--checkpoint-folder DIR] [--standby --identity NAME]
+        --store URL [--recover-json JSON] [--chaos-json JSON] [--checkpoint-folder DIR [--load-verified]] \
+        [--standby --identity NAME]
 
 The coordinator itself (:mod:`titan_recover.recover.groups.coordinator`) shares only keys and pure decisions with
 the ranks; this entry adds what a process of the job needs: the ``[recover]`` section, its own ``[chaos]`` faults,
@@ -26,19 +27,23 @@ from titan_recover.recover.chaos.process import ProcessFaults
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import Coordinator
 from titan_recover.recover.groups.keys import GroupKeys
+from titan_recover.recover.groups.protocol import DurableState
 from titan_recover.recover.scout.verified import complete_checkpoints, step_to_load
 from titan_recover.recover.standby import lead, refused, took_office
 from titan_recover.recover.stores import connect
 
 
-def newest_checkpoint(folder: str) -> str | None:
-    """What a restart of every group would load from ``folder`` (as the checkpoint manager chooses), or None when
-    it holds no complete checkpoint."""
+def newest_checkpoint(folder: str, verified: bool) -> DurableState | None:
+    """The checkpoint every group restarts from after losing every replica, chosen as the checkpoint manager
+    chooses (``verified``: the newest verified one where any is recorded, else the newest complete one), or None
+    when ``folder`` holds no complete checkpoint."""
     available = complete_checkpoints(folder) if folder else []
     if not available:
         return None
-    _, why = step_to_load(folder)
-    return f"{why} (complete checkpoints: steps {available})"
+    chosen, why = step_to_load(folder) if verified else (None, "newest checkpoint")
+    if chosen is None:
+        chosen, why = available[-1], f"{why}, step {available[-1]}"
+    return DurableState(chosen, f"{why} (complete checkpoints: steps {available})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-folder", default="",
                         help="the job's durable checkpoints ([checkpoint] enable): what a job that lost every replica "
                              "restarts from")
+    parser.add_argument("--load-verified", action="store_true",
+                        help="restart from the newest verified checkpoint ([checkpoint] load_verified)")
     parser.add_argument("--standby", action="store_true", help="coordinate only once elected leader (etcd store)")
     parser.add_argument("--identity", default=f"{socket.gethostname()}:{os.getpid()}",
                         help="this candidate's name in the leader election")
@@ -73,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         coordinator = Coordinator(config, store if election is None else election.fenced(),
                                   replicas=args.replicas, ranks_per_replica=args.ranks_per_replica,
                                   run_dir=args.run_dir,
-                                  durable_state=lambda: newest_checkpoint(args.checkpoint_folder))
+                                  durable_state=lambda: newest_checkpoint(args.checkpoint_folder,
+                                                                            args.load_verified))
         coordinator.chaos = ProcessFaults(faults, "coordinator", coordinator.start, coordinator.events)
         if election is not None:
             took_office(election, coordinator.events, "coordinator")

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 from torch.distributed import DistError, Store
 
 from titan_recover.process_exit import die_with_parent
-from titan_recover.recover.groups.member import COORDINATOR_ENV, INCARNATION_ENV, REPLICA_ENV, RUN_DIR_ENV
+from titan_recover.recover.groups.member import (COORDINATOR_ENV, FOUNDING_STEP_ENV, INCARNATION_ENV, REPLICA_ENV,
+                                                 RUN_DIR_ENV)
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
 from titan_recover.recover.groups.keys import GroupKeys, newest_published, parse_dropped, raise_fault_flag
@@ -48,6 +49,10 @@ from titan_recover.recover.stores import connect, job_url, parse_store_url, read
 GRACE_S = 10.0
 NCCL_MONITORING_ENV = "TORCH_NCCL_ENABLE_MONITORING"
 """Off in every process of a replica-group job (:meth:`ReplicaJob._base_env`)."""
+NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+"""How long NCCL lets a non-blocking communicator's init or abort take: ``collective_timeout_s`` in every process
+of a replica-group job unless the user set it. torch reads it once per process, at the first non-blocking call of
+any communicator, so it is set before the process starts."""
 
 NODE_ENV = "TITAN_RECOVER_NODE"
 """Set by the launcher in every child's environment: the node rank, so that a launcher's cleanup ends its own node's
@@ -171,6 +176,8 @@ class ReplicaJob:
         self.chaos = config.chaos
         self.checkpoint_folder = (os.path.join(os.path.abspath(config.dump_folder), config.checkpoint.folder)
                                   if config.checkpoint.enable else "")
+        self.load_verified = bool(getattr(config.checkpoint, "load_verified", False))
+        """The checkpoint manager restarts from the newest verified checkpoint: so does a cold restart."""
         self.plan = plan or single_node(config.recover.groups)
         self.devices = None if devices is None else dict(zip(self.plan.groups, devices))
         self.config_text = render_toml(config)
@@ -225,6 +232,7 @@ class ReplicaJob:
         # any of its groups saw an error, a fault-tolerant group's included (its abandoned pieces after a peer died);
         # the replica protocol handles those, and the hang observer watches for hung ranks (docs/replica_groups.md)
         env[NCCL_MONITORING_ENV] = "0"
+        env.setdefault(NCCL_NONBLOCKING_TIMEOUT_ENV, str(int(max(self.recover.collective_timeout_s, 1))))
         # torchrun caps a worker's CPU threads only when it starts several; R single-process replicas on one node
         # would each take every core and thrash. Share the cores unless the user chose.
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(len(self.plan.groups) * self.ranks)))
@@ -355,7 +363,8 @@ class ReplicaJob:
             [sys.executable, "-m", "titan_recover.recover.coordinator_process", "--replicas", str(recover.groups),
              "--ranks-per-replica", str(self.ranks), "--run-dir", self.run_dir, "--store", self.address,
              "--recover-json", json.dumps(asdict(recover)), "--chaos-json", json.dumps(asdict(self.chaos)),
-             "--checkpoint-folder", self.checkpoint_folder, *standby],
+             "--checkpoint-folder", self.checkpoint_folder, *(["--load-verified"] if self.load_verified else []),
+             *standby],
             self.base_env, "[coordinator] " if not self.plan.many else f"[coordinator node {self.plan.rank}] ",
             log=self._node_log("coordinator"),
         )
@@ -461,12 +470,15 @@ class ReplicaJob:
         for slot in self.slots:
             self.start_replica(slot)
 
-    def start_replica(self, slot: ReplicaSlot) -> None:
-        """The current start (incarnation) of ``slot``'s torchrun, and its hang observer if localisation asks."""
+    def start_replica(self, slot: ReplicaSlot, founding_step: int | None = None) -> None:
+        """The current start (incarnation) of ``slot``'s torchrun, and its hang observer if localisation asks.
+        ``founding_step``: the start founds the epoch after a cold restart and loads this checkpoint step."""
         recover, run_dir, ranks_per_replica, metrics_rank = self.recover, self.run_dir, self.ranks, self.metrics_rank
         toml_path, overrides = self.toml_path, self.overrides
         env = dict(self.base_env, **{REPLICA_ENV: str(slot.index), INCARNATION_ENV: str(slot.incarnation),
                                      COORDINATOR_ENV: self.address, "LOG_RANK": str(metrics_rank)})
+        if founding_step is not None:
+            env[FOUNDING_STEP_ENV] = str(founding_step)
         if self.devices is not None:  # the group's own GPUs: its local rank r is the r-th of them
             env[VISIBLE_ENV] = ",".join(self.devices[slot.index])
         cmd = [sys.executable, "-m", "titan_recover.torchrun", "--standalone", "--max-restarts=0",
@@ -696,6 +708,7 @@ class ReplicaJob:
         if cold is None or self.stopped_by is not None:
             return False
         self.cold_restarted = cold
+        step = int(self._read(GroupKeys.founding_step(cold)))  # the coordinator wrote it before the cold restart
         started = False
         for slot in self.slots:
             if slot.proc is not None:
@@ -706,10 +719,10 @@ class ReplicaJob:
                 continue
             slot.count_restart()
             self.store.set(GroupKeys.founding(cold, slot.index), str(slot.incarnation))  # before it can look
-            print(f"[titan_recover] every replica was lost: restarting replica {slot.index} from the newest durable "
-                  f"state (start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
+            print(f"[titan_recover] every replica was lost: restarting replica {slot.index} from the checkpoint of "
+                  f"step {step} (start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,
                   flush=True)
-            self.start_replica(slot)
+            self.start_replica(slot, founding_step=step)
             started = True
         return started
 

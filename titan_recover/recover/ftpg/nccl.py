@@ -76,7 +76,8 @@ class NcclGroup(PolledGroup):
         leaves a communicator to abort, not one destroyed on this thread (tests replace it with a fake)."""
         from torch.distributed import ProcessGroupNCCL
 
-        # the time NCCL allows a non-blocking init or abort before giving up (torchft sets it the same way)
+        # the time NCCL allows a non-blocking init or abort before giving up (torchft sets it the same way). torch
+        # reads it once per process: the launcher sets it before the process starts; this covers one it did not
         os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(max(self.timeout_s, 1))))
         options = ProcessGroupNCCL.Options()
         options.config.blocking = False

@@ -32,6 +32,7 @@ from titan_recover.recover.groups.protocol import (
     all_joined,
     CoordinatorState,
     decide_members,
+    DurableState,
     decode_members,
     decode_admission,
     encode_admission,
@@ -75,7 +76,7 @@ class Coordinator:
     replaced by a new start that resumes where it stopped; what it only watched (heartbeats) it watches afresh."""
 
     def __init__(self, config: RecoverConfig, store: Store, *, replicas: int, ranks_per_replica: int, run_dir: str,
-                 chaos=None, durable_state: Callable[[], str | None] | None = None):
+                 chaos=None, durable_state: Callable[[], DurableState | None] | None = None):
         self.config = config
         self.replicas, self.ranks = replicas, ranks_per_replica
         self.run_dir = run_dir
@@ -87,8 +88,8 @@ class Coordinator:
         """Faults of the coordinator (``[chaos]``, ``process = "coordinator"``): an object with
         ``maybe_inject(step, phase)``, or None."""
         self.durable_state = durable_state
-        """Describes the newest durable state the job could restart from (a checkpoint), or None: asked when every
-        replica is lost at once."""
+        """The newest durable state the job could restart from (a checkpoint's step and why), or None: asked when
+        every replica is lost at once. Its step is published with the cold restart and every group loads it."""
         self.epoch = -1
         self.members: tuple[int, ...] = ()
         self.cold = False
@@ -307,9 +308,10 @@ class Coordinator:
                 "enable [checkpoint] (enable = true, interval = N) so that the job restarts every group from its "
                 "newest checkpoint"))
             return
-        self.events.emit("cold_restart", epoch=target, durable=durable, removed=list(decision.removed))
-        self._publish(target, (), decision.removed, f"{reason}; restarting every group from the {durable}", timing,
-                      cold=True)
+        self.events.emit("cold_restart", epoch=target, durable=durable.why, step=durable.step,
+                         removed=list(decision.removed))
+        self._publish(target, (), decision.removed, f"{reason}; restarting every group from the {durable.why}",
+                      timing, cold=durable.step)
 
     def _form_founding_epoch(self) -> bool:
         """After a cold restart (epoch ``R`` empty): wait until every group's launcher named the start it made for
@@ -360,19 +362,19 @@ class Coordinator:
         self.store.set(GroupKeys.COORDINATOR_STATE, state.encode())
 
     def _publish(self, epoch: int, members: tuple[int, ...], removed: tuple[int, ...], reason: str,
-                 timing: dict, admitted: tuple[int, tuple[int, ...]] | None = None, *, cold: bool = False,
+                 timing: dict, admitted: tuple[int, tuple[int, ...]] | None = None, *, cold: int | None = None,
                  stop: str = "") -> bool:
         """Write epoch ``epoch``'s state ahead, then publish it (:meth:`_write`). ``cold``: the empty epoch of a
-        cold restart. ``stop``: stop the job with this message; an epoch with fewer than ``min_replicas`` members
-        (and not cold) stops it too. False if it stops the job."""
+        cold restart, from the checkpoint of this step. ``stop``: stop the job with this message; an epoch with
+        fewer than ``min_replicas`` members (and not cold) stops it too. False if it stops the job."""
         for replica in removed:
             self.dropped[replica] = self.incarnation.get(replica, 0)
             self.watch.forget(replica)
-        if not stop and not cold and len(members) < self.config.min_replicas:
+        if not stop and cold is None and len(members) < self.config.min_replicas:
             stop = (f"only {len(members)} replica(s) left {list(members)} after losing {list(removed)}, "
                     f"fewer than recover.min_replicas = {self.config.min_replicas}: stopping")
         state = CoordinatorState(epoch, members, reason, removed, admitted, dict(self.incarnation),
-                                 dict(self.dropped), tuple(sorted(self.excluded)), stop, cold)
+                                 dict(self.dropped), tuple(sorted(self.excluded)), stop, cold is not None, cold)
         self._save(state)  # ahead of what members read: a restarted coordinator finishes this publication
         self._inject("publish", epoch)
         written = self._write(state)
@@ -392,7 +394,8 @@ class Coordinator:
             self.store.set(GroupKeys.admitted(state.epoch), encode_admission(*state.admitted))
         if state.stop:  # before the members: a rank woken by the members key sees the stop that came with them
             self.store.set(GroupKeys.STOP, state.stop)
-        if state.cold:
+        if state.cold:  # the step first: a launcher reads it once it sees the cold restart
+            self.store.set(GroupKeys.founding_step(state.epoch), str(state.durable_step))
             self.store.set(GroupKeys.COLD_RESTART, str(state.epoch))
         self.store.set(GroupKeys.members(state.epoch), encode_members(state.members, state.reason))
         self.store.set(GroupKeys.EPOCH, str(state.epoch))

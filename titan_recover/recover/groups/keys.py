@@ -68,6 +68,13 @@ class GroupKeys:
         return f"founding/e{epoch}/{replica}"
 
     @staticmethod
+    def founding_step(epoch: int) -> str:
+        """Written by the coordinator with the cold restart ``epoch``: the checkpoint step every group restarts
+        from, chosen once, so that every start loads the same one whatever its own listing of the folder shows
+        (a shared file system may show a new step to some nodes before others)."""
+        return f"founding/e{epoch}/step"
+
+    @staticmethod
     def members(epoch: int) -> str:
         return f"epoch/{epoch}/members"
 

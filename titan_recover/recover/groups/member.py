@@ -35,6 +35,9 @@ REPLICA_ENV = "TITAN_RECOVER_REPLICA"
 RUN_DIR_ENV = "TITAN_RECOVER_RUN_DIR"
 INCARNATION_ENV = "TITAN_RECOVER_INCARNATION"
 """Set by the launcher: how many times this replica group has been started before (0: the first start)."""
+FOUNDING_STEP_ENV = "TITAN_RECOVER_FOUNDING_STEP"
+"""Set by the launcher on a start it made after a cold restart: the checkpoint step the coordinator chose, which
+this start loads (``GroupKeys.founding_step``)."""
 LATE_BEAT_S = 0.5
 """A beat this much later than ``heartbeat_interval_s`` after the previous one is logged (with where the delay was)."""
 EXIT_EXCLUDED = 75

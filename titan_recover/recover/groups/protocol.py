@@ -135,6 +135,15 @@ def active_replicas(members: Iterable[int], active: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class DurableState:
+    """What a job that lost every replica restarts from: a complete checkpoint's step, and why that one (the
+    newest verified, or the newest)."""
+
+    step: int
+    why: str
+
+
+@dataclass(frozen=True)
 class CoordinatorState:
     """What the coordinator knows that members do not report: the epoch it publishes (or is publishing) and its
     members, the incarnation of each member, the incarnation of each replica last dropped, the replicas declared
@@ -156,6 +165,8 @@ class CoordinatorState:
     cold: bool = False
     """The epoch is empty because no live member held the state: every group restarts from the newest durable
     state and founds the next epoch."""
+    durable_step: int | None = None
+    """With ``cold``: the checkpoint step every group restarts from."""
 
     def encode(self) -> str:
         return json.dumps({"epoch": self.epoch, "members": list(self.members), "reason": self.reason,
@@ -163,7 +174,8 @@ class CoordinatorState:
                            "admitted": None if self.admitted is None else [self.admitted[0], list(self.admitted[1])],
                            "incarnation": {str(k): v for k, v in (self.incarnation or {}).items()},
                            "dropped": {str(k): v for k, v in (self.dropped or {}).items()},
-                           "excluded": list(self.excluded), "stop": self.stop, "cold": self.cold})
+                           "excluded": list(self.excluded), "stop": self.stop, "cold": self.cold,
+                           "durable_step": self.durable_step})
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "CoordinatorState":
@@ -172,7 +184,7 @@ class CoordinatorState:
         return cls(d["epoch"], tuple(d["members"]), d["reason"], tuple(d["removed"]),
                    None if admitted is None else (admitted[0], tuple(admitted[1])),
                    {int(k): v for k, v in d["incarnation"].items()}, {int(k): v for k, v in d["dropped"].items()},
-                   tuple(d["excluded"]), d["stop"], d["cold"])
+                   tuple(d["excluded"]), d["stop"], d["cold"], d["durable_step"])
 
 
 def founders(epoch_registered: dict[int, dict[int, int]], founding: dict[int, int], ranks_per_replica: int
