@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.recover.scout.consensus import replay_plan  # noqa: E402
-from titan_recover.recover.events import read_events  # noqa: E402
+from titan_recover.recover.events import read_events, read_jsonl  # noqa: E402
 
 REPLAY = 10
 
@@ -55,8 +55,7 @@ def launch(folder: str, *, replicas: int, steps: int, extra: list[str], timeout:
 
 def metrics(folder: str, replica: int = 0) -> dict[int, dict]:
     out = {}
-    for line in (pathlib.Path(folder) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_jsonl(pathlib.Path(folder) / "metrics.jsonl"):
         if record["replica"] == replica:
             out[record["step"]] = record
     return out

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import pathlib
 import statistics
 import subprocess
@@ -29,6 +28,8 @@ import tempfile
 from report import add_out_argument, recorded
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from titan_recover.recover.events import read_jsonl  # noqa: E402
 STEP_TIME = "time_metrics/end_to_end(s)"
 
 
@@ -45,8 +46,7 @@ def run(policy: str, args, folder: str) -> dict[int, dict[int, dict]]:
     if proc.returncode != 0:
         raise RuntimeError(f"{policy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     by_replica: dict[int, dict[int, dict]] = collections.defaultdict(dict)
-    for line in (pathlib.Path(folder) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_jsonl(pathlib.Path(folder) / "metrics.jsonl"):
         by_replica[record["replica"]][record["step"]] = record
     return by_replica
 

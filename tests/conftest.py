@@ -16,6 +16,8 @@ import urllib.request
 
 import pytest
 
+from titan_recover.recover.events import read_jsonl
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("TITAN_RECOVER_DEVICE", "cpu")
@@ -59,9 +61,10 @@ def launcher(monkeypatch, capsys):
 
 
 def read_metrics(folder: pathlib.Path) -> list[dict]:
+    """Every record of the run's ``metrics.jsonl``, every node's file of it (node 0's first)."""
     path = folder / "metrics.jsonl"
     assert path.exists(), f"no metrics written to {path}"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def check_layout(output: str, folder, layout: tuple[int, ...], steps: int) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from conftest import read_metrics
 from replica_runs import launch_nodes, node_options
 from wandb_offline import read_run
 from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, token_weights
@@ -628,7 +629,7 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     # the learners kept training while a syncer was stopped (it lives on, stopped, until its launcher ends it: no
     # sooner than its lease's lapse, 1.5 s at least, and 4 s of grace after): each learner training then logged
     # steps in the 5 s after the stop
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path)
     for fault in (f for f in syncer_faults.values() if f["kind"] == "hang"):
         stopped = fault["time"]
         down = {m["replica"] for m in metrics if stopped < m["time"] < stopped + 5.0}
@@ -691,7 +692,7 @@ def test_one_node_on_the_embedded_store_a_hung_syncer_is_ended_and_restarted_whi
     # whose process came up after the hang, which 2 busy cores can make 10 s late, waits for the global model)
     stopped = hang["time"]
     running = {e["replica"] for e in by_kind["learner_started"] if e["time"] < stopped}
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path)
     assert running and {m["replica"] for m in metrics if stopped < m["time"] < started[1]["time"]} >= running
     assert sorted(collections.Counter(e["block"] for e in by_kind["block_claimed"])) == list(range(steps * learners))
     merges = by_kind["fragment_merged"]

@@ -173,3 +173,36 @@ def test_reading_events_skips_a_broken_line_and_says_so(tmp_path, caplog):
     log.emit("epoch_formed", console=False, epoch=1)
     assert [e["epoch"] for e in read_events(path)] == [0, 1]
     assert "2 line(s) that are not one event skipped" in caplog.text
+
+
+def test_each_node_writes_its_own_file_and_every_reader_merges_them(tmp_path, monkeypatch):
+    """Appends of several hosts to one file of a network file system may corrupt each other: node r's processes
+    write ``events.node<r>.jsonl`` / ``metrics.node<r>.jsonl`` (node 0 the plain names), and the readers (events,
+    metrics, the job log's tail, which picks up a node's file that appears later) read every node's."""
+    from titan_recover.metrics import JsonlLogger
+    from titan_recover.recover.events import EventLog, NODE_ENV, read_events, read_jsonl
+    from titan_recover.recover.job_log import NodeFilesTail
+
+    events, metrics = tmp_path / "events.jsonl", tmp_path / "metrics.jsonl"
+    tail = NodeFilesTail(str(metrics))
+    monkeypatch.delenv(NODE_ENV, raising=False)  # a process no launcher started: node 0's names
+    EventLog(str(events), "coordinator").emit("epoch_formed", console=False, epoch=0)
+    JsonlLogger(str(metrics), {"replica": 0}).log({LOSS: 8.0}, step=1)
+    monkeypatch.setenv(NODE_ENV, "0")
+    JsonlLogger(str(metrics), {"replica": 1}).log({LOSS: 8.0}, step=1)
+    assert [r["replica"] for r in tail.read()] == [0, 1]
+    for node in (10, 2):  # node 10 after node 2, not before (by number, not name)
+        monkeypatch.setenv(NODE_ENV, str(node))
+        EventLog(str(events), f"{node}/0").emit("joined", console=False, epoch=0)
+        JsonlLogger(str(metrics), {"replica": node}).log({LOSS: 8.0}, step=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "events.jsonl", "events.node10.jsonl", "events.node2.jsonl",
+        "metrics.jsonl", "metrics.node10.jsonl", "metrics.node2.jsonl"]
+    assert [e["source"] for e in read_events(events)] == ["coordinator", "10/0", "2/0"]  # by time
+    assert [r["replica"] for r in read_jsonl(metrics)] == [0, 1, 2, 10]  # node 0's first, then by node
+    assert sorted(r["replica"] for r in tail.read()) == [2, 10]  # the files that appeared since
+    JsonlLogger(str(metrics), {"replica": 11}).log({LOSS: 7.0}, step=2)  # node 2's
+    assert [r["replica"] for r in tail.read()] == [11]
+    fresh = NodeFilesTail(str(metrics))
+    fresh.skip_to_end()
+    assert fresh.read() == []

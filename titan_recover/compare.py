@@ -1,12 +1,12 @@
 """Lay runs' loss curves over each other and measure how far they drift from a reference.
 
-Used by ``scripts/compare_runs.py``; every run is a run folder (its ``metrics.jsonl``) or a JSONL file.
+Used by ``scripts/compare_runs.py``; every run is a run folder (its ``metrics.jsonl``, every node's file of it) or
+a JSONL file.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import pathlib
 import re
 from dataclasses import dataclass
@@ -23,10 +23,7 @@ def load_curve(run: str | pathlib.Path, metric: str = LOSS, replica: int | None 
     if not path.is_file():
         raise FileNotFoundError(f"{run}: no metrics.jsonl (is it a run folder, i.e. a dump_folder?)")
     curve: dict[int, float] = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for record in _records(path):
         if replica is not None and record.get("replica") != replica:
             continue
         if metric in record:
@@ -114,9 +111,10 @@ def event_marks(run: str | pathlib.Path) -> dict[int, list[str]]:
 
 
 def _records(path: pathlib.Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a run's JSONL file, every node's (``metrics.jsonl``, ``metrics.node1.jsonl``, ...)."""
+    from titan_recover.recover.events import read_jsonl
+
+    return read_jsonl(path)
 
 
 def plot(curves: dict[str, dict[int, float]], out: str | pathlib.Path, metric: str = LOSS,

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from titan_recover import platform
+from titan_recover.recover.events import append_line, node_path
 
 platform.activate()  # before TorchTitan's metrics module, which copies the device globals
 
@@ -27,21 +28,18 @@ logger = logging.getLogger(__name__)
 
 
 class JsonlLogger(BaseLogger):
-    """Appends ``{"step": step, "time": wall time, **metrics}`` per call; flushed per line so a crash loses nothing logged."""
+    """Appends ``{"step": step, "time": wall time, **metrics}`` per call to this node's file of the run-wide
+    ``path`` (:func:`~titan_recover.recover.events.node_path`), one write per line: the replicas of a node share
+    it, and a crash loses nothing logged."""
 
     def __init__(self, path: str, tags: dict[str, Any] | None = None):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.path = path
+        self.path = node_path(path)
         self.tags = tags or {}
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         record = {"step": step, **self.tags, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
-        # one write per line on an O_APPEND descriptor: several replicas may share the file
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
-        finally:
-            os.close(fd)
+        append_line(self.path, json.dumps(record))
 
 
 class _PeakLookupLogs(logging.Filter):

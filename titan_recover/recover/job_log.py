@@ -22,7 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
-from titan_recover.recover.events import json_records
+from titan_recover.recover.events import json_records, node_files
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,34 @@ class JsonlTail:
         self.offset += end
         return json_records(data[:end].splitlines(), self.path, "record")
 
+    def skip_to_end(self) -> None:
+        """Lines already in the file are not read."""
+        self.offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+
+
+class NodeFilesTail:
+    """The complete lines appended to every node's file of a run-wide JSONL file (``events.jsonl``,
+    ``events.node1.jsonl``, ...: :func:`~titan_recover.recover.events.node_files`) since the last read, node 0's
+    first; a node's file that appears later is read from its start."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.tails: dict[str, JsonlTail] = {}
+
+    def _follow_new(self) -> list[JsonlTail]:
+        for name in node_files(self.path):
+            if name not in self.tails:
+                self.tails[name] = JsonlTail(name)
+        return list(self.tails.values())
+
+    def read(self) -> list[dict[str, Any]]:
+        return [record for tail in self._follow_new() for record in tail.read()]
+
+    def skip_to_end(self) -> None:
+        """Lines already in the files are not read (a resumed run's)."""
+        for tail in self._follow_new():
+            tail.skip_to_end()
+
 
 class Sink(Protocol):
     def step(self, step: int, record: dict[str, Any], events: list[dict[str, Any]]) -> None:
@@ -112,10 +140,10 @@ class Follower(ABC):
     FILES: tuple[str, ...] = ()
 
     def __init__(self, run_dir: str, poll_s: float = 0.5, from_start: bool = False):
-        self.tails = {name: JsonlTail(os.path.join(run_dir, f"{name}.jsonl")) for name in self.FILES}
+        self.tails = {name: NodeFilesTail(os.path.join(run_dir, f"{name}.jsonl")) for name in self.FILES}
         if not from_start:
             for tail in self.tails.values():
-                tail.offset = os.path.getsize(tail.path) if os.path.exists(tail.path) else 0
+                tail.skip_to_end()
         self.poll_s = poll_s
         self.all_events: list[dict[str, Any]] = []
         """Every event read so far, routine ones included."""

@@ -35,6 +35,7 @@ from titan_recover.recover.groups.member import (COORDINATOR_ENV, FOUNDING_STEP_
                                                  RUN_DIR_ENV)
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys
+from titan_recover.recover.events import NODE_ENV
 from titan_recover.recover.groups.keys import GroupKeys, newest_published, parse_dropped, raise_fault_flag
 from titan_recover.recover.groups.protocol import decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
@@ -53,10 +54,6 @@ NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
 """How long NCCL lets a non-blocking communicator's init or abort take: ``collective_timeout_s`` in every process
 of a replica-group job unless the user set it. torch reads it once per process, at the first non-blocking call of
 any communicator, so it is set before the process starts."""
-
-NODE_ENV = "TITAN_RECOVER_NODE"
-"""Set by the launcher in every child's environment: the node rank, so that a launcher's cleanup ends its own node's
-processes only (several "nodes" may share a machine in tests)."""
 
 
 def _pump(stream, prefix: str, sink) -> None:
