@@ -83,26 +83,39 @@ def test_no_function_is_longer_than_sixty_lines():
     assert long == []
 
 
+def _imports_torchtitan(node: ast.stmt) -> bool:
+    return (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchtitan")) or (
+        isinstance(node, ast.Import) and any(a.name.startswith("torchtitan") for a in node.names))
+
+
+def _activates_platform(node: ast.stmt) -> bool:
+    call = node.value if isinstance(node, ast.Expr) else getattr(node, "value", None)
+    return isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "activate" \
+        and getattr(call.func.value, "id", "") == "platform"
+
+
 @pytest.mark.multiprocess
 def test_importing_any_module_first_leaves_the_platform_free_to_choose_the_device():
     """TorchTitan's trainer, metrics, parallel-dims and distributed-utils modules copy its device globals when
-    imported, so :func:`titan_recover.platform.activate` must run before them. Every module that imports TorchTitan
-    at top level is imported first thing in a fresh interpreter (one fork each): none may have brought one of those
-    modules in without activating the platform (``build_config`` would then refuse to run on CPU)."""
+    imported, so :func:`titan_recover.platform.activate` must run before them. A module that imports TorchTitan at
+    top level either activates the platform first (read from its source), or is imported first thing in a fresh
+    interpreter (one fork each) and must not have brought one of those modules in (``build_config`` would then
+    refuse to run on CPU)."""
     import subprocess
     import sys
 
-    first = sorted(
-        ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
-        for path in ROOT.rglob("*.py")
-        if any(isinstance(node, (ast.Import, ast.ImportFrom)) and node.col_offset == 0
-               and (getattr(node, "module", None) or node.names[0].name).startswith("torchtitan")
-               for node in ast.parse(path.read_text()).body)
-    )
-    assert "titan_recover.trainer" in first
+    activating, unchecked = [], []
+    for path in sorted(ROOT.rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        first = next((i for i, node in enumerate(body) if _imports_torchtitan(node)), None)
+        if first is None:
+            continue
+        name = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+        (activating if any(map(_activates_platform, body[:first])) else unchecked).append(name)
+    assert "titan_recover.trainer" in activating and "titan_recover.checkpoint" in unchecked
     check = f"""
 import os, sys, importlib, torch
-for name in {first!r}:
+for name in {unchecked!r}:
     pid = os.fork()
     if pid == 0:
         importlib.import_module(name)
