@@ -7,9 +7,13 @@
 #   sbatch --nodes 8 --gpus-per-node 8 scripts/slurm_train.sh train_configs/llama3_70b.toml [--section.key value ...]
 # Environment: RDZV_PORT (default 29500: a free port on the first node, reachable from every node). The run id is
 # $SLURM_JOB_ID (it names the job's in-memory snapshots, docs/phoenix.md).
+# Three minutes before the time limit SLURM sends SIGUSR1 to this script's process (srun, after the exec below), which
+# passes it to every node's launcher: every rank stops after the same step with a checkpoint of it, exit 138
+# (docs/deploy.md "Stopping with a checkpoint").
 #SBATCH --job-name=titan_recover
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
+#SBATCH --signal=B:USR1@180
 set -euo pipefail
 config="${1:?usage: sbatch scripts/slurm_train.sh CONFIG.toml [overrides]}"
 shift

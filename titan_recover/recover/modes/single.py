@@ -5,6 +5,8 @@ its phases and, with ``[recover.snapshot] interval``, every rank's state goes to
 interval (restored by the checkpoint manager when torchrun restarts the job, docs/phoenix.md).
 ``checkpoint_restart`` is the baseline of docs/evidence.md: the replica groups are TorchTitan's replicated
 data-parallel dimension, so events and faults name a rank by (replica, rank) as in the replica-group job.
+Both stop with a checkpoint of the current step when asked by ``SIGUSR1`` (a scheduler's warning before the time
+limit; :mod:`~titan_recover.recover.stop_request`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from titan_recover import platform
 from titan_recover.recover.chaos.monkey import ChaosMonkey
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import incarnation_from_env
-from titan_recover.recover.modes.base import Mode, register_mode, TrainerParts
+from titan_recover.recover.modes.base import Mode, register_mode, Stop, TrainerParts
+from titan_recover.recover.stop_request import STOP_SIGNAL, StopAgreement, StopSignal
 
 
 def forward_backward_with_faults(parts: TrainerParts, chaos: ChaosMonkey | None, step: int, batch: dict):
@@ -58,6 +61,9 @@ class SingleMode(Mode):
         self.snapshots = getattr(parts.checkpointer, "snapshots", None)
         if self.snapshots is not None:
             parts.optimizers.register_step_pre_hook(lambda *_args, **_kwargs: self.snapshots.before_optimizer())
+        self.stop_signal, self.stop_agreement = StopSignal(), StopAgreement(parts.device)
+        self.stop_after: int | None = None
+        """The step the ranks agreed to stop after (a stop request), or None."""
 
     def replica_and_rank(self, rank: int, world: int) -> tuple[int, int, int]:
         """``(groups, replica, rank in the replica)`` this rank's events and faults are named by."""
@@ -72,6 +78,30 @@ class SingleMode(Mode):
         titan_step()
         if self.snapshots is not None and step % self.config.recover.snapshot.interval == 0:
             self.snapshots.take(step)
+        if self.stop_agreement.poll(self.stop_signal.requested) and self.stop_after is None:
+            self.stop_after = step
+
+    def should_continue(self, scheduled: bool) -> bool:
+        return scheduled and self.stop_after is None
+
+    def train(self, run) -> Stop | None:
+        """TorchTitan's loop; after a stop request every rank agreed on, a stop with a checkpoint of that step
+        (exit 0 for torchrun, which would otherwise restart the job; its wrapper exits 128 + the signal)."""
+        run()
+        if self.stop_after is None:
+            return None
+        reason = (f"stop requested ({STOP_SIGNAL.name}, e.g. a scheduler's warning before the job's time limit): "
+                  f"stopping after step {self.stop_after}")
+        ntokens_seen = self.parts.train_state.state_dict()["ntokens_seen"]
+        return Stop(step=self.stop_after, ntokens_seen=ntokens_seen, reason=reason,
+                    save=bool(self.config.checkpoint.enable), exit_code=0)
+
+    def stopped(self, stop: Stop, checkpoint_saved: bool) -> None:
+        folder = getattr(self.parts.checkpointer, "folder", "checkpoint")
+        where = (f"checkpoint of step {stop.step} in {folder}: the job resumes from it" if checkpoint_saved else
+                 "no checkpoint written (enable [checkpoint] to resume from the step a stop ends at)")
+        self.events.emit("stopped", step=stop.step, reason=stop.reason, checkpoint_saved=checkpoint_saved)
+        print(f"[titan_recover] {stop.reason}; {where}", flush=True)
 
     def forward_backward(self, step: int, **batch) -> torch.Tensor:
         return forward_backward_with_faults(self.parts, self.chaos, step, batch)

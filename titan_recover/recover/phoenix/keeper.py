@@ -67,9 +67,10 @@ def run_with_keeper(cmd: list[str], env: dict, *, many_nodes: bool = False) -> i
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
-    """Run ``cmd`` to its end, passing Ctrl-C / SIGTERM on to it."""
+    """Run ``cmd`` to its end, passing Ctrl-C / SIGTERM / SIGUSR1 (a stop with a checkpoint) on to it."""
     job = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(signal.SIGTERM))  # torchrun ends its workers
-    previous = {s: signal.signal(s, lambda signum, _f: job.send_signal(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, lambda signum, _f: job.send_signal(signum))
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         return job.wait()
     finally:

@@ -1,0 +1,94 @@
+"""A stop with a checkpoint asked for by SIGUSR1 in a job without replica groups (titan_recover/recover/stop_request.py,
+titan_recover/torchrun.py): the ranks' agreement on the step, and the whole path through the launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import read_metrics, ROOT
+from titan_recover.recover.events import read_events
+from titan_recover.recover.stop_request import StopAgreement
+
+
+class Ranks:
+    """The all-reduce (max) of several ranks' flags, as the ranks' agreements see it: each rank's ``poll`` of
+    step ``s`` contributes to the reduction of step ``s``; the value is there once every rank contributed (the
+    caller polls the ranks of a step in turn, as their collective completes)."""
+
+    def __init__(self, ranks: int):
+        self.ranks, self.contributed = ranks, {}
+
+    def agreement(self, rank: int) -> StopAgreement:
+        step = [0]
+
+        def reduce(flag: torch.Tensor):
+            step[0] += 1
+            values = self.contributed.setdefault(step[0], [])
+            values.append(flag)
+            if len(values) == self.ranks:
+                top = max(int(v.item()) for v in values)
+                for v in values:
+                    v.fill_(top)
+            return type("Work", (), {"wait": lambda _self: None})()
+
+        return StopAgreement("cpu", all_reduce_max=reduce, lag=2)
+
+
+def test_the_ranks_agree_on_one_step_whichever_step_each_saw_the_signal_at():
+    """Rank 1 sees the signal at step 3, rank 0 only at step 5: both answer True first at step 5 (the reduction
+    of step 3, read two steps later), never before, and on every step after."""
+    ranks = Ranks(2)
+    agreements = [ranks.agreement(0), ranks.agreement(1)]
+    answers = {0: [], 1: []}
+    for step in range(1, 9):
+        for rank in (0, 1):
+            saw = (rank == 1 and step >= 3) or (rank == 0 and step >= 5)
+            answers[rank].append(agreements[rank].poll(saw))
+    assert answers[0] == answers[1] == [False] * 4 + [True] * 4
+    with pytest.raises(ValueError, match="lag must be at least 1"):
+        StopAgreement("cpu", lag=0)
+
+
+@pytest.mark.multiprocess
+def test_sigusr1_to_the_launcher_stops_the_job_with_a_checkpoint_it_resumes_from(tmp_path, default_data):
+    """FSDP2 over 2 ranks, 400 steps asked for, checkpoints every 1000 (none would be written): SIGUSR1 to the
+    launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends) once a step was logged. Both ranks stop after the same
+    step, a checkpoint of it is written, the launcher exits 138 (stopped by the signal), and a second start of the
+    same job resumes from that step."""
+    command = [sys.executable, "-m", "titan_recover.launch", "train_configs/debug_model.toml", "--model.flavor", "tiny",
+               "--metrics.no_enable_wandb", "--training.steps", "400", "--checkpoint.enable",
+               "--checkpoint.interval", "1000", "--dump_folder", str(tmp_path)]
+    job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path):
+            assert job.poll() is None and time.monotonic() < deadline, "the job logged no step"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGUSR1)
+        output, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGUSR1, output[-4000:]
+    stopped = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "stopped"]
+    assert sorted(e["rank"] for e in stopped) == [0, 1] and len({e["step"] for e in stopped}) == 1, stopped
+    step = stopped[0]["step"]
+    assert all(e["checkpoint_saved"] for e in stopped) and 1 < step < 400, stopped
+    assert (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").is_file()
+    assert max(r["step"] for r in read_metrics(tmp_path)) == step
+    assert f"stopping after step {step}" in output
+
+    resumed = subprocess.run([*command[:command.index("400")], str(step + 1), *command[command.index("400") + 1:]],
+                             cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    started = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "training_started"]
+    assert {e["resumed_from"] for e in started[-2:]} == {step}, started
+    assert max(r["step"] for r in read_metrics(tmp_path)) == step + 1
