@@ -122,7 +122,7 @@ for name in {unchecked!r}:
         from titan_recover import platform
         early = [m for m in platform._COPIES_DEVICE_GLOBALS if m in sys.modules]
         if early and platform._active_device is None:
-            print(name, "imported", ", ".join(early), "before activating the platform")
+            print(name, "imported", ", ".join(early), "before activating the platform", flush=True)
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     if status:

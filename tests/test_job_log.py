@@ -180,12 +180,13 @@ def test_each_node_writes_its_own_file_and_every_reader_merges_them(tmp_path, mo
     write ``events.node<r>.jsonl`` / ``metrics.node<r>.jsonl`` (node 0 the plain names), and the readers (events,
     metrics, the job log's tail, which picks up a node's file that appears later) read every node's."""
     from titan_recover.metrics import JsonlLogger
-    from titan_recover.recover.events import EventLog, NODE_ENV, read_events, read_jsonl
+    from titan_recover.recover.events import EventLog, NODE_ENV, node_path, read_events, read_jsonl
     from titan_recover.recover.job_log import NodeFilesTail
 
     events, metrics = tmp_path / "events.jsonl", tmp_path / "metrics.jsonl"
     tail = NodeFilesTail(str(metrics))
     monkeypatch.delenv(NODE_ENV, raising=False)  # a process no launcher started: node 0's names
+    monkeypatch.delenv("GROUP_RANK", raising=False)
     EventLog(str(events), "coordinator").emit("epoch_formed", console=False, epoch=0)
     JsonlLogger(str(metrics), {"replica": 0}).log({LOSS: 8.0}, step=1)
     monkeypatch.setenv(NODE_ENV, "0")
@@ -206,3 +207,6 @@ def test_each_node_writes_its_own_file_and_every_reader_merges_them(tmp_path, mo
     fresh = NodeFilesTail(str(metrics))
     fresh.skip_to_end()
     assert fresh.read() == []
+    monkeypatch.delenv(NODE_ENV)  # a job without replica groups: torchrun's node rank names the file
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert node_path(str(events)) == str(tmp_path / "events.node3.jsonl")

@@ -56,6 +56,36 @@ def test_the_ranks_agree_on_one_step_whichever_step_each_saw_the_signal_at():
         StopAgreement("cpu", lag=0)
 
 
+def test_the_agent_notes_the_signal_for_its_workers_and_exits_138_only_if_they_stopped(tmp_path, monkeypatch):
+    """``titan_recover.torchrun`` turns SIGUSR1 into a file its workers (started before or after) look for; it
+    exits 128 + 10 only if the workers wrote that they stopped and exited 0, else with their code (0: the budget was
+    trained before the request took effect)."""
+    from titan_recover.recover.stop_request import STOP_FILE_ENV, StopSignal, stopped_marker
+    from titan_recover.torchrun import _StopFile
+
+    monkeypatch.delenv(STOP_FILE_ENV, raising=False)  # restored after the test
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        agent = _StopFile()
+        worker = StopSignal()  # inherits the file's path
+        assert not worker.requested and worker.file == agent.file
+        os.kill(os.getpid(), signal.SIGUSR1)  # to the agent (this process's handler is now the worker's)
+        assert worker.signalled and worker.requested
+        worker.signalled = False
+        assert not worker.requested  # the agent's file is not there: only this process was signalled
+        agent._note(signal.SIGUSR1, None)
+        assert worker.requested
+        assert agent.exit_code(0) == 0 and not os.path.exists(agent.folder)  # no worker stopped: the budget trained
+        agent = _StopFile()
+        open(stopped_marker(), "a").close()
+        assert agent.exit_code(1) == 1  # a failure stays one
+        agent = _StopFile()
+        open(stopped_marker(), "a").close()
+        assert agent.exit_code(0) == 128 + signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 @pytest.mark.multiprocess
 def test_sigusr1_to_the_launcher_stops_the_job_with_a_checkpoint_it_resumes_from(tmp_path, default_data):
     """FSDP2 over 2 ranks, 400 steps asked for, checkpoints every 1000 (none would be written): SIGUSR1 to the

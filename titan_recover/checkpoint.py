@@ -108,6 +108,8 @@ class RecoverCheckpointManager(CheckpointManager):
     def __init__(self, config: Config, *, model_parts, optimizers, lr_schedulers, states: dict[str, Any],
                  base_folder: str = "", **kwargs):
         self.load_verified = bool(config.load_verified)
+        self._full_state_saved: int | None = None
+        """The last step whose full training state this manager saved (a stop's checkpoint need not save it again)."""
         self._train_state = states.get(TRAIN_STATE)
         self._events: EventLog | None = None
         self._run_dir = os.environ.get(RUN_DIR_ENV, base_folder)
@@ -162,7 +164,10 @@ class RecoverCheckpointManager(CheckpointManager):
         """TorchTitan's save on the checkpoint writer; nothing elsewhere."""
         if not self.writer:
             return False
-        return super()._save(curr_step, last_step)
+        saved = super()._save(curr_step, last_step)
+        if saved and not last_step:
+            self._full_state_saved = curr_step  # the full training state (a last step's may be model-only)
+        return saved
 
     def save_resumable(self, step: int) -> bool:
         """A checkpoint of ``step`` the job resumes from, written now on the checkpoint writer (a stop's): the full
@@ -173,6 +178,9 @@ class RecoverCheckpointManager(CheckpointManager):
         if not self.enable or self.load_only or not self.writer:
             return False
         self.maybe_wait_for_saving()
+        if getattr(self, "_full_state_saved", None) == step:  # the interval's save of this step: the same state
+            logger.info("the checkpoint of step %d, saved by its interval, is the one to resume from", step)
+            return True
         logger.info("saving a full checkpoint of step %d to resume from", step)
         self.dcp_save(self._flattened_model_states_sd(), checkpoint_id=self._create_checkpoint_id(step),
                       async_mode=AsyncMode.DISABLED, enable_garbage_collection=True)

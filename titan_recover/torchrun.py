@@ -11,55 +11,44 @@ Usage is torchrun's: ``python -m titan_recover.torchrun [torchrun options] -m MO
 torchrun (a failed worker's ``ChildFailedError``, a signal's ``SignalException``) is printed as Python would and
 ends the process with 1, as an uncaught one does.
 
-``SIGUSR1`` (a scheduler's warning before the time limit) would end torchrun's agent, which has no handler for it:
-it is passed on to the workers instead, which stop with a checkpoint (:mod:`~titan_recover.recover.stop_request`)
-and exit 0, and this process then exits 128 + 10 (138: stopped by the signal, not finished), as the replica-group
-launcher does. A job that finished its budget as the signal came exits 138 too (a scheduler that requeues it
-starts a run that loads the last step and ends at once).
+``SIGUSR1`` (a scheduler's warning before the time limit) would end torchrun's agent, which has no handler for it.
+This process notes it instead in a node-local file whose path the workers inherit
+(:mod:`~titan_recover.recover.stop_request`): they stop after a step they agree on, with a checkpoint of it, and
+exit 0 (torchrun would restart workers that failed); this process then exits 128 + 10 (138: stopped by the signal,
+as the replica-group launcher does) if they did stop, and 0 if they had trained the budget first.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import traceback
 from typing import NoReturn
 
 from titan_recover.process_exit import leave
-from titan_recover.recover.stop_request import STOP_SIGNAL
+from titan_recover.recover.stop_request import STOP_FILE_ENV, STOP_SIGNAL
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux ``/proc``): a torchrun agent's workers."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue  # ended meanwhile
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # the field after the state: the parent's pid
-            found.append(int(entry))
-    return found
-
-
-class _PassOn:
-    """Passes ``STOP_SIGNAL`` on to this process's children and remembers that it came."""
+class _StopFile:
+    """The node-local file the workers look for, created when ``STOP_SIGNAL`` comes to this process."""
 
     def __init__(self):
-        self.came = False
-        signal.signal(STOP_SIGNAL, self)
+        self.folder = tempfile.mkdtemp(prefix="titan_recover_stop.")
+        self.file = os.path.join(self.folder, "requested")
+        os.environ[STOP_FILE_ENV] = self.file  # the workers torchrun starts inherit it
+        signal.signal(STOP_SIGNAL, self._note)
 
-    def __call__(self, signum, _frame) -> None:
-        self.came = True
-        for child in children(os.getpid()):
-            try:
-                os.kill(child, signum)
-            except ProcessLookupError:
-                pass
+    def _note(self, _signum, _frame) -> None:
+        open(self.file, "a").close()
+
+    def exit_code(self, code: int) -> int:
+        """The process's exit code: 128 + the signal if the workers stopped on it and exited 0."""
+        stopped = code == 0 and os.path.exists(os.path.join(self.folder, "stopped"))
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return 128 + STOP_SIGNAL if stopped else code
 
 
 def exit_code(stop: SystemExit) -> int:
@@ -74,16 +63,15 @@ def exit_code(stop: SystemExit) -> int:
 def main(argv: list[str] | None = None) -> NoReturn:
     from torch.distributed import run
 
-    stop = _PassOn()
+    stop = _StopFile()
     try:
         run.main(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as ended:
-        code = exit_code(ended)
-        leave(128 + STOP_SIGNAL if stop.came and code == 0 else code)
+        leave(stop.exit_code(exit_code(ended)))
     except BaseException:  # noqa: BLE001 - printed and turned into the exit status Python would give it
         traceback.print_exc()
-        leave(1)
-    leave(128 + STOP_SIGNAL if stop.came else 0)
+        leave(stop.exit_code(1))
+    leave(stop.exit_code(0))
 
 
 if __name__ == "__main__":

@@ -87,10 +87,11 @@ class RecoverTrainer(Trainer):
         if stop is None:
             return
         self.step, self.ntokens_seen = stop.step, stop.ntokens_seen
+        saved = False
         if stop.save:  # the mode chose this replica to write the stop's checkpoint, one the job resumes from
             self.checkpointer.writer = True
-            self.checkpointer.save_resumable(stop.step)
-        self.mode.stopped(stop, checkpoint_saved=stop.save)
+            saved = self.checkpointer.save_resumable(stop.step)
+        self.mode.stopped(stop, checkpoint_saved=saved)
         raise SystemExit(stop.exit_code)
 
     def close(self) -> None:

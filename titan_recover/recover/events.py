@@ -30,8 +30,9 @@ launcher's cleanup ends: several "nodes" may share a machine in tests)."""
 def node_path(path: str) -> str:
     """The file a process of this node writes for the run-wide JSONL file ``path``: ``path`` itself on node 0 (and
     in a process no launcher started), ``<stem>.node<r><suffix>`` on node ``r``: writers on several hosts never
-    append to one file of a shared file system."""
-    node = os.environ.get(NODE_ENV, "0")
+    append to one file of a shared file system. The node: the launcher's :data:`NODE_ENV` in a replica-group job,
+    else torchrun's ``GROUP_RANK`` (the node's rank in its rendezvous)."""
+    node = os.environ.get(NODE_ENV) or os.environ.get("GROUP_RANK", "0")
     if node in ("", "0"):
         return path
     stem, suffix = os.path.splitext(path)

@@ -705,8 +705,10 @@ class ReplicaJob:
         if cold is None or self.stopped_by is not None:
             return False
         self.cold_restarted = cold
-        step = int(self._read(GroupKeys.founding_step(cold)))  # the coordinator wrote it before the cold restart
-        started = False
+        step = self._read(GroupKeys.founding_step(cold))  # the coordinator wrote it before the cold restart
+        if step is None:  # collected: the epoch after it was founded and committed without this node's groups
+            return False
+        step, started = int(step), False
         for slot in self.slots:
             if slot.proc is not None:
                 _signal_group(slot.proc, signal.SIGKILL)

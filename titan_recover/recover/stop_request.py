@@ -2,33 +2,60 @@
 
 A scheduler warns a job before its time limit with a signal (SLURM: ``#SBATCH --signal=B:USR1@180``); the job
 should then save a checkpoint it can resume from and end, instead of losing the steps since its last interval
-checkpoint. ``titan_recover.torchrun`` passes ``SIGUSR1`` on to its workers (torchrun's agent would end on it); each
-rank notes it in a flag (:class:`StopSignal`). The ranks may see it at different steps, and a checkpoint is a
-collective of every rank, so they agree on the step with one all-reduce (max) of the flag per step
-(:class:`StopAgreement`), read ``lag`` steps after it was issued: on a GPU the host never waits for the step it just
-queued, and every rank reads the same reduced value at the same step.
+checkpoint. ``titan_recover.torchrun`` (torchrun's agent, which would end on ``SIGUSR1``) notes the signal in a
+node-local file whose path its workers inherit (:data:`STOP_FILE_ENV`): a worker started or restarted later sees it
+too, and none is ended by a signal it has no handler for yet. A worker signalled itself notes it as well
+(:func:`listen`, installed first thing in ``train.main``). The ranks may see the request at different steps, and a
+checkpoint is a collective of every rank, so they agree on the step with one all-reduce (max) of the flag per step
+(:class:`StopAgreement`), read ``lag`` steps after it was issued: on a GPU the host never waits for the step it
+just queued, and every rank reads the same reduced value at the same step. A rank that stops writes
+:func:`stopped_marker`, so that the agent exits 138 (stopped) rather than 0 (the budget trained).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import os
 import signal
+import threading
 from typing import Callable
 
 import torch
 
 STOP_SIGNAL = signal.SIGUSR1
+STOP_FILE_ENV = "TITAN_RECOVER_STOP_FILE"
+"""Set by ``titan_recover.torchrun`` for its workers: a node-local file that exists once the agent got
+:data:`STOP_SIGNAL`."""
 
 
 class StopSignal:
-    """Notes ``STOP_SIGNAL`` in this process (installed from the main thread, as Python requires)."""
+    """Whether this process was asked to stop: :data:`STOP_SIGNAL` came to it, or its agent's stop file exists."""
 
     def __init__(self):
-        self.requested = False
-        signal.signal(STOP_SIGNAL, self._note)
+        self.signalled = False
+        self.file = os.environ.get(STOP_FILE_ENV, "")
+        if threading.current_thread() is threading.main_thread():  # Python installs handlers there only
+            signal.signal(STOP_SIGNAL, self._note)
 
     def _note(self, _signum, _frame) -> None:
-        self.requested = True
+        self.signalled = True
+
+    @property
+    def requested(self) -> bool:
+        return self.signalled or bool(self.file and os.path.exists(self.file))
+
+
+@functools.cache
+def listen() -> StopSignal:
+    """This process's one :class:`StopSignal` (its handler installed at the first call)."""
+    return StopSignal()
+
+
+def stopped_marker() -> str | None:
+    """The file a rank that stopped on a request writes next to its agent's stop file (None without an agent)."""
+    file = os.environ.get(STOP_FILE_ENV, "")
+    return os.path.join(os.path.dirname(file), "stopped") if file else None
 
 
 class StopAgreement:
@@ -47,7 +74,8 @@ class StopAgreement:
         self._pending: collections.deque = collections.deque()
 
     def poll(self, requested: bool) -> bool:
-        flag = torch.tensor([int(requested)], dtype=torch.int32, device=self.device)
+        # filled on the device (a tensor built from a host value would be copied and waited for)
+        flag = torch.full((1,), int(requested), dtype=torch.int32, device=self.device)
         self.all_reduce_max(flag).wait()  # on CUDA: the current stream waits for it, the host does not
         if self.device.type == "cuda":
             host = torch.empty(1, dtype=torch.int32, pin_memory=True)

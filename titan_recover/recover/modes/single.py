@@ -21,7 +21,7 @@ from titan_recover.recover.chaos.monkey import ChaosMonkey
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import incarnation_from_env
 from titan_recover.recover.modes.base import Mode, register_mode, Stop, TrainerParts
-from titan_recover.recover.stop_request import STOP_SIGNAL, StopAgreement, StopSignal
+from titan_recover.recover.stop_request import listen, STOP_SIGNAL, StopAgreement, stopped_marker
 
 
 def forward_backward_with_faults(parts: TrainerParts, chaos: ChaosMonkey | None, step: int, batch: dict):
@@ -61,7 +61,7 @@ class SingleMode(Mode):
         self.snapshots = getattr(parts.checkpointer, "snapshots", None)
         if self.snapshots is not None:
             parts.optimizers.register_step_pre_hook(lambda *_args, **_kwargs: self.snapshots.before_optimizer())
-        self.stop_signal, self.stop_agreement = StopSignal(), StopAgreement(parts.device)
+        self.stop_signal, self.stop_agreement = listen(), StopAgreement(parts.device)
         self.stop_after: int | None = None
         """The step the ranks agreed to stop after (a stop request), or None."""
 
@@ -88,8 +88,11 @@ class SingleMode(Mode):
         """TorchTitan's loop; after a stop request every rank agreed on, a stop with a checkpoint of that step
         (exit 0 for torchrun, which would otherwise restart the job; its wrapper exits 128 + the signal)."""
         run()
-        if self.stop_after is None:
-            return None
+        if self.stop_after is None or self.stop_after >= self.config.training.steps:
+            return None  # the budget was trained (a request at the last step changes nothing)
+        marker = stopped_marker()
+        if marker is not None:  # the agent exits 138 (stopped), not 0 (trained)
+            open(marker, "a").close()
         reason = (f"stop requested ({STOP_SIGNAL.name}, e.g. a scheduler's warning before the job's time limit): "
                   f"stopping after step {self.stop_after}")
         ntokens_seen = self.parts.train_state.state_dict()["ntokens_seen"]
