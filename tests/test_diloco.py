@@ -583,8 +583,10 @@ def test_learners_on_two_nodes_never_wait_for_a_dead_or_slow_learner_or_the_sync
     assert [e["resumed"] for e in started] == [False] + [True] * (len(started) - 1), started
     assert all(later["merges"] >= earlier["merges"] for earlier, later in zip(started, started[1:])), started
     syncer_faults = {e["generation"]: e for e in by_kind["fault_injected"] if e.get("process") == "syncer"}
-    ended = {**{e["generation"]: e for e in lost_lease}, **syncer_faults}  # what ended each leader but the last
-    assert sorted(ended) == list(range(1, len(started))) and len(started) == 3 + len(lost_lease), (ended, started)
+    # what ended each leader but the last: a fault, or a lease lost first (then a fault scheduled for that leader
+    # never fires, and the job has one start fewer than faults plus lost leases)
+    ended = {**{e["generation"]: e for e in lost_lease}, **syncer_faults}
+    assert sorted(ended) == list(range(1, len(started))), (ended, started)
     node = [int(e["identity"].split("/")[1].removeprefix("node")) for e in started]
     for g, fault in syncer_faults.items():
         assert started[g]["time"] > fault["time"]  # the next one led after it
