@@ -87,11 +87,10 @@ def test_the_agent_notes_the_signal_for_its_workers_and_exits_138_only_if_they_s
 
 
 @pytest.mark.multiprocess
-def test_sigusr1_to_the_launcher_stops_the_job_with_a_checkpoint_it_resumes_from(tmp_path, default_data):
+def test_sigusr1_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint_of_it(tmp_path, default_data):
     """FSDP2 over 2 ranks, 400 steps asked for, checkpoints every 1000 (none would be written): SIGUSR1 to the
     launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends) once a step was logged. Both ranks stop after the same
-    step, a checkpoint of it is written, the launcher exits 138 (stopped by the signal), and a second start of the
-    same job resumes from that step."""
+    step, a checkpoint of its full training state is written, and the launcher exits 138 (stopped by the signal)."""
     command = [sys.executable, "-m", "titan_recover.launch", "train_configs/debug_model.toml", "--model.flavor", "tiny",
                "--metrics.no_enable_wandb", "--training.steps", "400", "--checkpoint.enable",
                "--checkpoint.interval", "1000", "--dump_folder", str(tmp_path)]
@@ -116,9 +115,9 @@ def test_sigusr1_to_the_launcher_stops_the_job_with_a_checkpoint_it_resumes_from
     assert max(r["step"] for r in read_metrics(tmp_path)) == step
     assert f"stopping after step {step}" in output
 
-    resumed = subprocess.run([*command[:command.index("400")], str(step + 1), *command[command.index("400") + 1:]],
-                             cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    started = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "training_started"]
-    assert {e["resumed_from"] for e in started[-2:]} == {step}, started
-    assert max(r["step"] for r in read_metrics(tmp_path)) == step + 1
+    # the full training state a later start resumes from (TorchTitan loads it whole for any step but 0), not a
+    # model-only export; resuming from it is TorchTitan's load, tested in tests/test_checkpoint_restart.py
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "checkpoint" / f"step-{step}")).read_metadata().state_dict_metadata
+    assert {"optimizer", "lr_scheduler", "dataloader", "train_state"} <= {key.split(".")[0] for key in saved}

@@ -34,15 +34,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
-from torchtitan.tools import filesystem
 
-from titan_recover.recover.events import EventLog
-from titan_recover.recover.groups.member import FOUNDING_STEP_ENV, REPLICA_ENV, RUN_DIR_ENV
-from titan_recover.recover.phoenix.snapshots import (gather_from_ranks, keeper_addresses, snapshot_job, SnapshotConfig,
-                                                     Snapshots)
-from titan_recover.recover.phoenix.state_transfer import TrainingState
-from titan_recover.recover.scout.verified import only_unverified, step_to_load
+from titan_recover import platform
+
+platform.activate()  # before any TorchTitan module (the rule every module importing TorchTitan follows)
+
+from torchtitan.components.checkpoint import AsyncMode, CheckpointManager  # noqa: E402
+from torchtitan.tools import filesystem  # noqa: E402
+
+from titan_recover.recover.events import EventLog  # noqa: E402
+from titan_recover.recover.groups.member import FOUNDING_STEP_ENV, REPLICA_ENV, RUN_DIR_ENV  # noqa: E402
+from titan_recover.recover.phoenix.snapshots import (gather_from_ranks, keeper_addresses, snapshot_job,  # noqa: E402
+                                                     SnapshotConfig, Snapshots)
+from titan_recover.recover.phoenix.state_transfer import TrainingState  # noqa: E402
+from titan_recover.recover.scout.verified import only_unverified, step_to_load  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

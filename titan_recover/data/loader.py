@@ -13,9 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import Dataset
-from torchtitan.components.dataloader import ParallelAwareDataloader
 
-from titan_recover.data.addressable import AddressableTokens
+from titan_recover import platform
+
+platform.activate()  # before any TorchTitan module (the rule every module importing TorchTitan follows)
+
+from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
+
+from titan_recover.data.addressable import AddressableTokens  # noqa: E402
 
 _ENDLESS = 2**62  # an addressable stream has no end; epochs wrap inside AddressableTokens
 
