@@ -121,3 +121,19 @@ def test_sigusr1_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoi
 
     saved = FileSystemReader(str(tmp_path / "checkpoint" / f"step-{step}")).read_metadata().state_dict_metadata
     assert {"optimizer", "lr_scheduler", "dataloader", "train_state"} <= {key.split(".")[0] for key in saved}
+
+
+def test_an_agent_removes_the_stop_folders_of_agents_killed_before_they_could(tmp_path):
+    """An agent killed by SIGKILL cannot remove its folder; the next agent on the node removes it, and never the
+    folder of an agent still running (the pid in the name) or anything else in the temp dir."""
+    from titan_recover.torchrun import _remove_folders_of_dead_agents
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (f"titan_recover_stop.{dead.pid}.abc", f"titan_recover_stop.{os.getpid()}.def",
+                 "titan_recover_stop.notapid", f"other.{dead.pid}.x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / f"titan_recover_stop.{dead.pid}.abc" / "requested").touch()
+    assert _remove_folders_of_dead_agents(str(tmp_path)) == [f"titan_recover_stop.{dead.pid}.abc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"titan_recover_stop.{os.getpid()}.def", "titan_recover_stop.notapid", f"other.{dead.pid}.x"])

@@ -15,7 +15,9 @@ ends the process with 1, as an uncaught one does.
 This process notes it instead in a node-local file whose path the workers inherit
 (:mod:`~titan_recover.recover.stop_request`): they stop after a step they agree on, with a checkpoint of it, and
 exit 0 (torchrun would restart workers that failed); this process then exits 128 + 10 (138: stopped by the signal,
-as the replica-group launcher does) if they did stop, and 0 if they had trained the budget first.
+as the replica-group launcher does) if they did stop, and 0 if they had trained the budget first. The file's
+folder is removed at the end; an agent killed before it could (SIGKILL) leaves it behind, and the next agent that
+starts on the node removes it (the folder is named after the agent's pid).
 """
 
 from __future__ import annotations
@@ -32,11 +34,38 @@ from titan_recover.process_exit import leave
 from titan_recover.recover.stop_request import STOP_FILE_ENV, STOP_SIGNAL
 
 
+_STOP_FOLDER_PREFIX = "titan_recover_stop."
+"""Each agent's folder in the temp dir: ``<prefix><agent pid>.<random>``."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _remove_folders_of_dead_agents(temp_dir: str) -> list[str]:
+    """Remove the stop folders of agents that are gone without removing them (SIGKILL): a folder is removed only
+    when the pid in its name runs no process, so a live agent's folder stays. Returns what was removed."""
+    removed = []
+    for name in os.listdir(temp_dir):
+        pid = name.removeprefix(_STOP_FOLDER_PREFIX).split(".")[0]
+        if name.startswith(_STOP_FOLDER_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(temp_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
 class _StopFile:
     """The node-local file the workers look for, created when ``STOP_SIGNAL`` comes to this process."""
 
     def __init__(self):
-        self.folder = tempfile.mkdtemp(prefix="titan_recover_stop.")
+        _remove_folders_of_dead_agents(tempfile.gettempdir())
+        self.folder = tempfile.mkdtemp(prefix=f"{_STOP_FOLDER_PREFIX}{os.getpid()}.")
         self.file = os.path.join(self.folder, "requested")
         os.environ[STOP_FILE_ENV] = self.file  # the workers torchrun starts inherit it
         signal.signal(STOP_SIGNAL, self._note)
