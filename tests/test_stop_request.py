@@ -137,3 +137,18 @@ def test_an_agent_removes_the_stop_folders_of_agents_killed_before_they_could(tm
     assert _remove_folders_of_dead_agents(str(tmp_path)) == [f"titan_recover_stop.{dead.pid}.abc"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"titan_recover_stop.{os.getpid()}.def", "titan_recover_stop.notapid", f"other.{dead.pid}.x"])
+
+
+def test_sigusr1_is_taken_out_of_the_signals_torchrun_would_end_the_workers_on():
+    """``--signals-to-handle`` (or ``PET_SIGNALS_TO_HANDLE``) with SIGUSR1 would replace the agent's stop handler
+    with torchrun's, which ends the workers without a checkpoint: the agent passes torchrun the list without it."""
+    from titan_recover.torchrun import _without_stop_signal
+
+    job = ["--nproc-per-node", "2", "-m", "titan_recover.train", "--signals-to-handle", "SIGUSR1"]
+    assert _without_stop_signal(job, {}) == (job, False)  # torchrun's default list; the module's own args untouched
+    assert _without_stop_signal(job, {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGUSR1"}) == (
+        ["--signals-to-handle=SIGTERM", *job], True)
+    assert _without_stop_signal(["--signals_to_handle", "SIGUSR1, SIGINT", *job], {}) == (
+        ["--signals-to-handle=SIGINT", *job], True)
+    assert _without_stop_signal(["--signals-to-handle=SIGUSR2,SIGUSR1", *job], {}) == (
+        ["--signals-to-handle=SIGUSR2", *job], True)

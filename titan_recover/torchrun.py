@@ -80,6 +80,35 @@ class _StopFile:
         return 128 + STOP_SIGNAL if stopped else code
 
 
+_SIGNALS_OPTIONS = ("--signals-to-handle", "--signals_to_handle")
+_SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"
+"""torchrun's option for the signals its agent ends the workers on, and the variable that sets it (torchrun's
+``PET_`` form of its options)."""
+_TORCHRUN_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def _without_stop_signal(argv: list[str], environ) -> tuple[list[str], bool]:
+    """``argv`` with ``STOP_SIGNAL`` taken out of the signals torchrun's agent would handle (its option in
+    ``argv`` before the training module, else ``PET_SIGNALS_TO_HANDLE``): torchrun would install its own handler
+    for it, which ends the workers without a checkpoint, over this process's. Returns (argv, whether it was
+    listed)."""
+    end = argv.index("-m") if "-m" in argv else len(argv)
+    value, at = environ.get(_SIGNALS_ENV, _TORCHRUN_DEFAULT_SIGNALS), None
+    for i, arg in enumerate(argv[:end]):
+        name, _, inline = arg.partition("=")
+        if name in _SIGNALS_OPTIONS:
+            at, value = i, inline if inline else argv[i + 1]
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    kept = [n for n in names if n != STOP_SIGNAL.name]
+    if len(kept) == len(names):
+        return argv, False
+    option = [f"{_SIGNALS_OPTIONS[0]}={','.join(kept)}"]
+    if at is None:
+        return option + argv, True
+    width = 1 if "=" in argv[at] else 2
+    return argv[:at] + option + argv[at + width:], True
+
+
 def exit_code(stop: SystemExit) -> int:
     """The status Python gives a process ended by ``stop``: its code, 0 for None, 1 (after printing it) for any
     other object."""
@@ -93,8 +122,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     from torch.distributed import run
 
     stop = _StopFile()
+    argv, dropped = _without_stop_signal(list(sys.argv[1:] if argv is None else argv), os.environ)
+    if dropped:
+        print(f"titan_recover.torchrun: {STOP_SIGNAL.name} is a stop with a checkpoint here, not one of the signals "
+              f"torchrun ends the workers on: taken out of {_SIGNALS_ENV} / --signals-to-handle", file=sys.stderr)
     try:
-        run.main(list(sys.argv[1:] if argv is None else argv))
+        run.main(argv)
     except SystemExit as ended:
         leave(stop.exit_code(exit_code(ended)))
     except BaseException:  # noqa: BLE001 - printed and turned into the exit status Python would give it
