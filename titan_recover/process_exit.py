@@ -5,6 +5,8 @@ A process that imported torch and TorchTitan spends about 2 s after its last lin
 host. Nothing a job needs happens there, and in a replica group it can do harm: the gloo groups of past epochs may
 still hold an operation with a dead peer, and their destructors wait for gloo's timeout. Every entry point (a rank,
 the launcher, the coordinator, the DiLoCo syncer) therefore ends through :func:`leave` once its own work is closed.
+:func:`pid_alive` tells whether another process is still there (an agent's or a rank's, named by its pid in a file
+it left).
 """
 
 from __future__ import annotations
@@ -16,6 +18,17 @@ import sys
 from typing import Callable, NoReturn
 
 PR_SET_PDEATHSIG = 1
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def leave(code: int) -> NoReturn:

@@ -30,22 +30,12 @@ import tempfile
 import traceback
 from typing import NoReturn
 
-from titan_recover.process_exit import leave
+from titan_recover.process_exit import leave, pid_alive
 from titan_recover.recover.stop_request import STOP_FILE_ENV, STOP_SIGNAL
 
 
 _STOP_FOLDER_PREFIX = "titan_recover_stop."
 """Each agent's folder in the temp dir: ``<prefix><agent pid>.<random>``."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _remove_folders_of_dead_agents(temp_dir: str) -> list[str]:
@@ -54,7 +44,7 @@ def _remove_folders_of_dead_agents(temp_dir: str) -> list[str]:
     removed = []
     for name in os.listdir(temp_dir):
         pid = name.removeprefix(_STOP_FOLDER_PREFIX).split(".")[0]
-        if name.startswith(_STOP_FOLDER_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+        if name.startswith(_STOP_FOLDER_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(temp_dir, name), ignore_errors=True)
             removed.append(name)
     return removed
@@ -83,8 +73,7 @@ class _StopFile:
 _SIGNALS_OPTIONS = ("--signals-to-handle", "--signals_to_handle")
 _SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"
 """torchrun's option for the signals its agent ends the workers on, and the variable that sets it (torchrun's
-``PET_`` form of its options)."""
-_TORCHRUN_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+``PET_`` form of its options). Its default list has no ``STOP_SIGNAL``."""
 
 
 def _without_stop_signal(argv: list[str], environ) -> tuple[list[str], bool]:
@@ -93,11 +82,11 @@ def _without_stop_signal(argv: list[str], environ) -> tuple[list[str], bool]:
     for it, which ends the workers without a checkpoint, over this process's. Returns (argv, whether it was
     listed)."""
     end = argv.index("-m") if "-m" in argv else len(argv)
-    value, at = environ.get(_SIGNALS_ENV, _TORCHRUN_DEFAULT_SIGNALS), None
+    value, at = environ.get(_SIGNALS_ENV, ""), None
     for i, arg in enumerate(argv[:end]):
         name, _, inline = arg.partition("=")
         if name in _SIGNALS_OPTIONS:
-            at, value = i, inline if inline else argv[i + 1]
+            at, value = i, inline if inline or i + 1 >= end else argv[i + 1]
     names = [n.strip() for n in value.split(",") if n.strip()]
     kept = [n for n in names if n != STOP_SIGNAL.name]
     if len(kept) == len(names):

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from titan_recover.process_exit import pid_alive
 from titan_recover.recover.scout.beacon import beacon_path, BeaconRecord, read_beacon
 from titan_recover.recover.events import EventLog
 
@@ -95,16 +96,6 @@ def diagnose(beacons: dict[int, BeaconRecord | None], now: float, threshold_s: f
     return Diagnosis("stalled", ranks, "no progress: " + "; ".join(where(r) for r in ranks), stalled_s)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Observer:
     def __init__(self, run_dir: str, replica: int, incarnation: int, ranks: int, threshold_s: float, end_hung: bool):
         self.run_dir, self.replica, self.incarnation, self.ranks = run_dir, replica, incarnation, ranks
@@ -125,7 +116,7 @@ class Observer:
             beacons = {r: read_beacon(p) for r, p in self.paths.items()}
             beacons = {r: b if b is not None and b.time >= self.started else None for r, b in beacons.items()}
             # a rank that exited is the fault-tolerant group's business, not a hang: no longer judged
-            beacons = {r: b for r, b in beacons.items() if b is None or b.phase == "done" or _alive(b.pid)}
+            beacons = {r: b for r, b in beacons.items() if b is None or b.phase == "done" or pid_alive(b.pid)}
             if not beacons or all(b is not None and b.phase == "done" for b in beacons.values()):
                 return 0
             diagnosis = diagnose(beacons, time.time(), self.threshold_s)
