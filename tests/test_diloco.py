@@ -232,6 +232,39 @@ def test_a_launcher_ends_a_hung_syncer_only_while_it_leads_and_restarts_a_dead_o
             child.wait()
 
 
+def test_a_syncers_first_evaluation_is_held_to_the_start_bound_until_its_first_microbatch_ends(tmp_path):
+    """The first microbatch of a syncer process's first evaluation compiles (a FlexAttention model: tens of seconds
+    on a GPU, more than ``syncer_timeout_s``). The syncer announces it in its beat; the launcher's watch holds that
+    beat to ``startup_timeout_s``; the beat after the microbatch, written at once, is held to ``syncer_timeout_s``
+    again, and a later evaluation announces nothing."""
+    from titan_recover.recover.launcher import BeatWatch
+    from titan_recover.recover.diloco.syncer.service import Syncer
+
+    config = _config("--recover.diloco.syncer_timeout_s", "10", "--recover.startup_timeout_s", "300")
+    coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    syncer = Syncer(config, coordinator_address=f"127.0.0.1:{coordinator.port}", run_dir=str(tmp_path), ranks=1)
+    syncer.beat(at_once=True)
+    watch = BeatWatch(b"", timeout_s=10.0, start_s=300.0)
+    seen = []
+
+    class Compiling:
+        def loss(self, parameters, progress):
+            for _ in range(2):  # two validation microbatches; each beat is read as the launcher reads it
+                seen.append(watch.quiet_s(coordinator.get(DilocoKeys.SYNCER_BEAT), time.monotonic())[1])
+                progress()
+            seen.append(watch.quiet_s(coordinator.get(DilocoKeys.SYNCER_BEAT), time.monotonic())[1])
+            return 1.0
+
+    syncer.model.parameters = lambda: {"w": torch.ones(2)}
+    syncer.evaluator = Compiling()
+    assert syncer.evaluate(time.time()) == 1.0
+    assert seen == [300.0, 10.0, 10.0]  # the compiling microbatch; the beat after it is written at once
+    seen.clear()
+    syncer.evaluate(time.time())
+    assert seen == [10.0, 10.0, 10.0]  # compiled once per process
+    assert coordinator.get(DilocoKeys.SYNCER_BEAT).decode().startswith(f"{syncer.generation}:")
+
+
 @pytest.mark.multiprocess
 def test_a_deposed_standby_syncer_writes_nothing_to_the_store_and_saves_no_global_model(tmp_path, etcd_server):
     """A syncer that leads through the election's fenced store (as ``--standby`` runs it) loses the role (its lease

@@ -491,6 +491,8 @@ def test_a_coordinator_is_held_to_its_start_bound_until_it_beats_then_to_its_tim
     assert watch.quiet_s(b"0:1.0", now=150.0) == (50.0, 300.0)  # still importing: not judged by the beat timeout
     assert watch.quiet_s(b"1:2.0", now=151.0) == (0.0, 10.0)  # it beat: from now on the beat timeout
     assert watch.quiet_s(b"1:2.0", now=162.5) == (11.5, 10.0)
+    assert watch.quiet_s(b"1:3.0:warming", now=163.0) == (0.0, 300.0)  # a first compile follows: the start bound
+    assert BeatWatch(b"", 10.0, 20.0, warming_s=300.0).quiet_s(b"1:3.0:warming", now=1.0) == (0.0, 300.0)
 
 
 @pytest.mark.multiprocess  # a fresh interpreter importing torch: seconds, not the fast tier's

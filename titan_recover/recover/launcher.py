@@ -34,7 +34,7 @@ from titan_recover.process_exit import die_with_parent
 from titan_recover.recover.groups.member import (COORDINATOR_ENV, FOUNDING_STEP_ENV, INCARNATION_ENV, REPLICA_ENV,
                                                  RUN_DIR_ENV)
 from titan_recover.recover.chaos.config import JOB_START_ENV
-from titan_recover.recover.diloco.rules import DilocoKeys
+from titan_recover.recover.diloco.rules import DilocoKeys, WARMING
 from titan_recover.recover.events import NODE_ENV
 from titan_recover.recover.groups.keys import GroupKeys, newest_published, parse_dropped, raise_fault_flag
 from titan_recover.recover.groups.protocol import decode_members, encode_members
@@ -407,8 +407,9 @@ class ReplicaJob:
         if quiet <= bound:
             return False
         named = setting if bound == watch.timeout_s else "recover.startup_timeout_s"
-        print(f"[titan_recover] the {what} made no progress for {quiet:.1f} s ({named} = {bound}): ending it",
-              file=sys.stderr, flush=True)
+        compiling = " while it compiled (its first evaluation)" if beat.endswith(WARMING.encode()) else ""
+        print(f"[titan_recover] the {what} made no progress for {quiet:.1f} s{compiling} ({named} = {bound}): "
+              "ending it", file=sys.stderr, flush=True)
         _signal_group(proc, signal.SIGKILL)
         proc.wait()
         return True
@@ -886,7 +887,8 @@ class ReplicaJob:
         syncer, nodes, standbys = self.syncer, self.plan.nnodes, bool(self.recover.store)
         if not self.syncer_done():
             self.store.set(DilocoKeys.learners_over(self.plan.rank), "1")
-        deadline, beats = None, BeatWatch(b"", self.recover.agree_timeout_s, self.recover.agree_timeout_s)
+        agree_s = self.recover.agree_timeout_s
+        deadline, beats = None, BeatWatch(b"", agree_s, agree_s, warming_s=self.recover.startup_timeout_s)
         over_keys = [DilocoKeys.learners_over(n) for n in range(nodes)]
         try:
             while True:
@@ -901,10 +903,11 @@ class ReplicaJob:
                 self.supervise_syncer()
                 if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0 and not standbys:
                     break
-                if standbys and \
-                        beats.quiet_s(self._syncer_beat(), time.monotonic())[0] > self.recover.agree_timeout_s:
-                    print(f"[titan_recover] no syncer made progress for {self.recover.agree_timeout_s} s (recover."
-                          "agree_timeout_s) while this node waited for the job's end", file=sys.stderr, flush=True)
+                quiet, bound = beats.quiet_s(self._syncer_beat(), time.monotonic()) if standbys else (0.0, 0.0)
+                if quiet > bound:
+                    named = "agree_timeout_s" if bound == agree_s else "startup_timeout_s: it was compiling"
+                    print(f"[titan_recover] no syncer made progress for {bound} s (recover.{named}) while this node "
+                          "waited for the job's end", file=sys.stderr, flush=True)
                     break
                 time.sleep(0.1)
         finally:
@@ -935,20 +938,25 @@ class ReplicaJob:
 class BeatWatch:
     """How long a process's beat in the store (a value it rewrites while it makes progress) has stayed unchanged,
     on this process's clock, and the bound it is held to: ``timeout_s`` once the process beat, ``start_s`` before
-    its first beat (a process start, with its imports, can take much longer than a beat on a loaded node)."""
+    its first beat (a process start, with its imports, can take much longer than a beat on a loaded node), and
+    ``warming_s`` (default ``start_s``) while its beat ends in :data:`~titan_recover.recover.diloco.rules.WARMING`
+    (a first compile follows it)."""
 
-    def __init__(self, before_start: bytes, timeout_s: float, start_s: float):
+    def __init__(self, before_start: bytes, timeout_s: float, start_s: float, warming_s: float | None = None):
         self._first = before_start
         """The beat's value when the process was started (a previous start's): no evidence of this one."""
         self._value: bytes | None = None
         self._since = 0.0
         self.timeout_s, self.start_s = timeout_s, start_s
+        self.warming_s = start_s if warming_s is None else warming_s
 
     def quiet_s(self, value: bytes, now: float) -> tuple[float, float]:
         """(seconds ``value`` has stayed unchanged, the bound that applies now)."""
         if value != self._value:
             self._value, self._since = value, now
-        return now - self._since, self.start_s if value == self._first else self.timeout_s
+        if value == self._first:
+            return now - self._since, self.start_s
+        return now - self._since, self.warming_s if value.endswith(WARMING.encode()) else self.timeout_s
 
 
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,

@@ -158,6 +158,12 @@ Version = tuple[int, int]
 """(syncer generation, fragment version): a restarted syncer's versions are newer than any of its predecessor's."""
 
 
+WARMING = ":warming"
+"""The end of a syncer beat written just before work that compiles (its first evaluation's first microbatch: a
+FlexAttention model compiles ``flex_attention`` there). The launcher holds such a beat to ``startup_timeout_s``,
+not to ``syncer_timeout_s``; the syncer's next beat, after that microbatch, drops it (docs/diloco.md)."""
+
+
 class DilocoKeys:
     """Store keys of the diloco mode. The coordinator's store (stable for the whole job) holds the syncer's address,
     the data-block counter and each learner's current block; the syncer's store (gone with the syncer) holds deltas
@@ -168,6 +174,7 @@ class DilocoKeys:
     SYNCER_LEADER = "diloco/syncer_leader"  # coordinator (etcd): the leading syncer candidate's identity, leased
     CHECKPOINTED = "diloco/checkpointed"  # coordinator: "GENERATION MERGES" of the newest syncer checkpoint saved
     SYNCER_BEAT = "diloco/syncer_beat"  # coordinator: "GENERATION:TIME", rewritten by each pass of the syncer's loop
+    """A beat that ends in :data:`WARMING` announces a first compile: the launcher holds it to the start bound."""
     NEXT_BLOCK = "diloco/next_block"  # coordinator: counter of claimed data blocks
     REQUEUED = "diloco/requeued"  # coordinator: counter of blocks given back (their learner died)
     BLOCKS_DONE = "diloco/blocks_done"  # coordinator: counter of blocks trained to the end (each counted once)

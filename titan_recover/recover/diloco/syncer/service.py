@@ -16,7 +16,7 @@ from datetime import timedelta
 from titan_recover.recover.chaos.process import ProcessFaults
 from titan_recover.recover.diloco.blocks import blocks_trained, collect_done, requeue_block
 from titan_recover.recover.diloco.messages import read_offer, withdraw_offer
-from titan_recover.recover.diloco.rules import DilocoKeys, total_blocks
+from titan_recover.recover.diloco.rules import DilocoKeys, total_blocks, WARMING
 from titan_recover.recover.diloco.syncer.checkpoint import (checkpoint_dir, global_model_path, load_checkpoint,
                                                             save_atomically, save_checkpoint)
 from titan_recover.recover.diloco.syncer.evaluation import GlobalEvaluator
@@ -86,6 +86,8 @@ class Syncer:
         """Time from the loop's previous pass to this one: a round whose window ended between them closes in
         this pass, late by at most this much (logged with each merge)."""
         self._beaten = 0.0
+        self._evaluated = False
+        """Whether this process evaluated (compiled) the global model before."""
         self._someone_alive_at = time.monotonic()
         """When a learner was last alive (or this syncer started): none for ``startup_timeout_s`` ends the job."""
         self._collected_at = 0.0
@@ -97,13 +99,15 @@ class Syncer:
         return self.model.versions
 
     # ---- start -------------------------------------------------------------------------------------------
-    def beat(self, at_once: bool = False) -> None:
+    def beat(self, at_once: bool = False, warming: bool = False) -> None:
         """Tell the launcher this start makes progress (at most every ``heartbeat_interval_s``, or now): each pass
         of the loop, and while it waits for the initial model; a beat unchanged for ``syncer_timeout_s`` is a hang.
-        A fenced store refuses the beat of a syncer that lost its role (``NotLeader``)."""
+        ``warming``: now, marked :data:`WARMING` (work that compiles follows). A fenced store refuses the beat of a
+        syncer that lost its role (``NotLeader``)."""
         now = time.monotonic()
-        if at_once or now - self._beaten >= self.config.recover.heartbeat_interval_s:
-            self.coordinator.set(DilocoKeys.SYNCER_BEAT, f"{self.generation}:{time.time():.6f}")
+        if at_once or warming or now - self._beaten >= self.config.recover.heartbeat_interval_s:
+            mark = WARMING if warming else ""
+            self.coordinator.set(DilocoKeys.SYNCER_BEAT, f"{self.generation}:{time.time():.6f}{mark}")
             self._beaten = now
 
     def publish_address(self) -> None:
@@ -220,9 +224,15 @@ class Syncer:
         parameters = self.model.parameters()
         if parameters is None:
             return None
-        # beats between validation microbatches: an evaluation longer than syncer_timeout_s is not a hang (one
-        # microbatch longer than it, e.g. a first compile on a GPU, still is; docs/diloco.md)
-        self.val_loss = self.evaluator.loss(parameters, progress=self.beat)
+        # beats between validation microbatches: an evaluation longer than syncer_timeout_s is not a hang. The
+        # first microbatch of this process's first evaluation compiles (a FlexAttention model): announced, it is
+        # held to startup_timeout_s, and the beat after it drops the mark (docs/diloco.md)
+        progress = self.beat
+        if not self._evaluated:
+            self.beat(warming=True)
+            progress = _first_at_once(self.beat)
+        self.val_loss = self.evaluator.loss(parameters, progress=progress)
+        self._evaluated = True
         self._eval_at = time.monotonic()
         self.metrics.log(now, self.progress, len(self.alive), val_loss=self.val_loss)
         self.events.emit("global_evaluated", merges=self.progress.merges, versions=list(self.versions),
@@ -308,6 +318,17 @@ class Syncer:
         self.metrics.close()
         self.coordinator.set(GroupKeys.FINISHED, self.verdict())
         return 0
+
+
+def _first_at_once(beat):
+    """``beat`` that writes at once the first time it is called (the end of a compiling microbatch: the warming
+    mark is dropped then, not ``heartbeat_interval_s`` later), as usual after."""
+    first = [True]
+
+    def call() -> None:
+        beat(at_once=first[0])
+        first[0] = False
+    return call
 
 
 def _serve_store(host: str, port: int):
