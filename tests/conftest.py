@@ -87,13 +87,58 @@ def rank_logs(folder: pathlib.Path, tail: int = 3000) -> str:
                    for path in sorted(folder.glob("logs/ranks/*/attempt_*/*/stderr.log")))
 
 
+_zygote: dict = {}
+
+
+def launcher_command(*args: str) -> list[str]:
+    """The command that runs the launcher with ``args``: a client of the session's launcher server, which forks
+    a launcher that imported TorchTitan once for the session (tests/launcher_zygote.py: the same ``main``, exit
+    code and signals), or ``python -m titan_recover.launch`` with ``TITAN_RECOVER_TEST_ZYGOTE=0``."""
+    from launcher_zygote import SOCKET_ENV
+
+    if os.environ.get("TITAN_RECOVER_TEST_ZYGOTE", "1") == "0":
+        return [sys.executable, "-m", "titan_recover.launch", *args]
+    if not _zygote:
+        _start_zygote(SOCKET_ENV)
+    return [sys.executable, str(ROOT / "tests" / "launcher_zygote.py"), "client", *args]
+
+
+def _start_zygote(socket_env: str) -> None:
+    import atexit
+    import tempfile
+
+    from titan_recover.process_exit import die_with_parent
+
+    folder = tempfile.mkdtemp(prefix="titan_recover_launcher.")
+    path, log = os.path.join(folder, "server.sock"), open(os.path.join(folder, "server.log"), "w+")
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "launcher_zygote.py"), "serve", path], cwd=ROOT,
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                              preexec_fn=die_with_parent(signal.SIGKILL))  # never outlives the session
+
+    def stop() -> None:
+        server.kill()
+        server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
+    deadline = time.monotonic() + 180
+    while not os.path.exists(path):
+        if server.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            raise RuntimeError(f"the tests' launcher server did not start (exit {server.poll()}):\n"
+                               f"{log.read()[-3000:]}")
+        time.sleep(0.05)
+    os.environ[socket_env] = path  # every client finds it (the tests' environment is theirs)
+    _zygote["server"] = server
+
+
 def launch(config: str, *overrides: str, timeout: float = 240, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
     """Run the launcher (config checks, then torchrun) as a user would, with a hard timeout.
 
     On timeout the launcher gets SIGTERM (it ends its children), then SIGKILL; processes of the run that are
     still alive after that are killed too, so a failing test leaves nothing behind.
     """
-    cmd = [sys.executable, "-m", "titan_recover.launch", config, *overrides]
+    cmd = launcher_command(config, *overrides)
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from conftest import launch, read_metrics, ROOT
+from conftest import launch, launcher_command, read_metrics, ROOT
 from titan_recover.recover.events import read_events
 from titan_recover.recover.launcher import processes_of_run
 
@@ -196,6 +196,7 @@ def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280)
     """Start one launcher per node (``node_args[i]``: node ``i``'s arguments) at once and wait for all of them; on
     timeout every launcher gets SIGTERM, then SIGKILL, and every process of the run is killed. Their output goes to
     files, not pipes: nothing blocks on a full pipe while another launcher is waited for."""
+    commands = [launcher_command(*args) for args in node_args]  # (starts the launcher server, named in os.environ)
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as the one-node reference: bitwise results need equal threads
     deadline = time.monotonic() + timeout
     outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in node_args]
@@ -209,8 +210,8 @@ def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280)
         return texts[0], texts[1]
 
     try:
-        for i, args in enumerate(node_args):
-            procs.append(subprocess.Popen([sys.executable, "-m", "titan_recover.launch", *args], cwd=ROOT, env=env,
+        for i, command in enumerate(commands):
+            procs.append(subprocess.Popen(command, cwd=ROOT, env=env,
                                           stdout=outputs[i][0], stderr=outputs[i][1], text=True))
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
