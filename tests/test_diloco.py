@@ -347,6 +347,44 @@ def test_the_syncer_gives_back_the_block_of_a_learner_whose_beat_stopped_never_o
     assert read_dropped(coordinator, 2) is None and read_dropped(coordinator, 0) is None
 
 
+def test_a_learner_stopped_between_blocks_is_named_dropped_once_its_beat_stood_still_for_the_progress_timeout(
+        tmp_path):
+    """Learners 0-2 beat and hold no block. Learner 1's beat stops for longer than heartbeat_timeout_s and less than
+    progress_timeout_s, then comes back (a pause): lost, then alive again, never named dropped. Learner 2's beat
+    stops for good (SIGSTOP between blocks): lost at heartbeat_timeout_s with nothing to give back, then named
+    dropped once its beat stood still for progress_timeout_s (its launcher ends and restarts it), once."""
+    from titan_recover.recover.diloco.syncer.service import Syncer
+
+    config = _config("--recover.heartbeat_timeout_s", "0.3", "--recover.join_window_s", "0.2",
+                     "--recover.progress_timeout_s", "1.0")
+    coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    syncer = Syncer(config, coordinator_address=f"127.0.0.1:{coordinator.port}", run_dir=str(tmp_path), ranks=1)
+
+    def judge_for(seconds: float, beating: tuple[int, ...]) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            now = time.time()
+            for learner in beating:
+                coordinator.set(GroupKeys.heartbeat(learner), encode_group_beat({0: Heartbeat(now, now, 1, "idle")}))
+            time.sleep(0.05)
+            syncer._judge_liveness()
+
+    judge_for(0.2, beating=(0, 1, 2))
+    assert syncer.alive == {0, 1, 2}
+    judge_for(0.6, beating=(0,))  # both still, for more than heartbeat_timeout_s: lost, nothing given back
+    assert syncer.alive == {0}
+    assert read_dropped(coordinator, 1) is None and read_dropped(coordinator, 2) is None
+    judge_for(0.3, beating=(0, 1))  # learner 1 is back before progress_timeout_s
+    assert syncer.alive == {0, 1}
+    judge_for(0.6, beating=(0, 1))  # learner 2 still for > 1 s in all
+    assert read_dropped(coordinator, 2)[0] == 0 and read_dropped(coordinator, 1) is None
+    judge_for(0.3, beating=(0, 1))
+    stopped = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "learner_stopped"]
+    assert [(e["learner"], e["start"]) for e in stopped] == [(2, 0)], stopped
+    lost = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "learner_lost"]
+    assert sorted((e["learner"], e["requeued_block"]) for e in lost) == [(1, None), (2, None)]
+
+
 def test_a_learner_whose_main_thread_hangs_is_lost_and_finds_its_block_given_away_if_it_comes_back(tmp_path):
     """Learner 1's heartbeat thread beats on while its main thread makes no progress: the syncer declares it lost
     after ``progress_timeout_s`` of watched time and gives its block back. A learner out of blocks waits while a

@@ -2,7 +2,7 @@
 heartbeat (relayed by the learner's leader rank) in the coordinator's store stayed unchanged for
 ``heartbeat_timeout_s``, and no rank's main-thread progress stamp in it for ``progress_timeout_s`` (a learner
 stuck while its heartbeat thread beats), on the syncer's own clock (only over time it was watching); and not
-reported done."""
+reported done. A learner whose heartbeat itself stayed unchanged for ``progress_timeout_s`` is stopped."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ class LearnerLiveness:
         """Why each learner with a beat was last judged not alive (no heartbeat, or no progress)."""
         self.hung: set[int] = set()
         """Learners last judged with a rank whose heartbeat beats but whose main thread made no progress."""
+        self.stopped: dict[int, int] = {}
+        """Learner -> its start, for learners last judged with a rank whose heartbeat itself stayed unchanged for
+        ``progress_timeout_s``: the whole process is stopped (SIGSTOP, a freeze) or stuck beyond its heartbeat
+        thread, and will not come back by itself."""
 
     def judge(self) -> tuple[set[int], set[int]]:
         """(learners alive, learners done: every rank reported done)."""
@@ -59,4 +63,9 @@ class LearnerLiveness:
                 self.hung.add(learner)
             else:
                 self.hung.discard(learner)
+            ages = self.watch.ages(learner, ranks, bs[0].incarnation).values()
+            if any(a is not None and a[0] > self.watch.progress_timeout_s for a in ages):
+                self.stopped[learner] = bs[0].incarnation
+            else:
+                self.stopped.pop(learner, None)
         return alive, done

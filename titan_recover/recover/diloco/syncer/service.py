@@ -86,6 +86,8 @@ class Syncer:
         """Time from the loop's previous pass to this one: a round whose window ended between them closes in
         this pass, late by at most this much (logged with each merge)."""
         self._beaten = 0.0
+        self._named_stopped: set[tuple[int, int]] = set()
+        """(learner, start) named dropped for a heartbeat that stood still (:meth:`_drop_stopped`)."""
         self._evaluated = False
         """Whether this process evaluated (compiled) the global model before."""
         self._someone_alive_at = time.monotonic()
@@ -185,6 +187,20 @@ class Syncer:
             reason = self.liveness.reasons.get(learner, "no heartbeat")
             self.events.emit("learner_lost", learner=learner, reason=reason, requeued_block=given_back)
         self.alive, self.done = alive, done
+        self._drop_stopped()
+
+    def _drop_stopped(self) -> None:
+        """A lost learner that held no block trains on if it comes back; one whose heartbeat stayed unchanged for
+        ``progress_timeout_s`` will not (a stopped process): named dropped once, so that its launcher ends it and
+        starts it again (a start that is gone already is not ended twice: the launcher matches the start)."""
+        for learner, start in sorted(self.liveness.stopped.items()):
+            if (learner, start) in self._named_stopped or learner in self.done:
+                continue
+            self._named_stopped.add((learner, start))
+            write_dropped(self.coordinator, learner, start)
+            self.events.emit("learner_stopped", learner=learner, start=start,
+                             reason=f"no heartbeat for recover.progress_timeout_s = "
+                                    f"{self.config.recover.progress_timeout_s} s")
 
     def _receive(self, now: float) -> int:
         """Deliver every delta complete in every rank to its round; the pieces read."""
