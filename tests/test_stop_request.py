@@ -52,6 +52,10 @@ def test_the_ranks_agree_on_one_step_whichever_step_each_saw_the_signal_at():
             saw = (rank == 1 and step >= 3) or (rank == 0 and step >= 5)
             answers[rank].append(agreements[rank].poll(saw))
     assert answers[0] == answers[1] == [False] * 4 + [True] * 4
+    # no step allocates: each rank's flags are a ring of lag + 1 tensors, each reused only after it was read
+    for rank in (0, 1):
+        used = {id(flags[rank]) for flags in ranks.contributed.values()}
+        assert len(used) == 3, used
     with pytest.raises(ValueError, match="lag must be at least 1"):
         StopAgreement("cpu", lag=0)
 

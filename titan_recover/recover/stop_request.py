@@ -14,7 +14,6 @@ just queued, and every rank reads the same reduced value at the same step. A ran
 
 from __future__ import annotations
 
-import collections
 import functools
 import os
 import signal
@@ -63,7 +62,9 @@ class StopAgreement:
     flag and returns the agreed answer of the step ``lag`` before (False until then), the same on every rank.
 
     ``all_reduce_max(tensor)`` starts the reduction in place and returns something with ``wait()`` (a c10d work);
-    ``device`` holds the flag (the reduction's backend needs it there: NCCL on CUDA)."""
+    ``device`` holds the flag (the reduction's backend needs it there: NCCL on CUDA). The flags (and on CUDA their
+    pinned host copies and events) are a ring of ``lag + 1`` slots allocated at the first poll: a slot is written
+    again only after its answer was read, so no step allocates."""
 
     def __init__(self, device: torch.device | str, all_reduce_max: Callable[[torch.Tensor], object] | None = None,
                  lag: int = 2):
@@ -71,23 +72,33 @@ class StopAgreement:
             raise ValueError(f"lag must be at least 1 step, got {lag}")
         self.device, self.lag = torch.device(device), lag
         self.all_reduce_max = all_reduce_max or _world_all_reduce_max
-        self._pending: collections.deque = collections.deque()
+        self._slots: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+        """(flag on the device, what the host reads, event or None) per slot."""
+        self._polls = 0
+
+    def _ring(self) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+        if not self._slots:
+            for _ in range(self.lag + 1):
+                flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+                if self.device.type == "cuda":
+                    host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+                    self._slots.append((flag, host, torch.cuda.Event()))
+                else:
+                    self._slots.append((flag, flag, None))
+        return self._slots
 
     def poll(self, requested: bool) -> bool:
-        # filled on the device (a tensor built from a host value would be copied and waited for)
-        flag = torch.full((1,), int(requested), dtype=torch.int32, device=self.device)
+        ring = self._ring()
+        flag, host, done = ring[self._polls % len(ring)]
+        flag.fill_(int(requested))  # filled on the device (a tensor built from a host value would be waited for)
         self.all_reduce_max(flag).wait()  # on CUDA: the current stream waits for it, the host does not
-        if self.device.type == "cuda":
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        if done is not None:
             host.copy_(flag, non_blocking=True)
-            done = torch.cuda.Event()
             done.record()
-            self._pending.append((host, done))
-        else:
-            self._pending.append((flag, None))
-        if len(self._pending) <= self.lag:
+        self._polls += 1
+        if self._polls <= self.lag:
             return False
-        host, done = self._pending.popleft()
+        _, host, done = ring[(self._polls - 1 - self.lag) % len(ring)]
         if done is not None:
             done.synchronize()  # queued ``lag`` steps ago: done by now
         return bool(host.item())
