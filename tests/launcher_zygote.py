@@ -106,6 +106,8 @@ def _run_launcher(request: dict, fds: list[int]) -> None:
 
 
 def serve(path: str) -> None:
+    # as ``python -m titan_recover.launch`` run from the checkout: the checkout first on the path, not tests/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     import titan_recover.launch  # noqa: F401  the imports every launcher would make
     import titan_recover.trainer  # noqa: F401  (its config classes: TorchTitan's trainer)
 
