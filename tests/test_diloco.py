@@ -385,6 +385,27 @@ def test_a_learner_stopped_between_blocks_is_named_dropped_once_its_beat_stood_s
     assert sorted((e["learner"], e["requeued_block"]) for e in lost) == [(1, None), (2, None)]
 
 
+def test_a_learner_finishing_rank_by_rank_is_never_taken_for_stopped():
+    """Learners of 2 ranks: learner 0's rank 0 reported done (its leader no longer relays beats) while rank 1 still
+    waits for its last deltas; learner 1's beat just stopped. Both beats stay still past progress_timeout_s: only
+    learner 1 is stopped."""
+    from titan_recover.recover.diloco.syncer.liveness import LearnerLiveness
+
+    coordinator = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    liveness = LearnerLiveness(coordinator, learners=2, ranks=2, heartbeat_timeout_s=0.1, progress_timeout_s=0.3)
+    now = time.time()
+    for learner in (0, 1):
+        beats = {rank: Heartbeat(now, now, 1, "idle") for rank in (0, 1)}
+        coordinator.set(GroupKeys.heartbeat(learner), encode_group_beat(beats))
+    coordinator.set(GroupKeys.done(0, 0), "1")
+    deadline = time.monotonic() + 0.8
+    while time.monotonic() < deadline:
+        judged = liveness.judge()
+        time.sleep(0.05)
+    assert judged == (set(), set())  # neither alive (no beat), neither done
+    assert liveness.stopped == {1: 0}
+
+
 def test_a_learner_whose_main_thread_hangs_is_lost_and_finds_its_block_given_away_if_it_comes_back(tmp_path):
     """Learner 1's heartbeat thread beats on while its main thread makes no progress: the syncer declares it lost
     after ``progress_timeout_s`` of watched time and gives its block back. A learner out of blocks waits while a

@@ -30,7 +30,8 @@ class LearnerLiveness:
         self.stopped: dict[int, int] = {}
         """Learner -> its start, for learners last judged with a rank whose heartbeat itself stayed unchanged for
         ``progress_timeout_s``: the whole process is stopped (SIGSTOP, a freeze) or stuck beyond its heartbeat
-        thread, and will not come back by itself."""
+        thread, and will not come back by itself. Not a learner some of whose ranks reported done: its leader rank
+        stops relaying the beats when it finishes, while the others may still wait for their last deltas to leave."""
 
     def judge(self) -> tuple[set[int], set[int]]:
         """(learners alive, learners done: every rank reported done)."""
@@ -39,10 +40,14 @@ class LearnerLiveness:
         done_keys = [GroupKeys.done(learner, rank) for learner in range(self.learners) for rank in ranks]
         beat_keys = [GroupKeys.heartbeat(learner) for learner in range(self.learners)]  # relayed by its leader rank
         values = read_keys(self.coordinator, done_keys + beat_keys)  # one request on etcd
+        finishing = set()
         for learner in range(self.learners):
-            if None not in values[learner * self.ranks : (learner + 1) * self.ranks]:
+            reported = values[learner * self.ranks : (learner + 1) * self.ranks]
+            if None not in reported:
                 done.add(learner)
                 continue
+            if any(v is not None for v in reported):  # its leader stops relaying beats once it reported done
+                finishing.add(learner)
             beat = values[len(done_keys) + learner]
             relayed = decode_group_beat(beat) if beat is not None else {}
             if 0 in relayed:
@@ -64,7 +69,7 @@ class LearnerLiveness:
             else:
                 self.hung.discard(learner)
             ages = self.watch.ages(learner, ranks, bs[0].incarnation).values()
-            if any(a is not None and a[0] > self.watch.progress_timeout_s for a in ages):
+            if learner not in finishing and any(a is not None and a[0] > self.watch.progress_timeout_s for a in ages):
                 self.stopped[learner] = bs[0].incarnation
             else:
                 self.stopped.pop(learner, None)
