@@ -100,6 +100,10 @@ def launcher_command(*args: str) -> list[str]:
         return [sys.executable, "-m", "titan_recover.launch", *args]
     if not _zygote:
         _start_zygote(SOCKET_ENV)
+    if _zygote["server"].poll() is not None:
+        _zygote["log"].seek(0)
+        raise RuntimeError(f"the tests' launcher server ended (exit {_zygote['server'].poll()}):\n"
+                           f"{_zygote['log'].read()[-3000:]}")
     return [sys.executable, str(ROOT / "tests" / "launcher_zygote.py"), "client", *args]
 
 
@@ -129,7 +133,7 @@ def _start_zygote(socket_env: str) -> None:
                                f"{log.read()[-3000:]}")
         time.sleep(0.05)
     os.environ[socket_env] = path  # every client finds it (the tests' environment is theirs)
-    _zygote["server"] = server
+    _zygote.update(server=server, log=log)
 
 
 def launch(config: str, *overrides: str, timeout: float = 240, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:

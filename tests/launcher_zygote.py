@@ -50,7 +50,12 @@ def _read_line(sock: socket.socket) -> str:
 # ---- client: started by the test in the launcher's place ----------------------------------------------------------
 def client(path: str, argv: list[str]) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
+    try:
+        sock.connect(path)
+    except OSError as e:
+        print(f"launcher_zygote: the tests' launcher server at {path} cannot be reached ({e}): it ended; its log "
+              "is server.log next to it", file=sys.stderr)
+        os._exit(1)
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode() + b"\n"
     _send_fds(sock, request, [0, 1, 2])
     pid = int(_read_line(sock))
