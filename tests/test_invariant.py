@@ -76,18 +76,25 @@ def test_failure_run_equals_the_failure_free_run(tmp_path, reference, schedule):
     assert_same_trajectory(reference, tmp_path, survivors=survivors_of(lost), ranks=1, bitwise=False)
 
 
-def test_exact_mode_failure_run_is_bitwise_the_failure_free_run(tmp_path, exact_reference):
-    # the hardest schedule (two losses in one step, one during the recovery from the other); exact mode with
-    # rejoining, promoted and evicted replicas: tests/test_rejoin.py, tests/test_scout.py. Without a backup of the
-    # accumulation (recover.step.abort_recovery = "recompute", the CPU default): the survivor computes its own
-    # microbatches again after the aborted reduction, then the lost replicas'
+@pytest.mark.parametrize("reduction", ["after", "overlapped"])
+def test_exact_mode_failure_run_is_bitwise_the_failure_free_run(tmp_path, exact_reference, reduction):
+    """The hardest schedule (two losses in one step, one during the recovery from the other); exact mode with
+    rejoining, promoted and evicted replicas: tests/test_rejoin.py, tests/test_scout.py. Without a backup of the
+    accumulation (recover.step.abort_recovery = "recompute", the CPU default): the survivor computes its own
+    microbatches again after the aborted reduction, then the lost replicas'. ``overlapped``: every reduction but
+    the aborted ones overlaps the last backward (each hook moves its gradient into the float64 accumulator), against
+    the reference whose reductions did not: bitwise all the same."""
     faults, lost = HARDEST
     steps = EXACT_REFERENCE["steps"]
-    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=steps, faults=faults, extra=EXACT)
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=steps, faults=faults,
+                                extra=(*EXACT, *(OVERLAP if reduction == "overlapped" else ())))
     assert_survived(tmp_path, proc, events, replicas=REPLICAS, ranks=1, steps=steps, lost=lost)
     check_recovery(tmp_path, events, lost)
     again = [e for e in events if e["event"] == "accumulation_recomputed"]
     assert again and {(e["replica"], e["step"]) for e in again} == {(0, 2)}, again
+    overlapped = {step: r["recover/overlapped"] for step, r in metrics_by_replica(tmp_path)[0].items()}
+    assert overlapped == {s: int(reduction == "overlapped" and s != 2) for s in range(1, steps + 1)}, overlapped
+    assert [r["recover/overlapped"] for r in metrics_by_replica(exact_reference)[0].values()] == [0] * steps
     assert_same_trajectory(exact_reference, tmp_path, survivors=survivors_of(lost), ranks=1, bitwise=True)
 
 

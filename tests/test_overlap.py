@@ -276,8 +276,51 @@ def test_the_first_microbatch_as_the_last_accumulates_into_gradients_made_for_it
     assert any(bool((p != 0).any()) for p in parts)
 
 
+def test_in_exact_mode_each_hook_moves_its_gradient_into_the_accumulator_before_reporting_it_final():
+    """The last backward's hook adds the parameter's gradient to its part of the float64 accumulator, zeroes it and
+    reports the part final: each part then holds both microbatches, the same bits as the accumulation without
+    overlap, and the step reduces those parts (views of the accumulator) where they lie."""
+    def accumulate(overlapped: bool):
+        worker, model = _worker(exact=True)
+        worker.begin_step(1)
+        worker.compute(0)
+        reported: dict[int, torch.Tensor] = {}
+        if overlapped:
+            parts = worker.gradient_parts()
+            assert all(p.dtype == torch.float64 for p in parts)
+            worker.compute(1, on_final=lambda i: reported.setdefault(i, parts[i].clone()))
+            assert sorted(reported) == [0, 1, 2, 3]  # every part once, in the last backward
+            assert all(torch.equal(reported[i], part) for i, part in enumerate(parts))  # final when reported
+            assert all(not bool(p.grad.any()) for p in model.parameters())  # moved out of the gradients
+        else:
+            worker.compute(1)
+        gradient, _, _ = worker.contribution()
+        if overlapped:
+            assert [g.data_ptr() for g in gradient] == [p.data_ptr() for p in parts]
+        return [g.clone() for g in gradient]
+
+    with_overlap, without = accumulate(True), accumulate(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_overlap, without))
+    assert any(bool(a.any()) for a in with_overlap)
+
+
+def test_an_exact_accumulation_restored_from_a_backup_is_reduced_and_written_back_by_parameter():
+    """After an aborted reduction the backup's fresh tensors become the exact-mode accumulation (one accumulator
+    again, the parts its slices); the reduced parts are written into the gradients, cast once."""
+    worker, model = _worker(exact=True)
+    worker.begin_step(1)
+    worker.compute(0)
+    before = [g.clone() for g in worker.contribution()[0]]
+    worker.replace_gradient([g.clone() for g in before])
+    restored = worker.contribution()[0]
+    assert all(torch.equal(a, b) for a, b in zip(restored, before))
+    assert len({g.untyped_storage().data_ptr() for g in restored}) == 1  # slices of one new accumulator
+    assert restored[0].data_ptr() != before[0].data_ptr()
+    worker.write_gradient([2 * g for g in restored], scale=0.5)
+    assert all(torch.equal(p.grad, g.view_as(p).to(p.dtype)) for p, g in zip(model.parameters(), restored))
+
+
 def test_no_overlap_where_a_hook_cannot_mean_final():
-    assert _worker(exact=True)[0].gradient_parts() is None  # moved into the float64 accumulator after the backward
     assert _worker(pp=True)[0].gradient_parts() is None  # a stage's backward runs once per pipeline chunk
 
 

@@ -287,7 +287,7 @@ class StepRecovery:
             self._overlap_logged = True
             logger.info("the cross-replica reduction %s", "overlaps the last microbatch's backward" if parts else
                         "starts after the last microbatch (recover.step.overlap_reduction is off, or the worker "
-                        "cannot report final gradients: exact mode, pipeline parallelism)")
+                        "cannot report final gradients: pipeline parallelism)")
         if not parts:
             return None
         epoch, collective = self.sync.collective()

@@ -5,9 +5,10 @@ runs TorchTitan's own forward and backward on it, with the loss scaled by the co
 batch`` (never by the live replicas), so the summed gradient of any assignment of ids is the failure-free one.
 FSDP2 reduces over the replica's own ranks as usual. With ``[recover.quota] exact`` every microbatch's gradient is
 moved into a float64 accumulator right away (the committed gradient then does not depend on who computed what).
-Otherwise the gradients accumulate in the parameters' ``.grad``, and a post-accumulate-grad hook on every parameter
+Otherwise the gradients accumulate in the parameters' ``.grad``. A post-accumulate-grad hook on every parameter
 (autograd's, or FSDP2's after its reduce-scatter) tells an overlapped reduction when the last microbatch's backward
-has finished each one (:meth:`ReplicaWorker.gradient_parts`).
+has finished each one (:meth:`ReplicaWorker.gradient_parts`); in exact mode the hook first moves that gradient into
+the parameter's part of the accumulator, which is then final.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ class ReplicaWorker:
         self._recording = True
         """Whether fetched batches count in TorchTitan's throughput metrics (not when computed again)."""
         self._accumulator: torch.Tensor | None = None
+        self._exact_parts: list[torch.Tensor] = []
+        """Exact mode: each parameter's part of the accumulator (views, in parameter order): what the step reduces."""
+        self._moved: set[int] = set()
+        """Exact mode: parameters whose gradient the running backward's hooks moved into the accumulator already."""
         self._on_final: Callable[[int], None] | None = None
         """Set while a microbatch runs whose backward reports final gradient parts (:meth:`compute`)."""
         self._grad_placements: list = [None] * len(self.params)
@@ -114,8 +119,10 @@ class ReplicaWorker:
                 p.register_post_accumulate_grad_hook(self._final_hook(index))
 
     def _final_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def final(_param: torch.Tensor) -> None:
+        def final(param: torch.Tensor) -> None:
             if self._on_final is not None:
+                if self.exact:
+                    self._move_to_accumulator(index, param)
                 self._on_final(index)
         return final
 
@@ -127,7 +134,7 @@ class ReplicaWorker:
         self._recording = True
         if self.exact:
             if self._accumulator is None:
-                self._accumulator = torch.zeros(self.numel, dtype=torch.float64, device=self.parts.device)
+                self._new_accumulator(torch.zeros(self.numel, dtype=torch.float64, device=self.parts.device))
             self._accumulator.zero_()
 
     def compute(self, g: int, witness: str | None = None, on_final: Callable[[int], None] | None = None) -> int | None:
@@ -142,6 +149,7 @@ class ReplicaWorker:
         inputs, targets, loaded = self._fetch(g, record=self._recording and not replay)
         pp = self.parts.parallel_dims.pp_enabled
         self._on_final = on_final
+        self._moved.clear()
         try:
             loss = self.parts.forward_backward(input_dict=inputs if pp else inputs[0],
                                                labels=targets if pp else targets[0],
@@ -224,25 +232,39 @@ class ReplicaWorker:
         return DTensor.from_local(torch.zeros_like(local_tensor(p)), p.device_mesh, self._placements(i) or p.placements,
                                   run_check=False, shape=p.shape, stride=p.stride())
 
+    def _new_accumulator(self, flat: torch.Tensor) -> None:
+        """``flat`` (float64, every local gradient element in parameter order) becomes the exact-mode accumulator."""
+        self._accumulator = flat
+        self._exact_parts, offset = [], 0
+        for p in self.params:
+            n = local_tensor(p).numel()
+            self._exact_parts.append(flat[offset : offset + n])
+            offset += n
+
+    def _move_to_accumulator(self, index: int, p: torch.Tensor) -> None:
+        """Add parameter ``index``'s gradient to its part of the float64 accumulator and zero it."""
+        if p.grad is not None:
+            with torch.no_grad():
+                g = local_tensor(p.grad)
+                self._exact_parts[index].add_(g.reshape(-1))
+                g.zero_()
+        self._moved.add(index)
+
     def _move_gradients_to_accumulator(self) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = local_tensor(p).numel()
-                if p.grad is not None:
-                    g = local_tensor(p.grad)
-                    self._accumulator[offset : offset + n].add_(g.reshape(-1))
-                    g.zero_()
-                offset += n
+        for index, p in enumerate(self.params):
+            if index not in self._moved:  # not moved by its hook in this backward
+                self._move_to_accumulator(index, p)
 
     def gradient_parts(self) -> list[torch.Tensor] | None:
-        """Every parameter's local gradient, which the step reduces in place, made to exist (zeros where none yet:
-        the next backward accumulates into them in place, as into any existing gradient) for an overlapped
-        reduction. None in exact mode (the gradients reach the float64 accumulator only after the backward), with
-        pipeline parallelism (a stage's backward runs once per pipeline chunk, so a hook does not mean final) and
-        when built without ``reports_final``."""
-        if not self.reports_final or self.exact or self.parts.parallel_dims.pp_enabled:
+        """What the step reduces in place, for an overlapped reduction: every parameter's local gradient, made to
+        exist (zeros where none yet: the next backward accumulates into them in place, as into any existing
+        gradient), or in exact mode its part of the float64 accumulator (the hook moves the last backward's
+        gradient in before it reports the part final). None with pipeline parallelism (a stage's backward runs once
+        per pipeline chunk, so a hook does not mean final) and when built without ``reports_final``."""
+        if not self.reports_final or self.parts.parallel_dims.pp_enabled:
             return None
+        if self.exact:
+            return list(self._exact_parts)
         if self._placements_unknown:  # a zero gradient would be placed as its parameter: wait for a backward
             return None
         with torch.no_grad():
@@ -253,11 +275,11 @@ class ReplicaWorker:
         return parts if all(t.is_contiguous() for t in parts) else None
 
     def contribution(self) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor, float]:
-        """``(gradient, loss, mean_loss)``: the local accumulation (the float64 accumulator in exact mode, else
-        every parameter's local gradient in order: the step reduces them in place), the summed loss share and the
-        mean token loss of what this rank computed in the step (0: nothing)."""
+        """``(gradient, loss, mean_loss)``: the local accumulation (every parameter's local gradient in order, or
+        in exact mode its part of the float64 accumulator: the step reduces them in place), the summed loss share and
+        the mean token loss of what this rank computed in the step (0: nothing)."""
         if self.exact:
-            gradient = self._accumulator
+            gradient = list(self._exact_parts)
         else:
             gradient = [_contiguous(local_tensor(p.grad)) if p.grad is not None else torch.zeros_like(local_tensor(p))
                         for p in self.params]
@@ -269,7 +291,7 @@ class ReplicaWorker:
     def replace_gradient(self, parts: list[torch.Tensor]) -> None:
         """After an aborted reduction: ``parts`` (fresh tensors, the values before it) become the accumulation."""
         if self.exact:
-            (self._accumulator,) = parts
+            self._new_accumulator(torch.cat([part.reshape(-1) for part in parts]))
             return
         for i, (p, part) in enumerate(zip(self.params, parts)):
             _set_grad(p, part, self._placements(i))
@@ -281,7 +303,7 @@ class ReplicaWorker:
         self._computed = 0
         self._recording = False
         if self.exact:
-            self._accumulator = torch.zeros_like(self._accumulator)
+            self._new_accumulator(torch.zeros_like(self._accumulator))
         for p in self.params:
             p.grad = None
 
@@ -291,7 +313,7 @@ class ReplicaWorker:
         gradient gets the reduced zeros it contributed)."""
         with torch.no_grad():
             if self.exact:
-                self._copy_into_grads(summed[0], scale)
+                self._copy_into_grads(summed, scale)
             else:
                 for i, (p, part) in enumerate(zip(self.params, summed)):
                     if p.grad is None or local_tensor(p.grad).data_ptr() != part.data_ptr():
@@ -301,15 +323,13 @@ class ReplicaWorker:
         if not self._loaded:  # a spare computed nothing; TorchTitan averages the loading times it logs
             self.parts.metrics_processor.record_batch(0, 0.0)
 
-    def _copy_into_grads(self, flat: torch.Tensor, scale: float) -> None:
-        offset = 0
-        for i, p in enumerate(self.params):
+    def _copy_into_grads(self, summed: list[torch.Tensor], scale: float) -> None:
+        for i, (p, part) in enumerate(zip(self.params, summed)):
             if p.grad is None:
                 p.grad = self._zero_gradient(i)
             g = local_tensor(p.grad)
-            part = flat[offset : offset + g.numel()].view_as(g)
+            part = part.view_as(g)
             g.copy_((part * scale if scale != 1 else part).to(g.dtype))
-            offset += g.numel()
 
     def parameter_signature(self) -> int:
         """The signature of this rank's parameter shards alone."""
