@@ -235,7 +235,9 @@ class Replica:
             parallel_dims=SimpleNamespace(pp_enabled=False, dp_enabled=False), device=device,
             gradient_accumulation_steps=1, pp_microbatches=1, pp_has_last_stage=True,
             forward_backward=forward_backward, train_state=Counter())
-        self.worker = FlippingWorker(self.parts, per_step=setup.microbatches, exact=True,
+        # the reduction after the last microbatch (the CPU default, overlap_reduction = false): a gradient flip,
+        # injected after a backward, lands before the gradients move into the accumulator
+        self.worker = FlippingWorker(self.parts, per_step=setup.microbatches, exact=True, reports_final=False,
                                      hooks=ComputeHooks(after_backward=self._after_backward))
         self.events = Events()
         self.localizer = None
@@ -418,22 +420,22 @@ def base_step(cluster: Cluster, step: int) -> torch.Tensor:
         compute_s.append(time.perf_counter() - start)
     tails = [tail.clone() for _, _, tail in computed]
     contributions = [r.contribution(parts, tail) for r, (_, parts, tail) in zip(cluster.replicas, computed)]
-    reduced_parts = [computed[0][1][0].clone()]
+    reduced = flat(computed[0][1])
     for _, parts, _ in computed[1:]:
-        reduced_parts[0] += parts[0]
+        reduced += flat(parts)
     reduced_tail = sum_tails(tails)
     commit_s = []
     decisions = None
     for replica, (progress, parts, tail) in zip(cluster.replicas, computed):
         start = time.perf_counter()
         votes_before = replica.localizer.votes if replica.localizer is not None else 0
-        refusal = replica.judge(step, [reduced_parts[0]], reduced_tail)
+        refusal = replica.judge(step, [reduced], reduced_tail)
         if replica.localizer is not None and decisions is None:
             decisions = replica.localizer.votes - votes_before
         if refusal is not None:
             cluster.false += 1
             raise RuntimeError(f"{cluster.name} step {step}: a clean step was refused: {refusal}")
-        parts[0].copy_(reduced_parts[0])
+        fill(parts, reduced)
         tail.copy_(reduced_tail)
         replica.commit(step, progress, parts, tail)
         commit_s.append(time.perf_counter() - start)
@@ -441,7 +443,20 @@ def base_step(cluster: Cluster, step: int) -> torch.Tensor:
     cluster.tails[step] = tails
     cluster.contributions[step] = contributions
     cluster.step_s.append(max(compute_s) + max(commit_s))
-    return reduced_parts[0].clone()
+    return reduced
+
+
+def flat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A replica's gradient parts (its accumulator's slices, in parameter order) as one new flat tensor."""
+    return torch.cat([part.reshape(-1) for part in parts])
+
+
+def fill(parts: list[torch.Tensor], values: torch.Tensor) -> None:
+    """Write the flat ``values`` into the gradient parts, as a reduction in place would."""
+    offset = 0
+    for part in parts:
+        part.copy_(values[offset : offset + part.numel()].view_as(part))
+        offset += part.numel()
 
 
 def sum_tails(tails: list[torch.Tensor]) -> torch.Tensor:
@@ -525,7 +540,7 @@ def inject(base: Base, cluster: Cluster, flip: Flip | None, *, clean_step: int |
         if computation_kind:
             result.outcome = "masked"
             return result
-        parts[0].copy_(base.gradients[step])
+        fill(parts, base.gradients[step])
         tail.copy_(reduced_tail)
         replica.commit(step, progress, parts, tail)
         if step + 1 in base.states and replica.worker.state_signature() == base.states[step + 1]:
