@@ -18,7 +18,11 @@ Sections (each one's failure is recorded in the JSON and does not stop the other
   part on its own thread after the event its hook recorded on the producing stream (FSDP2's reduce-scatter
   stream): parts written on a side stream behind a matmul chain are read final, and the same parts reported from
   the default stream instead (the control: an event on a stream that never waited for the producer) are counted
-  stale or not.
+  stale or not;
+- ``stop_agreement``: the per-step stop flag of a job without replica groups (``recover/stop_request.py``) over
+  200 steps with a stand-in all-reduce: the answer arrives ``lag`` steps after the request, the host's time per
+  step, and that no step allocates (the same ``lag + 1`` flags and pinned host copies reused; device memory
+  allocated before and after).
 
     python scripts/device_check.py [--out device_check.json] [--mb 256] [--members 3]
     python scripts/device_check.py --allow-cpu --mb 16   # the sections that run without a GPU (a smoke test)
@@ -316,6 +320,34 @@ def overlap_events(device: torch.device, parts: int = 8, chain: int = 30) -> dic
             "matmuls_per_part": chain}
 
 
+def stop_agreement(device: torch.device, steps: int = 200, requested_at: int = 50) -> dict:
+    from titan_recover.recover.stop_request import StopAgreement
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    agreement = StopAgreement(device, all_reduce_max=lambda flag: Done(), lag=2)
+    answers, times = [], []
+    _sync(device)
+    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    agreement.poll(False)  # the ring is allocated at the first poll
+    allocated_after_first = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    for step in range(1, steps):
+        start = time.perf_counter()
+        answers.append(agreement.poll(step >= requested_at))
+        times.append(time.perf_counter() - start)
+    _sync(device)
+    return {"steps": steps, "first_true_at": answers.index(True) + 1 if True in answers else None,
+            "requested_at": requested_at, "lag": agreement.lag,
+            "per_poll_us_median": round(statistics.median(times) * 1e6, 1),
+            "per_poll_us_max": round(max(times) * 1e6, 1),
+            "buffers": len({host.data_ptr() for _, host, _ in agreement._slots}),
+            "device_bytes_ring": allocated_after_first - allocated,
+            "device_bytes_after_steps": (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
+            - allocated_after_first}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "device_check.json"))
@@ -336,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ftpg_nccl": lambda: ftpg_nccl(device, args.mb),
                 "signature": lambda: signature(device, args.mb),
                 "snapshot_overlap": lambda: snapshot_overlap(device, args.mb),
-                "overlap_events": lambda: overlap_events(device)}
+                "overlap_events": lambda: overlap_events(device),
+                "stop_agreement": lambda: stop_agreement(device)}
     for name, run in sections.items():
         if not cuda and name in ("staging", "ftpg_nccl", "snapshot_overlap", "overlap_events"):
             report[name] = {"skipped": "no CUDA device"}
