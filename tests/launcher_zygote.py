@@ -135,7 +135,11 @@ def serve(path: str) -> None:
         for sock in ready:
             if sock is listener:
                 conn, _ = listener.accept()
-                request, fds = _receive(conn)
+                try:
+                    request, fds = _receive(conn)
+                except (OSError, ValueError):  # a client that died before its request was whole
+                    conn.close()
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     listener.close()
@@ -145,14 +149,28 @@ def serve(path: str) -> None:
                     _run_launcher(request, fds)
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(f"{pid}\n".encode())
                 clients[pid] = conn
-            elif not sock.recv(1):  # the client died: so does its launcher (it ends its own children)
-                pid = next(p for p, c in clients.items() if c is sock)
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                    conn.sendall(f"{pid}\n".encode())
+                except OSError:  # the client died meanwhile: its launcher is ended below
+                    _kill(pid)
+            elif not _still_there(sock):  # the client died: so does its launcher (it ends its own children)
+                _kill(next(p for p, c in clients.items() if c is sock))
+
+
+def _still_there(sock: socket.socket) -> bool:
+    """A client's connection was readable: it sends nothing after its request, so that is its end."""
+    try:
+        return bool(sock.recv(1))
+    except OSError:
+        return False
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _ended(clients: dict[int, socket.socket]) -> list[tuple[int, int]]:
