@@ -7,14 +7,16 @@ phases) is run four ways: failure-free reference; ``recover`` (quota policy ``ev
 microbatches in the same step); ``drop`` (the batch shrinks and the failed steps are discarded); and exact mode
 (float64 accumulation) with and without the failures. Deviation = the largest relative difference of the logged
 loss from its failure-free counterpart over all steps (exact mode against the exact failure-free run; 0 means
-every step's loss is bitwise equal). The exact failure-free run also gives exact mode's step-time overhead
-(median step time over the plain failure-free run's, first ``--warmup`` steps dropped). The overlay of the four
+every step's loss is bitwise equal). Exact mode's step-time overhead is the median step time of an exact
+failure-free run over a plain one's (first ``--warmup`` steps dropped), in ``--rounds`` interleaved pairs (the
+fidelity runs' two failure-free runs are the first pair; later pairs alternate which mode runs first): the median
+ratio and its spread. The overlay of the four
 loss curves is written to ``--plot``; every run's per-step losses, the exact failure-free reference among them
 (``"exact (failure-free)"``, the curve exact mode's failure runs must equal bitwise), to the ``.json`` beside it.
 
     python benchmarks/trajectory_fidelity.py [--flavor debugmodel] [--steps 20] [--seed 0]
 
-Last line: ``recover_dev=... exact_dev=... drop_dev=... exact_overhead_ratio=...``.
+Last line: ``recover_dev=... exact_dev=... drop_dev=... exact_overhead_ratio=... exact_overhead_spread=...``.
 Targets: recover_dev <= 1e-5 and >= 100x smaller than drop_dev; exact_dev = 0.
 """
 
@@ -63,8 +65,8 @@ def run(name: str, args, folder: str, faults: list[dict], extra: list[str]) -> t
     times = load_curve(folder, STEP_TIME, replica=0)
     if sorted(losses) != list(range(1, args.steps + 1)):
         raise RuntimeError(f"{name} run logged steps {sorted(losses)}")
-    print(f"{name:13s} final loss {losses[args.steps]:.6f}, median step {statistics.median(list(times.values())[args.warmup:]):.3f} s",
-          flush=True)
+    median_s = statistics.median(list(times.values())[args.warmup:])
+    print(f"{name:13s} final loss {losses[args.steps]:.6f}, median step {median_s:.3f} s", flush=True)
     return losses, [times[s] for s in sorted(times)][args.warmup:]
 
 
@@ -76,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--lost", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved pairs of failure-free plain and exact runs")
     parser.add_argument("--plot", default=str(ROOT / "docs" / "results" / "trajectory_fidelity.png"))
     parser.add_argument("--timeout", type=float, default=900)
     add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
-    if not 1 <= args.lost < args.replicas or args.steps < args.lost + 3:
-        parser.error("need 1 <= --lost < --replicas and --steps >= --lost + 3")
+    if not 1 <= args.lost < args.replicas or args.steps < args.lost + 3 or args.rounds < 1:
+        parser.error("need 1 <= --lost < --replicas, --steps >= --lost + 3 and --rounds >= 1")
     with recorded(__file__, argv, args.out):
         return measure(args)
 
@@ -102,7 +105,16 @@ def measure(args) -> int:
     recover_dev = difference(reference, recover).max_rel
     drop_dev = difference(reference, drop).max_rel
     exact_dev = difference(exact_reference, exact_failures).max_rel
-    overhead = statistics.median(exact_times) / statistics.median(ref_times)
+    ratios = [statistics.median(exact_times) / statistics.median(ref_times)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(1, args.rounds):
+            pair = {}
+            for mode in (("plain", "exact") if r % 2 == 0 else ("exact", "plain")):
+                extra = exact if mode == "exact" else []
+                pair[mode] = run(f"{mode} round {r + 1}", args, f"{tmp}/{mode}{r}", [], extra)[1]
+            ratios.append(statistics.median(pair["exact"]) / statistics.median(pair["plain"]))
+    print("exact / plain median step time per round: " + ", ".join(f"{x:.3f}" for x in ratios))
+    overhead, spread = statistics.median(ratios), max(ratios) - min(ratios)
     pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     curves = {"failure-free": reference, "recover (in-step recovery)": recover, "exact": exact_failures,
               "drop (torchft semantics)": drop}
@@ -115,7 +127,7 @@ def measure(args) -> int:
           f"deviation from the failure-free run: recover {recover_dev:.2e}, exact {exact_dev:.2e}, drop {drop_dev:.2e}"
           f" ({drop_dev / max(recover_dev, 1e-30):.0f}x recover's)")
     print(f"recover_dev={recover_dev:.3e} exact_dev={exact_dev:.3e} drop_dev={drop_dev:.3e} "
-          f"exact_overhead_ratio={overhead:.4f}")
+          f"exact_overhead_ratio={overhead:.4f} exact_overhead_spread={spread:.4f}")
     return 0
 
 
