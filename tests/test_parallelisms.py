@@ -67,17 +67,19 @@ def test_layout_trains_like_fsdp(name, fsdp_reference, tmp_path_factory, seed_ch
     assert_trains_like(reference, folder)
 
 
-def test_replica_groups_log_what_native_hsdp_logs(hsdp_reference, seed_checkpoint, tmp_path):
+@pytest.mark.parametrize("accumulation", ["plain", "exact"])
+def test_replica_groups_log_what_native_hsdp_logs(hsdp_reference, seed_checkpoint, tmp_path, accumulation):
     """The same job as fault-tolerant replica groups (2 x FSDP2 over 2, a coordinator) logs TorchTitan's own
     metrics as TorchTitan's native HSDP does on the same tokens from the same weights: the mean loss of the global
     batch and the largest mean loss of a data-parallel rank within 1e-6 relative (measured: bitwise equal at every
     step of 6; 1e-6 leaves 8 float32 ulps for the order in which the global mean is summed, native HSDP over its 4
     data ranks at once, replica groups within a group and then across), the gradient norm and the global tokens
     seen, at every step. The reduction across replicas is overlapped with the last backward (FSDP2 reports each
-    sharded gradient to it after its reduce-scatter), as on GPUs."""
+    sharded gradient to it after its reduce-scatter), as on GPUs; in exact mode each hook moves the gradient into
+    its slice of the float64 accumulator first."""
     hsdp, _ = hsdp_reference
     proc = launch("train_configs/replicas.toml", *same_training(seed_checkpoint, 4), "--dump_folder", str(tmp_path),
-                  "--recover.step.overlap_reduction")
+                  "--recover.step.overlap_reduction", *(("--recover.quota.exact",) if accumulation == "exact" else ()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     native = {r["step"]: r for r in read_metrics(hsdp)}
     logged = read_metrics(tmp_path)
