@@ -447,7 +447,7 @@ def base_step(cluster: Cluster, step: int) -> torch.Tensor:
 
 
 def flat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """A replica's gradient parts (its accumulator's slices, in parameter order) as one new flat tensor."""
+    """A replica's gradient parts (its parameters' accumulators, in parameter order) as one new flat tensor."""
     return torch.cat([part.reshape(-1) for part in parts])
 
 

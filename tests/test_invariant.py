@@ -82,7 +82,7 @@ def test_exact_mode_failure_run_is_bitwise_the_failure_free_run(tmp_path, exact_
     rejoining, promoted and evicted replicas: tests/test_rejoin.py, tests/test_scout.py. Without a backup of the
     accumulation (recover.step.abort_recovery = "recompute", the CPU default): the survivor computes its own
     microbatches again after the aborted reduction, then the lost replicas'. ``overlapped``: every reduction but
-    the aborted ones overlaps the last backward (each hook moves its gradient into the float64 accumulator), against
+    the aborted ones overlaps the last backward (each hook moves its gradient into its float64 accumulator), against
     the reference whose reductions did not: bitwise all the same."""
     faults, lost = HARDEST
     steps = EXACT_REFERENCE["steps"]

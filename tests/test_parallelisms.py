@@ -76,7 +76,7 @@ def test_replica_groups_log_what_native_hsdp_logs(hsdp_reference, seed_checkpoin
     data ranks at once, replica groups within a group and then across), the gradient norm and the global tokens
     seen, at every step. The reduction across replicas is overlapped with the last backward (FSDP2 reports each
     sharded gradient to it after its reduce-scatter), as on GPUs; in exact mode each hook moves the gradient into
-    its slice of the float64 accumulator first."""
+    its parameter's float64 accumulator first."""
     hsdp, _ = hsdp_reference
     proc = launch("train_configs/replicas.toml", *same_training(seed_checkpoint, 4), "--dump_folder", str(tmp_path),
                   "--recover.step.overlap_reduction", *(("--recover.quota.exact",) if accumulation == "exact" else ()))

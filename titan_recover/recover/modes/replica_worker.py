@@ -8,7 +8,7 @@ moved into a float64 accumulator right away (the committed gradient then does no
 Otherwise the gradients accumulate in the parameters' ``.grad``. A post-accumulate-grad hook on every parameter
 (autograd's, or FSDP2's after its reduce-scatter) tells an overlapped reduction when the last microbatch's backward
 has finished each one (:meth:`ReplicaWorker.gradient_parts`); in exact mode the hook first moves that gradient into
-the parameter's part of the accumulator, which is then final.
+the parameter's float64 accumulator, which is then final.
 """
 
 from __future__ import annotations
@@ -101,9 +101,8 @@ class ReplicaWorker:
         self._loaded = False
         self._recording = True
         """Whether fetched batches count in TorchTitan's throughput metrics (not when computed again)."""
-        self._accumulator: torch.Tensor | None = None
         self._exact_parts: list[torch.Tensor] = []
-        """Exact mode: each parameter's part of the accumulator (views, in parameter order): what the step reduces."""
+        """Exact mode: each parameter's float64 accumulator (flat, in parameter order): what the step reduces."""
         self._moved: set[int] = set()
         """Exact mode: parameters whose gradient the running backward's hooks moved into the accumulator already."""
         self._on_final: Callable[[int], None] | None = None
@@ -133,9 +132,11 @@ class ReplicaWorker:
         self._loaded = False
         self._recording = True
         if self.exact:
-            if self._accumulator is None:
-                self._new_accumulator(torch.zeros(self.numel, dtype=torch.float64, device=self.parts.device))
-            self._accumulator.zero_()
+            if not self._exact_parts:
+                self._exact_parts = [torch.zeros(local_tensor(p).numel(), dtype=torch.float64, device=self.parts.device)
+                                     for p in self.params]
+            for part in self._exact_parts:
+                part.zero_()
 
     def compute(self, g: int, witness: str | None = None, on_final: Callable[[int], None] | None = None) -> int | None:
         """Forward and backward of replica microbatch ``g`` (this rank's shard of it), accumulated locally.
@@ -232,17 +233,8 @@ class ReplicaWorker:
         return DTensor.from_local(torch.zeros_like(local_tensor(p)), p.device_mesh, self._placements(i) or p.placements,
                                   run_check=False, shape=p.shape, stride=p.stride())
 
-    def _new_accumulator(self, flat: torch.Tensor) -> None:
-        """``flat`` (float64, every local gradient element in parameter order) becomes the exact-mode accumulator."""
-        self._accumulator = flat
-        self._exact_parts, offset = [], 0
-        for p in self.params:
-            n = local_tensor(p).numel()
-            self._exact_parts.append(flat[offset : offset + n])
-            offset += n
-
     def _move_to_accumulator(self, index: int, p: torch.Tensor) -> None:
-        """Add parameter ``index``'s gradient to its part of the float64 accumulator and zero it."""
+        """Add parameter ``index``'s gradient to its float64 accumulator and zero it."""
         if p.grad is not None:
             with torch.no_grad():
                 g = local_tensor(p.grad)
@@ -258,8 +250,8 @@ class ReplicaWorker:
     def gradient_parts(self) -> list[torch.Tensor] | None:
         """What the step reduces in place, for an overlapped reduction: every parameter's local gradient, made to
         exist (zeros where none yet: the next backward accumulates into them in place, as into any existing
-        gradient), or in exact mode its part of the float64 accumulator (the hook moves the last backward's
-        gradient in before it reports the part final). None with pipeline parallelism (a stage's backward runs once
+        gradient), or in exact mode its float64 accumulator (the hook moves the last backward's gradient in before it
+        reports the part final). None with pipeline parallelism (a stage's backward runs once
         per pipeline chunk, so a hook does not mean final) and when built without ``reports_final``."""
         if not self.reports_final or self.parts.parallel_dims.pp_enabled:
             return None
@@ -276,8 +268,8 @@ class ReplicaWorker:
 
     def contribution(self) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor, float]:
         """``(gradient, loss, mean_loss)``: the local accumulation (every parameter's local gradient in order, or
-        in exact mode its part of the float64 accumulator: the step reduces them in place), the summed loss share and
-        the mean token loss of what this rank computed in the step (0: nothing)."""
+        in exact mode its float64 accumulator: the step reduces them in place), the summed loss share and the mean
+        token loss of what this rank computed in the step (0: nothing)."""
         if self.exact:
             gradient = list(self._exact_parts)
         else:
@@ -291,7 +283,7 @@ class ReplicaWorker:
     def replace_gradient(self, parts: list[torch.Tensor]) -> None:
         """After an aborted reduction: ``parts`` (fresh tensors, the values before it) become the accumulation."""
         if self.exact:
-            self._new_accumulator(torch.cat([part.reshape(-1) for part in parts]))
+            self._exact_parts = list(parts)  # taken as they are: no copy of the accumulation
             return
         for i, (p, part) in enumerate(zip(self.params, parts)):
             _set_grad(p, part, self._placements(i))
@@ -303,7 +295,7 @@ class ReplicaWorker:
         self._computed = 0
         self._recording = False
         if self.exact:
-            self._new_accumulator(torch.zeros_like(self._accumulator))
+            self._exact_parts = [torch.zeros_like(part) for part in self._exact_parts]
         for p in self.params:
             p.grad = None
 
