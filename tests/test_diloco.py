@@ -233,10 +233,10 @@ def test_a_launcher_ends_a_hung_syncer_only_while_it_leads_and_restarts_a_dead_o
 
 
 def test_a_syncers_first_evaluation_is_held_to_the_start_bound_until_its_first_microbatch_ends(tmp_path):
-    """The first microbatch of a syncer process's first evaluation compiles (a FlexAttention model: tens of seconds
-    on a GPU, more than ``syncer_timeout_s``). The syncer announces it in its beat; the launcher's watch holds that
-    beat to ``startup_timeout_s``; the beat after the microbatch, written at once, is held to ``syncer_timeout_s``
-    again, and a later evaluation announces nothing."""
+    """The first microbatch of a syncer process's first evaluation compiles (a FlexAttention model; ~35 s for the
+    tiny model on CPU, docs/diloco.md), which may outlast ``syncer_timeout_s``. The syncer announces it in its
+    beat; the launcher's watch holds that beat to ``startup_timeout_s``; the beat after the microbatch, written at
+    once, is held to ``syncer_timeout_s`` again, and a later evaluation announces nothing."""
     from titan_recover.recover.launcher import BeatWatch
     from titan_recover.recover.diloco.syncer.service import Syncer
 

@@ -34,7 +34,7 @@ from titan_recover.process_exit import die_with_parent
 from titan_recover.recover.groups.member import (COORDINATOR_ENV, FOUNDING_STEP_ENV, INCARNATION_ENV, REPLICA_ENV,
                                                  RUN_DIR_ENV)
 from titan_recover.recover.chaos.config import JOB_START_ENV
-from titan_recover.recover.diloco.rules import DilocoKeys, WARMING
+from titan_recover.recover.diloco.rules import DilocoKeys, warming
 from titan_recover.recover.events import NODE_ENV
 from titan_recover.recover.groups.keys import GroupKeys, newest_published, parse_dropped, raise_fault_flag
 from titan_recover.recover.groups.protocol import decode_members, encode_members
@@ -407,7 +407,7 @@ class ReplicaJob:
         if quiet <= bound:
             return False
         named = setting if bound == watch.timeout_s else "recover.startup_timeout_s"
-        compiling = " while it compiled (its first evaluation)" if beat.endswith(WARMING.encode()) else ""
+        compiling = " while it compiled (its first evaluation)" if warming(beat) else ""
         print(f"[titan_recover] the {what} made no progress for {quiet:.1f} s{compiling} ({named} = {bound}): "
               "ending it", file=sys.stderr, flush=True)
         _signal_group(proc, signal.SIGKILL)
@@ -956,7 +956,7 @@ class BeatWatch:
             self._value, self._since = value, now
         if value == self._first:
             return now - self._since, self.start_s
-        return now - self._since, self.warming_s if value.endswith(WARMING.encode()) else self.timeout_s
+        return now - self._since, self.warming_s if warming(value) else self.timeout_s
 
 
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,

@@ -164,6 +164,11 @@ FlexAttention model compiles ``flex_attention`` there). The launcher holds such 
 not to ``syncer_timeout_s``; the syncer's next beat, after that microbatch, drops it (docs/diloco.md)."""
 
 
+def warming(beat: bytes) -> bool:
+    """Whether a syncer ``beat`` (the value of :attr:`DilocoKeys.SYNCER_BEAT`) announces a first compile."""
+    return beat.endswith(WARMING.encode())
+
+
 class DilocoKeys:
     """Store keys of the diloco mode. The coordinator's store (stable for the whole job) holds the syncer's address,
     the data-block counter and each learner's current block; the syncer's store (gone with the syncer) holds deltas

@@ -135,8 +135,7 @@ class ReplicaWorker:
             if not self._exact_parts:
                 self._exact_parts = [torch.zeros(local_tensor(p).numel(), dtype=torch.float64, device=self.parts.device)
                                      for p in self.params]
-            for part in self._exact_parts:
-                part.zero_()
+            torch._foreach_zero_(self._exact_parts)  # one launch, not one per parameter
 
     def compute(self, g: int, witness: str | None = None, on_final: Callable[[int], None] | None = None) -> int | None:
         """Forward and backward of replica microbatch ``g`` (this rank's shard of it), accumulated locally.

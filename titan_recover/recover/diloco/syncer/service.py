@@ -9,6 +9,7 @@ not expect (dead, or not worth it)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from datetime import timedelta
@@ -104,13 +105,14 @@ class Syncer:
     def beat(self, at_once: bool = False, warming: bool = False) -> None:
         """Tell the launcher this start makes progress (at most every ``heartbeat_interval_s``, or now): each pass
         of the loop, and while it waits for the initial model; a beat unchanged for ``syncer_timeout_s`` is a hang.
-        ``warming``: now, marked :data:`WARMING` (work that compiles follows). A fenced store refuses the beat of a
-        syncer that lost its role (``NotLeader``)."""
+        ``warming``: now, marked :data:`WARMING` (work that compiles follows); the next beat is then written at once,
+        whatever the interval, so the mark lasts only through that work. A fenced store refuses the beat of a syncer
+        that lost its role (``NotLeader``)."""
         now = time.monotonic()
         if at_once or warming or now - self._beaten >= self.config.recover.heartbeat_interval_s:
             mark = WARMING if warming else ""
             self.coordinator.set(DilocoKeys.SYNCER_BEAT, f"{self.generation}:{time.time():.6f}{mark}")
-            self._beaten = now
+            self._beaten = -math.inf if warming else now
 
     def publish_address(self) -> None:
         self.coordinator.set(DilocoKeys.SYNCER, f"{self.address} {self.generation}")
@@ -243,11 +245,9 @@ class Syncer:
         # beats between validation microbatches: an evaluation longer than syncer_timeout_s is not a hang. The
         # first microbatch of this process's first evaluation compiles (a FlexAttention model): announced, it is
         # held to startup_timeout_s, and the beat after it drops the mark (docs/diloco.md)
-        progress = self.beat
         if not self._evaluated:
             self.beat(warming=True)
-            progress = _first_at_once(self.beat)
-        self.val_loss = self.evaluator.loss(parameters, progress=progress)
+        self.val_loss = self.evaluator.loss(parameters, progress=self.beat)
         self._evaluated = True
         self._eval_at = time.monotonic()
         self.metrics.log(now, self.progress, len(self.alive), val_loss=self.val_loss)
@@ -334,17 +334,6 @@ class Syncer:
         self.metrics.close()
         self.coordinator.set(GroupKeys.FINISHED, self.verdict())
         return 0
-
-
-def _first_at_once(beat):
-    """``beat`` that writes at once the first time it is called (the end of a compiling microbatch: the warming
-    mark is dropped then, not ``heartbeat_interval_s`` later), as usual after."""
-    first = [True]
-
-    def call() -> None:
-        beat(at_once=first[0])
-        first[0] = False
-    return call
 
 
 def _serve_store(host: str, port: int):
