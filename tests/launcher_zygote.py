@@ -37,14 +37,12 @@ def _send_fds(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
     sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
 
 
-def _read_line(sock: socket.socket) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = sock.recv(4096)
-        if not chunk:
-            raise ConnectionError("the launcher server closed the connection")
-        data += chunk
-    return data.decode()
+def _read_line(reader) -> str:
+    """One line from the server (buffered: its two lines may arrive in one read)."""
+    line = reader.readline()
+    if not line.endswith(b"\n"):
+        raise ConnectionError("the launcher server closed the connection")
+    return line.decode()
 
 
 # ---- client: started by the test in the launcher's place ----------------------------------------------------------
@@ -58,11 +56,11 @@ def client(path: str, argv: list[str]) -> None:
         os._exit(1)
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode() + b"\n"
     _send_fds(sock, request, [0, 1, 2])
-    pid = int(_read_line(sock))
+    reader = sock.makefile("rb")
+    pid = int(_read_line(reader))
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _frame: os.kill(pid, s))
-    kind, value = _read_line(sock).split()
-    sys.stdout.flush()
+    kind, value = _read_line(reader).split()
     if kind == "signal":
         signal.signal(int(value), signal.SIG_DFL)
         os.kill(os.getpid(), int(value))
