@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import sys
 import textwrap
 
 import pytest
@@ -248,6 +249,71 @@ def test_checkpoint_restart_mode_is_checked_and_becomes_the_replicate_dimension(
     # one torchrun of both groups' 2 processes, restarted by torchrun, the groups as data_parallel_replicate_degree
     assert "--nproc-per-node=4" in out and "--max-restarts=2" in out
     assert out.rstrip().endswith("--parallelism.data_parallel_replicate_degree 2")
+
+
+def test_a_preemption_grace_is_checked_before_launch_and_reaches_the_agent(launcher):
+    """``[recover] preemption_grace_s``: SIGTERM becomes a stop with a checkpoint, so it needs checkpoints and a
+    synchronous job; the agent of a job without replica groups gets it as its own option."""
+    code, _, err = launcher("train_configs/debug_model.toml", "--recover.preemption_grace_s", "-1", "--dry-run")
+    assert code == 2 and "recover.preemption_grace_s must be >= 0" in err, err
+    code, _, err = launcher("train_configs/debug_model.toml", "--recover.preemption_grace_s", "25", "--dry-run")
+    assert code == 2 and "set checkpoint.enable = true, or preemption_grace_s = 0" in err, err
+    code, _, err = launcher("train_configs/diloco.toml", "--recover.preemption_grace_s", "25", "--checkpoint.enable",
+                            "--dry-run")
+    assert code == 2 and "a diloco job's state is its syncer's checkpoint" in err, err
+    code, out, err = launcher("train_configs/debug_model.toml", "--recover.preemption_grace_s", "25",
+                              "--checkpoint.enable", "--dry-run")
+    assert code == 0, err
+    assert out.split()[:4] == [sys.executable, "-m", "titan_recover.torchrun", "--preemption-grace-s=25.0"], out
+    code, out, err = launcher("train_configs/debug_model.toml", "--dry-run")
+    assert code == 0 and "--preemption-grace-s" not in out, out
+
+
+def test_a_sigterm_to_a_replica_launcher_with_a_grace_is_a_stop_request_until_the_grace_is_over(tmp_path, monkeypatch):
+    """With ``preemption_grace_s``, the first SIGTERM once the job started asks for a stop with a checkpoint (the
+    children run on); once the grace is over, or at a second SIGTERM, the children get SIGTERM. Before anything
+    started, or without a grace, SIGTERM ends the job at once."""
+    from titan_recover.recover import launcher as launcher_module
+    from titan_recover.recover.launcher import ReplicaJob
+
+    now = [100.0]
+    monkeypatch.setattr(launcher_module.time, "monotonic", lambda: now[0])
+    signalled = []
+    monkeypatch.setattr(launcher_module, "_signal_group", lambda child, sig: signalled.append((child, sig)))
+
+    def job(*extra):
+        config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path), *extra])
+        return ReplicaJob(config, None, [], 1, 0)
+
+    graced = job("--recover.preemption_grace_s", "20")
+    graced.on_signal(signal.SIGTERM, None)  # nothing started yet: nothing to checkpoint
+    assert graced.stopped_by == signal.SIGTERM and graced.stop_requested is None
+    graced = job("--recover.preemption_grace_s", "20")
+    graced.children = ["coordinator", "replica 0"]
+    graced.on_signal(signal.SIGTERM, None)
+    assert graced.stop_requested == signal.SIGTERM and graced.stopped_by is None and not signalled
+    now[0] += 19.9
+    graced.end_after_grace()
+    assert graced.stopped_by is None and not signalled
+    now[0] += 0.1
+    graced.end_after_grace()
+    assert graced.stopped_by == signal.SIGTERM
+    assert signalled == [("coordinator", signal.SIGTERM), ("replica 0", signal.SIGTERM)]
+    signalled.clear()
+    twice = job("--recover.preemption_grace_s", "20")
+    twice.children = ["replica 0"]
+    twice.on_signal(signal.SIGTERM, None)
+    twice.on_signal(signal.SIGTERM, None)
+    assert twice.stopped_by == signal.SIGTERM and signalled == [("replica 0", signal.SIGTERM)]
+    signalled.clear()
+    plain = job()
+    plain.children = ["replica 0"]
+    plain.on_signal(signal.SIGTERM, None)
+    assert plain.stopped_by == signal.SIGTERM and plain.stop_requested is None
+    interrupted = job("--recover.preemption_grace_s", "20")  # Ctrl-C stays a stop at once
+    interrupted.children = ["replica 0"]
+    interrupted.on_signal(signal.SIGINT, None)
+    assert interrupted.stopped_by == signal.SIGINT and interrupted.stop_requested is None
 
 
 def test_launcher_prints_config_and_help_without_training(launcher):

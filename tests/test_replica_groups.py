@@ -87,15 +87,19 @@ def test_ctrl_c_or_a_killed_launcher_leaves_no_process_behind(tmp_path, default_
     assert left == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["time_limit", "preemption"])
 def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_last_committed_step(tmp_path,
-                                                                                                   default_data):
-    """SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends before the time limit): the job stops
-    at once with a durable checkpoint of its last committed step, written once, and the launcher exits 128 + 10
+                                                                                                   default_data, sig):
+    """SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends before the time limit), or SIGTERM
+    with ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process): the job stops at once
+    with a durable checkpoint of its last committed step, written once, and the launcher exits 128 + the signal
     (stopped, not trained), naming the request; nothing is left running."""
     from replica_runs import replica_job_args
 
-    args = replica_job_args(tmp_path, replicas=2, ranks=1, steps=1000, faults=[],
-                            extra=("--checkpoint.enable", "--checkpoint.interval", "1000"))
+    extra = ("--checkpoint.enable", "--checkpoint.interval", "1000")
+    if sig == signal.SIGTERM:
+        extra += ("--recover.preemption_grace_s", "120")
+    args = replica_job_args(tmp_path, replicas=2, ranks=1, steps=1000, faults=[], extra=extra)
     proc = subprocess.Popen([sys.executable, "-m", "titan_recover.launch", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -104,13 +108,13 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
                       for e in read_events(tmp_path / "events.jsonl")):
             assert time.monotonic() < deadline and proc.poll() is None, "training did not reach step 3"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + signal.SIGUSR1, output[-3000:]
-    assert "stop requested (SIGUSR1 to the launcher of node 0" in output, output[-3000:]
+    assert proc.returncode == 128 + sig, output[-3000:]
+    assert f"stop requested ({signal.Signals(sig).name} to the launcher of node 0" in output, output[-3000:]
     events = read_events(tmp_path / "events.jsonl")
     committed = max(e["step"] for e in events if e["event"] == "step_committed")
     stopped = [e for e in events if e["event"] == "stopped"]

@@ -91,13 +91,18 @@ def test_the_agent_notes_the_signal_for_its_workers_and_exits_138_only_if_they_s
 
 
 @pytest.mark.multiprocess
-def test_sigusr1_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint_of_it(tmp_path, default_data):
-    """FSDP2 over 2 ranks, 400 steps asked for, checkpoints every 1000 (none would be written): SIGUSR1 to the
-    launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends) once a step was logged. Both ranks stop after the same
-    step, a checkpoint of its full training state is written, and the launcher exits 138 (stopped by the signal)."""
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["time_limit", "preemption"])
+def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint_of_it(tmp_path, default_data,
+                                                                                               sig):
+    """FSDP2 over 2 ranks, 400 steps asked for, checkpoints every 1000 (none would be written): once a step was
+    logged, SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends), or SIGTERM with
+    ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process). Both ranks stop after the
+    same step, a checkpoint of its full training state is written, and the launcher exits 128 + the signal."""
     command = [sys.executable, "-m", "titan_recover.launch", "train_configs/debug_model.toml", "--model.flavor", "tiny",
                "--metrics.no_enable_wandb", "--training.steps", "400", "--checkpoint.enable",
                "--checkpoint.interval", "1000", "--dump_folder", str(tmp_path)]
+    if sig == signal.SIGTERM:
+        command += ["--recover.preemption_grace_s", "120"]
     job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
     try:
@@ -105,19 +110,19 @@ def test_sigusr1_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoi
         while not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path):
             assert job.poll() is None and time.monotonic() < deadline, "the job logged no step"
             time.sleep(0.2)
-        job.send_signal(signal.SIGUSR1)
+        job.send_signal(sig)
         output, _ = job.communicate(timeout=120)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode == 128 + signal.SIGUSR1, output[-4000:]
+    assert job.returncode == 128 + sig, output[-4000:]
     stopped = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "stopped"]
     assert sorted(e["rank"] for e in stopped) == [0, 1] and len({e["step"] for e in stopped}) == 1, stopped
     step = stopped[0]["step"]
     assert all(e["checkpoint_saved"] for e in stopped) and 1 < step < 400, stopped
     assert (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").is_file()
     assert max(r["step"] for r in read_metrics(tmp_path)) == step
-    assert f"stopping after step {step}" in output
+    assert f"stop requested ({signal.Signals(sig).name}" in output and f"stopping after step {step}" in output
 
     # the full training state a later start resumes from (TorchTitan loads it whole for any step but 0), not a
     # model-only export; resuming from it is TorchTitan's load, tested in tests/test_checkpoint_restart.py
@@ -143,16 +148,79 @@ def test_an_agent_removes_the_stop_folders_of_agents_killed_before_they_could(tm
         [f"titan_recover_stop.{os.getpid()}.def", "titan_recover_stop.notapid", f"other.{dead.pid}.x"])
 
 
-def test_sigusr1_is_taken_out_of_the_signals_torchrun_would_end_the_workers_on():
-    """``--signals-to-handle`` (or ``PET_SIGNALS_TO_HANDLE``) with SIGUSR1 would replace the agent's stop handler
-    with torchrun's, which ends the workers without a checkpoint: the agent passes torchrun the list without it."""
-    from titan_recover.torchrun import _without_stop_signal
+def test_the_stop_signals_are_taken_out_of_the_signals_torchrun_would_end_the_workers_on():
+    """``--signals-to-handle`` (or ``PET_SIGNALS_TO_HANDLE``, torchrun parser's default) with SIGUSR1, or with
+    SIGTERM under a preemption grace, would replace the agent's stop handler with torchrun's, which ends the workers
+    without a checkpoint: the agent passes torchrun the list without them."""
+    from titan_recover.torchrun import _grace, _without_signals
 
+    torchruns = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    usr1 = {"SIGUSR1"}
     job = ["--nproc-per-node", "2", "-m", "titan_recover.train", "--signals-to-handle", "SIGUSR1"]
-    assert _without_stop_signal(job, {}) == (job, False)  # torchrun's default list; the module's own args untouched
-    assert _without_stop_signal(job, {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGUSR1"}) == (
-        ["--signals-to-handle=SIGTERM", *job], True)
-    assert _without_stop_signal(["--signals_to_handle", "SIGUSR1, SIGINT", *job], {}) == (
-        ["--signals-to-handle=SIGINT", *job], True)
-    assert _without_stop_signal(["--signals-to-handle=SIGUSR2,SIGUSR1", *job], {}) == (
-        ["--signals-to-handle=SIGUSR2", *job], True)
+    assert _without_signals(job, torchruns, usr1) == (job, [])  # the module's own args untouched
+    assert _without_signals(job, "SIGTERM,SIGUSR1", usr1) == (["--signals-to-handle=SIGTERM", *job], ["SIGUSR1"])
+    assert _without_signals(["--signals_to_handle", "SIGUSR1, SIGINT", *job], torchruns, usr1) == (
+        ["--signals-to-handle=SIGINT", *job], ["SIGUSR1"])
+    assert _without_signals(["--signals-to-handle=SIGUSR2,SIGUSR1", *job], torchruns, usr1) == (
+        ["--signals-to-handle=SIGUSR2", *job], ["SIGUSR1"])
+    assert _without_signals(job, torchruns, usr1 | {"SIGTERM"}) == (
+        ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", *job], ["SIGTERM"])
+    # the agent's own option, before the training module only
+    assert _grace(["--preemption-grace-s=25", *job]) == (25.0, job)
+    assert _grace(["--nproc-per-node", "2", "--preemption-grace-s", "7.5", "-m", "x", "--preemption-grace-s=1"]) == (
+        7.5, ["--nproc-per-node", "2", "-m", "x", "--preemption-grace-s=1"])
+    assert _grace(job) == (0.0, job)
+    with pytest.raises(SystemExit, match="--preemption-grace-s takes seconds, got 'soon'"):
+        _grace(["--preemption-grace-s=soon", *job])
+
+
+def test_a_preemption_notice_asks_once_and_ends_the_job_after_its_grace():
+    from titan_recover.recover.stop_request import describe, PreemptionNotice
+
+    none = PreemptionNotice(0.0)
+    assert not none.take(5.0) and not none.expired(1e9)  # no grace: SIGTERM ends the job at once
+    notice = PreemptionNotice(30.0)
+    assert not notice.expired(10.0)
+    assert notice.take(10.0) and not notice.take(11.0)  # the first asks; a second ends the job
+    assert not notice.expired(39.9) and notice.expired(40.0)
+    assert describe("SIGTERM") == "SIGTERM: a preemption notice"
+    assert describe("SIGUSR1") == "SIGUSR1, e.g. a scheduler's warning before the job's time limit"
+
+
+def test_an_agent_with_a_grace_notes_sigterm_for_its_workers_and_ends_them_when_the_grace_is_over(monkeypatch):
+    """The first SIGTERM is noted in the stop file (its name in it, which the workers' stop reason quotes); the agent
+    exits 143 if the workers stopped on it. When the grace is over, the agent raises torchrun's SignalException
+    (torchrun then ends the workers), saying why; so does a second SIGTERM."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from titan_recover.recover.stop_request import STOP_FILE_ENV, StopSignal, stopped_marker
+    from titan_recover.torchrun import _StopFile
+
+    monkeypatch.delenv(STOP_FILE_ENV, raising=False)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        agent = _StopFile(grace_s=0.3)
+        worker = StopSignal()
+        assert worker.cause == "SIGUSR1"  # nothing noted: a worker signalled itself names SIGUSR1
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert worker.requested and worker.cause == "SIGTERM" and agent.requested_by == signal.SIGTERM
+        agent._note(signal.SIGUSR1, None)  # a later SIGUSR1 changes nothing: the first asked
+        assert worker.cause == "SIGTERM"
+        with pytest.raises(SignalException) as ended:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the grace's timer sends SIGTERM again
+                time.sleep(0.01)
+        assert ended.value.sigval == signal.SIGTERM
+        assert agent.ended_why == "not stopped within recover.preemption_grace_s = 0.3 s"
+        open(stopped_marker(), "a").close()
+        assert agent.exit_code(0) == 128 + signal.SIGTERM
+
+        agent = _StopFile(grace_s=60)
+        agent._preempted(signal.SIGTERM, None)
+        with pytest.raises(SignalException):
+            agent._preempted(signal.SIGTERM, None)
+        assert agent.ended_why == "a second SIGTERM came"
+        assert agent.exit_code(0) == 0  # no worker stopped: the budget was trained first
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

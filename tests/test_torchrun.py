@@ -3,6 +3,8 @@ would give, without the interpreter's teardown."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -47,7 +49,12 @@ def test_the_exit_status_is_the_one_python_gives(ended, capsys):
     assert ended(raising(SystemExit(None))) == 0
     assert ended(raising(SystemExit("bad arguments"))) == 1
     assert "bad arguments" in capsys.readouterr().err
-    assert ended(raising(SignalException("Process 7 got signal: 15", sigval=15))) == 1
-    err = capsys.readouterr().err  # the exception is printed with its traceback, as an uncaught one is
-    assert "Traceback" in err and "SignalException: Process 7 got signal: 15" in err
+    assert ended(raising(RuntimeError("a worker failed"))) == 1
+    err = capsys.readouterr().err  # printed with its traceback, as an uncaught one is
+    assert "Traceback" in err and "RuntimeError: a worker failed" in err
+    # torchrun ended the workers on a signal: one sentence, and 128 + the signal
+    assert ended(raising(SignalException("Process 7 got signal: 15", sigval=signal.SIGTERM))) == 128 + 15
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "titan_recover.torchrun: SIGTERM: the workers were ended without a checkpoint" in err, err
 

@@ -273,6 +273,9 @@ def check_job(config, options: dict):
     from titan_recover.platform import active_device
 
     device = active_device()
+    if config.recover.preemption_grace_s and not config.checkpoint.enable:
+        raise ConfigError(f"recover.preemption_grace_s = {config.recover.preemption_grace_s} stops the job with a "
+                          "checkpoint at SIGTERM: set checkpoint.enable = true, or preemption_grace_s = 0")
     nnodes = _int_option(options, "--nnodes", 1)
     nproc = _int_option(options, "--nproc-per-node", 0) if "--nproc-per-node" in options else None
     if config.recover.enabled:  # a replica group's processes all run on its node
@@ -349,6 +352,8 @@ def torchrun_command(config, options: dict, toml_path: str | None, overrides: li
     from titan_recover.train import SEPARATE_ROUND_STORES_ENV
 
     cmd = [sys.executable, "-m", "titan_recover.torchrun", f"--nproc-per-node={nproc}"]
+    if config.recover.preemption_grace_s:  # SIGTERM to the agent: a stop with a checkpoint (torchrun.py)
+        cmd.insert(3, f"--preemption-grace-s={config.recover.preemption_grace_s}")
     if nnodes == 1:
         cmd += ["--standalone", f"--local-ranks-filter={metrics_rank}"]
         others = [r for r in range(nproc) if r != metrics_rank]

@@ -8,8 +8,9 @@ group (the launcher starts a group again once its torchrun has exited). Nothing 
 workers, rendezvous and error files are all closed inside ``main``.
 
 Usage is torchrun's: ``python -m titan_recover.torchrun [torchrun options] -m MODULE ARGS``. An exception out of
-torchrun (a failed worker's ``ChildFailedError``, a signal's ``SignalException``) is printed as Python would and
-ends the process with 1, as an uncaught one does.
+torchrun (a failed worker's ``ChildFailedError``) is printed as Python would and ends the process with 1, as an
+uncaught one does; a signal torchrun ended the workers on (its ``SignalException``) is said in one sentence and
+ends it with 128 + the signal.
 
 ``SIGUSR1`` (a scheduler's warning before the time limit) would end torchrun's agent, which has no handler for it.
 This process notes it instead in a node-local file whose path the workers inherit
@@ -18,6 +19,13 @@ exit 0 (torchrun would restart workers that failed); this process then exits 128
 as the replica-group launcher does) if they did stop, and 0 if they had trained the budget first. The file's
 folder is removed at the end; an agent killed before it could (SIGKILL) leaves it behind, and the next agent that
 starts on the node removes it (the folder is named after the agent's pid).
+
+``--preemption-grace-s S`` (before torchrun's own options; the launcher passes ``[recover] preemption_grace_s``
+when it is above 0) makes ``SIGTERM`` the same stop, named a preemption notice: torchrun's agent would end the
+workers on it at once, so it is taken out of the signals torchrun handles, noted in the file, and the process
+exits 143 (128 + 15) once the workers stopped. A second ``SIGTERM``, or none of them stopping within ``S`` seconds,
+ends them as torchrun ends them on ``SIGTERM`` (its ``SignalException``, raised here), and the process exits 143
+with a sentence saying which.
 """
 
 from __future__ import annotations
@@ -27,11 +35,13 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from typing import NoReturn
 
 from titan_recover.process_exit import leave, pid_alive
-from titan_recover.recover.stop_request import STOP_FILE_ENV, STOP_SIGNAL
+from titan_recover.recover.stop_request import PREEMPTION_SIGNAL, PreemptionNotice, STOP_FILE_ENV, STOP_SIGNAL
 
 
 _STOP_FOLDER_PREFIX = "titan_recover_stop."
@@ -51,51 +61,98 @@ def _remove_folders_of_dead_agents(temp_dir: str) -> list[str]:
 
 
 class _StopFile:
-    """The node-local file the workers look for, created when ``STOP_SIGNAL`` comes to this process."""
+    """The node-local file the workers look for, created when ``STOP_SIGNAL`` (or, with a grace,
+    ``PREEMPTION_SIGNAL``) comes to this process; it holds the name of the first signal that asked."""
 
-    def __init__(self):
+    def __init__(self, grace_s: float = 0.0):
         _remove_folders_of_dead_agents(tempfile.gettempdir())
         self.folder = tempfile.mkdtemp(prefix=f"{_STOP_FOLDER_PREFIX}{os.getpid()}.")
         self.file = os.path.join(self.folder, "requested")
         os.environ[STOP_FILE_ENV] = self.file  # the workers torchrun starts inherit it
+        self.requested_by: int | None = None
+        self.notice = PreemptionNotice(grace_s)
+        self.ended_why = ""
+        """Why :meth:`_preempted` ended the workers, once it did."""
         signal.signal(STOP_SIGNAL, self._note)
+        if grace_s > 0:
+            signal.signal(PREEMPTION_SIGNAL, self._preempted)
 
-    def _note(self, _signum, _frame) -> None:
-        open(self.file, "a").close()
+    def _note(self, signum, _frame) -> None:
+        if self.requested_by is None:
+            self.requested_by = signum
+            with open(self.file, "w") as noted:
+                noted.write(signal.Signals(signum).name)
+
+    def _preempted(self, signum, _frame) -> None:
+        """``PREEMPTION_SIGNAL``: the first asks the workers to stop, and comes again from a timer when the grace
+        is over; that one, or a second from outside, ends them (torchrun's ``SignalException``)."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        now, grace = time.monotonic(), self.notice.grace_s
+        if self.notice.take(now):
+            self._note(signum, None)
+            print(f"titan_recover.torchrun: {signal.Signals(signum).name}, a preemption notice: the workers stop "
+                  "after a step they agree on, with a checkpoint of it; they are ended if they have not within "
+                  f"recover.preemption_grace_s = {grace} s", file=sys.stderr, flush=True)
+            timer = threading.Timer(grace, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+            return
+        self.ended_why = (f"not stopped within recover.preemption_grace_s = {grace} s"
+                          if self.notice.expired(now) else f"a second {signal.Signals(signum).name} came")
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
     def exit_code(self, code: int) -> int:
-        """The process's exit code: 128 + the signal if the workers stopped on it and exited 0."""
+        """The process's exit code: 128 + the signal that asked if the workers stopped on it and exited 0."""
         stopped = code == 0 and os.path.exists(os.path.join(self.folder, "stopped"))
         shutil.rmtree(self.folder, ignore_errors=True)
-        return 128 + STOP_SIGNAL if stopped else code
+        return 128 + (self.requested_by or STOP_SIGNAL) if stopped else code
 
 
 _SIGNALS_OPTIONS = ("--signals-to-handle", "--signals_to_handle")
-_SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"
-"""torchrun's option for the signals its agent ends the workers on, and the variable that sets it (torchrun's
-``PET_`` form of its options). Its default list has no ``STOP_SIGNAL``."""
+_SIGNALS_DEST = "signals_to_handle"
+"""torchrun's option for the signals its agent ends the workers on; its parser's default for it is
+``PET_SIGNALS_TO_HANDLE`` (torchrun's ``PET_`` form of its options) or torchrun's own list."""
+_GRACE_OPTION = "--preemption-grace-s"
 
 
-def _without_stop_signal(argv: list[str], environ) -> tuple[list[str], bool]:
-    """``argv`` with ``STOP_SIGNAL`` taken out of the signals torchrun's agent would handle (its option in
-    ``argv`` before the training module, else ``PET_SIGNALS_TO_HANDLE``): torchrun would install its own handler
-    for it, which ends the workers without a checkpoint, over this process's. Returns (argv, whether it was
-    listed)."""
+def _grace(argv: list[str]) -> tuple[float, list[str]]:
+    """This process's own option, ``--preemption-grace-s S`` (or ``=S``) before the training module, and ``argv``
+    without it: torchrun's arguments."""
     end = argv.index("-m") if "-m" in argv else len(argv)
-    value, at = environ.get(_SIGNALS_ENV, ""), None
+    for i, arg in enumerate(argv[:end]):
+        name, eq, inline = arg.partition("=")
+        if name == _GRACE_OPTION:
+            value = inline if eq else (argv[i + 1] if i + 1 < end else "")
+            try:
+                grace = float(value)
+            except ValueError:
+                raise SystemExit(f"titan_recover.torchrun: {_GRACE_OPTION} takes seconds, got {value!r}") from None
+            return grace, argv[:i] + argv[i + (1 if eq else 2):]
+    return 0.0, argv
+
+
+def _without_signals(argv: list[str], default: str, taken: set[str]) -> tuple[list[str], list[str]]:
+    """``argv`` with the signals named in ``taken`` out of the signals torchrun's agent would handle (its option in
+    ``argv`` before the training module, else ``default``: what torchrun's parser would use), since torchrun would
+    install its own handler for them, which ends the workers without a checkpoint, over this process's. Returns
+    (argv, the names taken out)."""
+    end = argv.index("-m") if "-m" in argv else len(argv)
+    value, at = default, None
     for i, arg in enumerate(argv[:end]):
         name, _, inline = arg.partition("=")
         if name in _SIGNALS_OPTIONS:
             at, value = i, inline if inline or i + 1 >= end else argv[i + 1]
     names = [n.strip() for n in value.split(",") if n.strip()]
-    kept = [n for n in names if n != STOP_SIGNAL.name]
+    kept = [n for n in names if n not in taken]
     if len(kept) == len(names):
-        return argv, False
+        return argv, []
     option = [f"{_SIGNALS_OPTIONS[0]}={','.join(kept)}"]
+    dropped = [n for n in names if n in taken]
     if at is None:
-        return option + argv, True
+        return option + argv, dropped
     width = 1 if "=" in argv[at] else 2
-    return argv[:at] + option + argv[at + width:], True
+    return argv[:at] + option + argv[at + width:], dropped
 
 
 def exit_code(stop: SystemExit) -> int:
@@ -109,16 +166,24 @@ def exit_code(stop: SystemExit) -> int:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    stop = _StopFile()
-    argv, dropped = _without_stop_signal(list(sys.argv[1:] if argv is None else argv), os.environ)
+    grace, argv = _grace(list(sys.argv[1:] if argv is None else argv))
+    stop = _StopFile(grace)
+    taken = {STOP_SIGNAL.name} | ({PREEMPTION_SIGNAL.name} if grace > 0 else set())
+    argv, dropped = _without_signals(argv, run.get_args_parser().get_default(_SIGNALS_DEST), taken)
     if dropped:
-        print(f"titan_recover.torchrun: {STOP_SIGNAL.name} is a stop with a checkpoint here, not one of the signals "
-              f"torchrun ends the workers on: taken out of {_SIGNALS_ENV} / --signals-to-handle", file=sys.stderr)
+        print(f"titan_recover.torchrun: {', '.join(dropped)}: a stop with a checkpoint here, not a signal torchrun "
+              "ends the workers on: taken out of PET_SIGNALS_TO_HANDLE / --signals-to-handle", file=sys.stderr)
     try:
         run.main(argv)
     except SystemExit as ended:
         leave(stop.exit_code(exit_code(ended)))
+    except SignalException as ended:  # torchrun ended the workers on it (after its shutdown timeout at most)
+        why = f"{stop.ended_why}: " if stop.ended_why else ""
+        print(f"titan_recover.torchrun: {signal.Signals(ended.sigval).name}: {why}the workers were ended without a "
+              "checkpoint", file=sys.stderr, flush=True)
+        leave(stop.exit_code(128 + ended.sigval))
     except BaseException:  # noqa: BLE001 - printed and turned into the exit status Python would give it
         traceback.print_exc()
         leave(stop.exit_code(1))

@@ -128,6 +128,14 @@ class RecoverConfig:
     startup_timeout_s: float = 300.0
     """How long the coordinator waits for all replicas to register before forming epoch 0 without the missing."""
 
+    preemption_grace_s: float = 0.0
+    """0: ``SIGTERM`` ends the job at once, as torchrun does. Above 0: ``SIGTERM`` to the job's first process (the
+    launcher; what Kubernetes, ``docker stop`` or systemd send before they kill a job) is a preemption notice: the
+    job stops with a durable checkpoint of its last committed step, as on ``SIGUSR1``, and exits 143; whatever still
+    runs this many seconds after it, or at a second ``SIGTERM``, is ended as ``SIGTERM`` ends it. Set it below the
+    platform's own grace (Kubernetes ``terminationGracePeriodSeconds``, 30 s by default; ``docker stop``, 10 s); it
+    needs ``[checkpoint] enable`` (docs/deploy.md "Preemption")."""
+
     save_final_parameters: bool = False
     """At the end, every rank writes its local parameter shards to ``<run>/final_parameters/`` and its optimizer and
     learning-rate schedule state to ``<run>/final_optimizer/`` (to compare runs bitwise)."""
@@ -159,6 +167,9 @@ class RecoverConfig:
                              f"{self.coordinator_port}")
         if self.rejoin_wait_s < 0:
             raise ValueError(f"recover.rejoin_wait_s must be >= 0, got {self.rejoin_wait_s}")
+        if self.preemption_grace_s < 0:
+            raise ValueError(f"recover.preemption_grace_s must be >= 0 (0: SIGTERM ends the job at once), got "
+                             f"{self.preemption_grace_s}")
         if self.spares < 0 or self.max_restarts < 0 or self.coordinator_restarts < 0:
             raise ValueError(f"recover.spares, recover.max_restarts and recover.coordinator_restarts must be >= 0, "
                              f"got {self.spares}, {self.max_restarts} and {self.coordinator_restarts}")
@@ -196,6 +207,10 @@ class RecoverConfig:
         if self.spares:
             raise ValueError("recover.spares is for the synchronous mode: a diloco learner never waits for "
                              "another, so there is no share to take over; set recover.spares = 0")
+        if self.preemption_grace_s:
+            raise ValueError("recover.preemption_grace_s stops a synchronous job with a checkpoint of its last step; "
+                             "a diloco job's state is its syncer's checkpoint (recover.diloco.checkpoint_interval_s) "
+                             "and SIGTERM ends it at once: set recover.preemption_grace_s = 0")
         if self.diloco.min_quorum > self.replicas:
             raise ValueError(f"recover.diloco.min_quorum ({self.diloco.min_quorum}) cannot exceed "
                              f"recover.replicas ({self.replicas})")

@@ -9,7 +9,8 @@ and it resumes from the stored state (docs/replica_groups.md "Coordinator restar
 every node runs one as a standby that takes over when the leading one's lease lapses. Each child runs in its own
 session and dies with the launcher (``PR_SET_PDEATHSIG``: a killed launcher leaves no orphan); the launcher
 forwards Ctrl-C / SIGTERM to all of them, kills what is left after a grace period, and finally kills any process of
-its node that still carries this run's marker in its environment, so nothing outlives the job. Each child's
+its node that still carries this run's marker in its environment, so nothing outlives the job (SIGUSR1, and with
+``[recover] preemption_grace_s`` a first SIGTERM, stop the job with a checkpoint instead: docs/deploy.md). Each child's
 output goes to its own file under ``<run>/logs/`` (``--verbose``: to the console, prefixed with ``[replica i]``),
 and node 0's launcher writes the job's one wandb run and a readable console from what the members log
 (``job_log.py``). The exit code is the job's verdict, on every node: 0 only when the coordinator saw the training
@@ -45,6 +46,7 @@ from titan_recover.recover.nodes import (address_towards, agreed_text, is_loopba
                                         single_node, unreachable)
 from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.standby import LEADER_TTL_S
+from titan_recover.recover.stop_request import PREEMPTION_SIGNAL, PreemptionNotice
 from titan_recover.recover.stores import connect, job_url, parse_store_url, read_keys
 
 GRACE_S = 10.0
@@ -198,8 +200,8 @@ class ReplicaJob:
         self.stopped_by: int | None = None
         """The signal (Ctrl-C / SIGTERM) that stops the job, once one came."""
         self.stop_requested: int | None = None
-        """The signal (SIGUSR1) that asked for a stop with a checkpoint, once one came (:meth:`on_stop_request`)."""
-        self.stop_honoured = False
+        """The signal (SIGUSR1; SIGTERM with a grace) that asked for a stop with a checkpoint, once one came."""
+        self.stop_honoured, self.preemption = False, PreemptionNotice(self.recover.preemption_grace_s)
         self.store: Store | None = None
         """The job's store (:meth:`open_job_store`)."""
         self.address = ""
@@ -289,8 +291,13 @@ class ReplicaJob:
             self.job_log.close()
             self.job_log = None
 
-    def on_signal(self, signum, _frame) -> None:
-        """Ctrl-C / SIGTERM: remember it (no restarts from now on) and forward SIGTERM to every child."""
+    def on_signal(self, signum, frame) -> None:
+        """Ctrl-C / SIGTERM: remember it (no restarts from now on) and forward SIGTERM to every child. With a
+        preemption grace, the first SIGTERM once the job started is a stop request instead (:meth:`on_stop_request`),
+        bounded by :meth:`end_after_grace`."""
+        if signum == PREEMPTION_SIGNAL and self.children and self.preemption.take(time.monotonic()):
+            self.on_stop_request(signum, frame)
+            return
         self.stopped_by = signum
         for child in self.children:
             _signal_group(child, signal.SIGTERM)
@@ -672,6 +679,14 @@ class ReplicaJob:
         loop (a signal handler must not use the store's client, which the loop may be using)."""
         self.stop_requested = signum
 
+    def end_after_grace(self) -> None:
+        """A preemption notice whose grace is over while the job still runs: end it as SIGTERM does."""
+        if self.stopped_by is None and self.preemption.expired(time.monotonic()):
+            print(f"[titan_recover] the job did not stop within recover.preemption_grace_s = "
+                  f"{self.preemption.grace_s} s of SIGTERM: ending this node's processes without waiting for the "
+                  "checkpoint", file=sys.stderr, flush=True)
+            self.on_signal(PREEMPTION_SIGNAL, None)
+
     def honour_stop_request(self) -> None:
         if self.stop_requested is None or self.stop_honoured:
             return
@@ -684,9 +699,11 @@ class ReplicaJob:
             return
         if self.job_over():
             return  # over or stopping already
-        reason = (f"stop requested ({name} to the launcher of node {self.plan.rank}, e.g. a scheduler's warning "
-                  "before the job's time limit): stopping the job with a durable checkpoint of the last committed "
-                  "step")
+        to = f"{name} to the launcher of node {self.plan.rank}"
+        why = (f"{to}: a preemption notice, recover.preemption_grace_s = {self.preemption.grace_s} s"
+               if self.stop_requested == PREEMPTION_SIGNAL else
+               f"{to}, e.g. a scheduler's warning before the job's time limit")
+        reason = f"stop requested ({why}): stopping the job with a durable checkpoint of the last committed step"
         print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
         self.stop_job(reason)
 
@@ -756,6 +773,7 @@ class ReplicaJob:
                 return False
             self.supervise_syncer()
         self.honour_stop_request()
+        self.end_after_grace()
         self.supervise_coordinator()
         self.restart_every_group()
         over, dropped = self.job_state()

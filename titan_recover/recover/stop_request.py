@@ -10,6 +10,11 @@ checkpoint is a collective of every rank, so they agree on the step with one all
 (:class:`StopAgreement`), read ``lag`` steps after it was issued: on a GPU the host never waits for the step it
 just queued, and every rank reads the same reduced value at the same step. A rank that stops writes
 :func:`stopped_marker`, so that the agent exits 138 (stopped) rather than 0 (the budget trained).
+
+With ``[recover] preemption_grace_s > 0``, ``SIGTERM`` to the job's first process (the launcher: what Kubernetes,
+``docker stop`` or systemd send before they kill a job) is the same stop, named a preemption notice, and the job is
+ended as ``SIGTERM`` ends it when it has not stopped within the grace or at a second ``SIGTERM``
+(:class:`PreemptionNotice`; docs/deploy.md "Preemption").
 """
 
 from __future__ import annotations
@@ -18,14 +23,45 @@ import functools
 import os
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 STOP_SIGNAL = signal.SIGUSR1
+PREEMPTION_SIGNAL = signal.SIGTERM
 STOP_FILE_ENV = "TITAN_RECOVER_STOP_FILE"
 """Set by ``titan_recover.torchrun`` for its workers: a node-local file that exists once the agent got
-:data:`STOP_SIGNAL`."""
+:data:`STOP_SIGNAL` (or, with a preemption grace, :data:`PREEMPTION_SIGNAL`); it holds that signal's name."""
+
+
+def describe(cause: str) -> str:
+    """What a stop request by the signal named ``cause`` is, for the messages that name it."""
+    if cause == PREEMPTION_SIGNAL.name:
+        return f"{cause}: a preemption notice"
+    return f"{cause}, e.g. a scheduler's warning before the job's time limit"
+
+
+@dataclass(slots=True)
+class PreemptionNotice:
+    """``SIGTERM`` with a grace (``[recover] preemption_grace_s``): the first asks for a stop with a checkpoint;
+    the job is ended as ``SIGTERM`` ends it at a second one, or once ``grace_s`` passed since the first. With no
+    grace (0) every ``SIGTERM`` ends the job at once."""
+
+    grace_s: float
+    since: float | None = None
+    """When the first came (monotonic seconds), None before."""
+
+    def take(self, now: float) -> bool:
+        """A ``SIGTERM`` came at ``now``: True if it asks for a stop with a checkpoint, False if it ends the job."""
+        if self.grace_s <= 0 or self.since is not None:
+            return False
+        self.since = now
+        return True
+
+    def expired(self, now: float) -> bool:
+        """A stop was asked for and ``grace_s`` has passed since."""
+        return self.since is not None and now - self.since >= self.grace_s
 
 
 class StopSignal:
@@ -43,6 +79,15 @@ class StopSignal:
     @property
     def requested(self) -> bool:
         return self.signalled or bool(self.file and os.path.exists(self.file))
+
+    @property
+    def cause(self) -> str:
+        """The name of the signal that asked: the one the agent wrote in its file, else :data:`STOP_SIGNAL`."""
+        try:
+            with open(self.file) as noted:
+                return noted.read().strip() or STOP_SIGNAL.name
+        except OSError:  # no agent, or only this process was signalled
+            return STOP_SIGNAL.name
 
 
 @functools.cache

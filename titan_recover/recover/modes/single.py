@@ -6,7 +6,7 @@ interval (restored by the checkpoint manager when torchrun restarts the job, doc
 ``checkpoint_restart`` is the baseline of docs/evidence.md: the replica groups are TorchTitan's replicated
 data-parallel dimension, so events and faults name a rank by (replica, rank) as in the replica-group job.
 Both stop with a checkpoint of the current step when asked by ``SIGUSR1`` (a scheduler's warning before the time
-limit; :mod:`~titan_recover.recover.stop_request`).
+limit), or by ``SIGTERM`` with ``[recover] preemption_grace_s`` (:mod:`~titan_recover.recover.stop_request`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from titan_recover.recover.chaos.monkey import ChaosMonkey
 from titan_recover.recover.events import EventLog
 from titan_recover.recover.groups.member import incarnation_from_env
 from titan_recover.recover.modes.base import Mode, register_mode, Stop, TrainerParts
-from titan_recover.recover.stop_request import listen, STOP_SIGNAL, StopAgreement, stopped_marker
+from titan_recover.recover.stop_request import describe, listen, StopAgreement, stopped_marker
 
 
 def forward_backward_with_faults(parts: TrainerParts, chaos: ChaosMonkey | None, step: int, batch: dict):
@@ -93,8 +93,7 @@ class SingleMode(Mode):
         marker = stopped_marker()
         if marker is not None:  # the agent exits 138 (stopped), not 0 (trained)
             open(marker, "a").close()
-        reason = (f"stop requested ({STOP_SIGNAL.name}, e.g. a scheduler's warning before the job's time limit): "
-                  f"stopping after step {self.stop_after}")
+        reason = f"stop requested ({describe(self.stop_signal.cause)}): stopping after step {self.stop_after}"
         ntokens_seen = self.parts.train_state.state_dict()["ntokens_seen"]
         return Stop(step=self.stop_after, ntokens_seen=ntokens_seen, reason=reason,
                     save=bool(self.config.checkpoint.enable), exit_code=0)
