@@ -41,6 +41,7 @@ from titan_recover.recover.groups.protocol import (
     ready_to_join,
     resume_action,
 )
+from titan_recover.recover.stores import read_keys
 
 if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
     from titan_recover.recover.config import RecoverConfig
@@ -192,8 +193,8 @@ class Coordinator:
             if replica not in incomplete or (any_done and self._done(replica, 0)):
                 joined[replica] = every
             else:
-                joined[replica] = (set(decode_members(self.store.get(so_far))[0]) if self.store.check([so_far])
-                                   else set())
+                so_far_value = read_keys(self.store, [so_far])[0]
+                joined[replica] = set(decode_members(so_far_value)[0]) if so_far_value is not None else set()
         return joined
 
     def _finished(self) -> bool:
@@ -212,7 +213,8 @@ class Coordinator:
     def _registered_incarnations(self, replica: int) -> dict[int, int]:
         """rank -> the incarnation that last registered as that rank of ``replica``."""
         keys = [GroupKeys.register(replica, r) for r in range(self.ranks)]
-        return {r: int(self.store.get(k).decode().split(",")[3]) for r, k in enumerate(keys) if self.store.check([k])}
+        return {r: int(value.decode().split(",")[3]) for r, value in enumerate(read_keys(self.store, keys))
+                if value is not None}
 
     def _form_first_epoch(self) -> bool:
         deadline = time.monotonic() + self.config.startup_timeout_s

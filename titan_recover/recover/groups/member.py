@@ -23,7 +23,7 @@ from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 from titan_recover.recover.groups.keys import decode_entered, encode_entered, GroupKeys
 from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
 from titan_recover.recover.groups.protocol import decode_admission, decode_members, encode_members
-from titan_recover.recover.stores import connect
+from titan_recover.recover.stores import connect, read_keys
 
 if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
     from titan_recover.recover.config import RecoverConfig
@@ -190,7 +190,7 @@ class ReplicaMember:
         reads the job's store, another rank its leader's mirror in the group's store (None until the mirror holds
         the value)."""
         store = self.group_store if self.group_store is not None and not self.leader else self.store
-        flag = store.get(GroupKeys.fault(epoch)) if store.check([GroupKeys.fault(epoch)]) else None
+        flag = read_keys(store, [GroupKeys.fault(epoch)])[0]  # one read on etcd: the key may go meanwhile
         return flag if flag is not None and b"|" in flag else None  # a mirror without its value yet: not known
 
     def wait_for_epoch(self, after: int, timeout_s: float) -> tuple[int, tuple[int, ...], str]:

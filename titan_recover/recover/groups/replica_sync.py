@@ -37,6 +37,7 @@ from titan_recover.recover.groups.member import (
     wait_for_key,
 )
 from titan_recover.recover.groups.protocol import CommitDecision, decide_commit, ready_to_join
+from titan_recover.recover.stores import read_keys
 
 if TYPE_CHECKING:
     from titan_recover.recover.config import RecoverConfig
@@ -103,13 +104,11 @@ class ReplicaSync:
         """The empty epoch ``R`` of a cold restart if this start is the one its launcher made to found epoch
         ``R + 1`` (docs/replica_groups.md "Losing every replica"), else None (a joiner)."""
         store = self.member.store
-        if not store.check([GroupKeys.COLD_RESTART]):
+        cold = read_keys(store, [GroupKeys.COLD_RESTART])[0]
+        if cold is None:
             return None
-        cold = int(store.get(GroupKeys.COLD_RESTART))
-        key = GroupKeys.founding(cold, self.member.replica)
-        if store.check([key]) and int(store.get(key)) == self.member.incarnation:
-            return cold
-        return None
+        founder = read_keys(store, [GroupKeys.founding(int(cold), self.member.replica)])[0]  # collected on etcd
+        return int(cold) if founder is not None and int(founder) == self.member.incarnation else None
 
     def build_group(self, members: tuple[int, ...] | None = None, tag: str = "",
                     host: bool = False) -> FaultTolerantGroup:
