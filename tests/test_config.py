@@ -536,6 +536,11 @@ def test_the_verdict_of_a_committed_job_stands_after_a_late_signal(tmp_path):
     job.stopped_by = None
     job.store.set(GroupKeys.FINISHED, "stopped")
     assert job.result() == 1
+    # a stop asked for by a signal to any node's launcher: every node exits 128 + that signal
+    job.store.set(GroupKeys.STOP_SIGNAL, str(int(signal.SIGTERM)))
+    assert job.result() == 128 + signal.SIGTERM
+    job.stop_requested = signal.SIGUSR1  # this node's own request
+    assert job.result() == 128 + signal.SIGUSR1
 
 
 def test_a_replica_group_jobs_processes_run_without_nccls_heartbeat_monitor(tmp_path, monkeypatch):

@@ -705,6 +705,7 @@ class ReplicaJob:
                f"{to}, e.g. a scheduler's warning before the job's time limit")
         reason = f"stop requested ({why}): stopping the job with a durable checkpoint of the last committed step"
         print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
+        self.store.set(GroupKeys.STOP_SIGNAL, str(self.stop_requested))  # every node exits 128 + it
         self.stop_job(reason)
 
     def cold_restart_due(self) -> int | None:
@@ -867,7 +868,8 @@ class ReplicaJob:
         print("[titan_recover] the job did not commit its training budget: " +
               (stop or "every replica group ended before the coordinator saw the last step committed"),
               file=sys.stderr, flush=True)
-        return 1 if self.stop_requested is None else 128 + self.stop_requested
+        requested = self.stop_requested or int(self._read(GroupKeys.STOP_SIGNAL) or 0)  # this node's, or another's
+        return 128 + requested if requested else 1
 
     def _verdict(self) -> str:
         """The job's verdict in its store (``trained``, ``stopped``, ...; empty while none is recorded)."""

@@ -19,6 +19,9 @@ class GroupKeys:
 
     EPOCH = "epoch"
     STOP = "stop"
+    STOP_SIGNAL = "stop/signal"
+    """Set before ``STOP`` by the launcher whose signal asked for the stop (SIGUSR1; SIGTERM with a preemption
+    grace): every node's launcher then exits 128 + that signal."""
     STOP_UNTRUSTED = "stop/untrusted"
     """Set before ``STOP`` when replicas disagree without a majority: no replica's state may be saved."""
     FINISHED = "finished"
