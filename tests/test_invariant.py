@@ -168,6 +168,33 @@ def test_tensor_parallel_inside_replicas_kill_in_backward(tmp_path, fsdp_referen
     assert_trains_like_torchtitan(fsdp, tmp_path, survivors=[0])
 
 
+def test_a_tensor_parallel_spare_takes_over_and_trains_like_torchtitan(tmp_path, fsdp_reference, seed_checkpoint):
+    """2 replicas x TP 2 and a spare (TP 2), rank 1 of replica 1 killed in step 2's forward: the spare computes the
+    lost microbatch in that step and holds its share from step 3. Every step of both replicas that trained to the
+    end, the spare's included, logs what stock TorchTitan's FSDP2 run logs from the same weights on the same global
+    batch, and they end with the same parameters, bit for bit: a spare whose optimizer step differed would fail
+    both. (TorchTitan 0.3.0 wraps this layout's parameters in FSDP2 over a data-parallel mesh of 1, so every
+    parameter is sharded on some dimension and the spare's placement replay, for replicated tensor-parallel
+    parameters, does not run here: tests/test_ledger.py covers it with fakes.)"""
+    tp = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2")
+    fsdp, _ = fsdp_reference
+    spare = 2
+    proc, events = run_replicas(tmp_path, replicas=2, ranks=2, steps=LAYOUT_STEPS, parallelism=tp,
+                                faults=[kill(1, 2, "forward", rank=1)],
+                                extra=(*same_batches_and_weights(seed_checkpoint, 2), "--recover.spares", "1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len([e for e in events if e["event"] == "fault_injected"]) == 1
+    promoted = [e for e in events if e["event"] == "spare_promoted"]
+    assert promoted and {e["step"] for e in promoted} == {3} and all(e["spares"] == [spare] for e in promoted)
+    logged = metrics_by_replica(tmp_path)
+    assert logged[spare][1]["recover/computed_here"] == 0 and logged[spare][3]["recover/computed_here"] > 0
+    assert_trains_like_torchtitan(fsdp, tmp_path, survivors=[0, spare])
+    finals = [e for e in events if e["event"] == "final_parameters"]
+    assert sorted((e["replica"], e["rank"]) for e in finals) == [(0, 0), (0, 1), (spare, 0), (spare, 1)]
+    for rank in (0, 1):
+        assert len({e["sha256"] for e in finals if e["rank"] == rank}) == 1, f"TP rank {rank}: the spare differs"
+
+
 def test_the_overlapped_reduction_changes_no_bit(tmp_path, reference):
     """Failure-free, the reduction issued during the last microbatch's backward (the default on GPUs) and after it
     (the default on CPU: the reference): the same losses, parameters and optimizer state, bit for bit; and only the
