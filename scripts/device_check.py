@@ -342,7 +342,7 @@ def stop_agreement(device: torch.device, steps: int = 200, requested_at: int = 5
             "requested_at": requested_at, "lag": agreement.lag,
             "per_poll_us_median": round(statistics.median(times) * 1e6, 1),
             "per_poll_us_max": round(max(times) * 1e6, 1),
-            "buffers": len({host.data_ptr() for _, host, _ in agreement._slots}),
+            "buffers": agreement.host_buffers,
             "device_bytes_ring": allocated_after_first - allocated,
             "device_bytes_after_steps": (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
             - allocated_after_first}

@@ -132,6 +132,11 @@ class StopAgreement:
                     self._slots.append((flag, flag, None))
         return self._slots
 
+    @property
+    def host_buffers(self) -> int:
+        """How many distinct host tensors the ring reads its answers from (0 before the first poll)."""
+        return len({host.data_ptr() for _, host, _ in self._slots})
+
     def poll(self, requested: bool) -> bool:
         ring = self._ring()
         flag, host, done = ring[self._polls % len(ring)]

@@ -10,7 +10,7 @@ import math
 import time
 
 from titan_recover.recover.groups.keys import GroupKeys
-from titan_recover.recover.groups.liveness import absent_beat, decode_group_beat, LivenessWatch
+from titan_recover.recover.groups.liveness import absent_beat, decode_group_beat, judge_liveness, LivenessWatch
 from titan_recover.recover.stores import read_keys
 
 LIVENESS_EVERY_S = 0.2
@@ -57,8 +57,10 @@ class LearnerLiveness:
         # the learners); any start of a learner counts: its restart is alive
         self.watch.look(time.monotonic(),
                         {(learner, rank): b for learner, bs in beats.items() for rank, b in enumerate(bs)})
+        watch = self.watch
         for learner, bs in beats.items():
-            verdict = self.watch.judge(learner, range(self.ranks), bs[0].incarnation)
+            ages = watch.ages(learner, ranks, bs[0].incarnation)  # once: the verdict and the stop read the same
+            verdict = judge_liveness(learner, ages, watch.heartbeat_timeout_s, watch.progress_timeout_s)
             if verdict.alive:
                 alive.add(learner)
                 self.incarnation[learner] = bs[0].incarnation
@@ -68,8 +70,8 @@ class LearnerLiveness:
                 self.hung.add(learner)
             else:
                 self.hung.discard(learner)
-            ages = self.watch.ages(learner, ranks, bs[0].incarnation).values()
-            if learner not in finishing and any(a is not None and a[0] > self.watch.progress_timeout_s for a in ages):
+            quiet = [a[0] for a in ages.values() if a is not None]
+            if learner not in finishing and any(q > watch.progress_timeout_s for q in quiet):
                 self.stopped[learner] = bs[0].incarnation
             else:
                 self.stopped.pop(learner, None)
