@@ -515,7 +515,7 @@ def test_a_replica_group_is_started_on_its_own_gpus(tmp_path):
     assert started[-1][1].get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")  # no split on CPU
 
 
-def test_the_verdict_of_a_committed_job_stands_after_a_late_signal(tmp_path):
+def test_the_verdict_of_a_committed_job_stands_after_a_late_signal(tmp_path, capsys):
     """A SIGTERM that arrives once the coordinator recorded the budget committed (the groups were closing) does not
     turn the job's exit code into 128 + 15; before that verdict it does, and a stopped job says so."""
     from types import SimpleNamespace
@@ -531,6 +531,11 @@ def test_the_verdict_of_a_committed_job_stands_after_a_late_signal(tmp_path):
     job.slots = [SimpleNamespace(proc=SimpleNamespace(returncode=code)) for code in (0, -15)]
     job.stopped_by = signal.SIGTERM
     assert job.result() == 128 + signal.SIGTERM
+    job.stopped_by = signal.SIGHUP  # the terminal closed: said so, with what to do
+    assert job.result() == 128 + signal.SIGHUP
+    assert "stopped by SIGHUP: the terminal or SSH session that ran the launcher closed (run it under nohup" in \
+        capsys.readouterr().err
+    job.stopped_by = signal.SIGTERM
     job.store.set(GroupKeys.FINISHED, "trained")
     assert job.result() == 0
     job.stopped_by = None

@@ -8,13 +8,13 @@ a replaceable client that the launcher restarts when it dies or stops beating (`
 and it resumes from the stored state (docs/replica_groups.md "Coordinator restarts"); node 0 runs it, and with etcd
 every node runs one as a standby that takes over when the leading one's lease lapses. Each child runs in its own
 session and dies with the launcher (``PR_SET_PDEATHSIG``: a killed launcher leaves no orphan); the launcher
-forwards Ctrl-C / SIGTERM to all of them, kills what is left after a grace period, and finally kills any process of
-its node that still carries this run's marker in its environment, so nothing outlives the job (SIGUSR1, and with
-``[recover] preemption_grace_s`` a first SIGTERM, stop the job with a checkpoint instead: docs/deploy.md). Each child's
-output goes to its own file under ``<run>/logs/`` (``--verbose``: to the console, prefixed with ``[replica i]``),
-and node 0's launcher writes the job's one wandb run and a readable console from what the members log
-(``job_log.py``). The exit code is the job's verdict, on every node: 0 only when the coordinator saw the training
-budget committed.
+forwards Ctrl-C / SIGTERM / SIGHUP to all of them, kills what is left after a grace period, and finally kills any
+process of its node that still carries this run's marker in its environment, so nothing outlives the job (SIGUSR1,
+and with ``[recover] preemption_grace_s`` a first SIGTERM, stop the job with a checkpoint instead: docs/deploy.md).
+Each child's output goes to its own file under ``<run>/logs/`` (``--verbose``: to the console, prefixed with
+``[replica i]``), and node 0's launcher writes the job's one wandb run and a readable console from what the members
+log (``job_log.py``). The exit code is the job's verdict, on every node: 0 only when the coordinator saw the
+training budget committed.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ class ReplicaJob:
         self.children: list[subprocess.Popen] = []
         """Every process started, for the signal forwarding and the cleanup."""
         self.stopped_by: int | None = None
-        """The signal (Ctrl-C / SIGTERM) that stops the job, once one came."""
+        """The signal (Ctrl-C / SIGTERM / SIGHUP) that stops the job, once one came."""
         self.stop_requested: int | None = None
         """The signal (SIGUSR1; SIGTERM with a grace) that asked for a stop with a checkpoint, once one came."""
         self.stop_honoured, self.preemption = False, PreemptionNotice(self.recover.preemption_grace_s)
@@ -292,7 +292,7 @@ class ReplicaJob:
             self.job_log = None
 
     def on_signal(self, signum, frame) -> None:
-        """Ctrl-C / SIGTERM: remember it (no restarts from now on) and forward SIGTERM to every child. With a
+        """Ctrl-C / SIGTERM / SIGHUP: remember it (no restarts from now on) and forward SIGTERM to every child. With a
         preemption grace, the first SIGTERM once the job started is a stop request instead (:meth:`on_stop_request`),
         bounded by :meth:`end_after_grace`."""
         if signum == PREEMPTION_SIGNAL and self.children and self.preemption.take(time.monotonic()):
@@ -853,6 +853,11 @@ class ReplicaJob:
         if verdict == "trained" and (self.syncer is None or self.syncer_done()):
             return 0  # the budget was committed before any signal could stop it
         if self.stopped_by is not None:
+            name = signal.Signals(self.stopped_by).name
+            hint = (": the terminal or SSH session that ran the launcher closed (run it under nohup, tmux or a "
+                    "scheduler)" if self.stopped_by == signal.SIGHUP else "")
+            print(f"[titan_recover] stopped by {name}{hint}; this node's processes were ended without a checkpoint "
+                  "(the job resumes from its newest one)", file=sys.stderr, flush=True)
             return 128 + self.stopped_by
         if self.syncer is not None:
             if not self.finish_syncer():
@@ -987,12 +992,12 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
     store cannot be found or is lost."""
     job = ReplicaJob(config, toml_path, overrides, ranks_per_replica, metrics_rank, devices=devices, plan=plan,
                      verbose=verbose)
-    previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, job.on_stop_request)
     try:
         job.open_job_store()
-        if job.stopped_by is not None:  # Ctrl-C / SIGTERM while this node waited for the job's store
-            print(f"[titan_recover] stopped by signal {job.stopped_by} before this node started anything",
+        if job.stopped_by is not None:  # Ctrl-C / SIGTERM / SIGHUP while this node waited for the job's store
+            print(f"[titan_recover] stopped by {signal.Signals(job.stopped_by).name} before this node started anything",
                   file=sys.stderr, flush=True)
             return 128 + job.stopped_by
         job.start_job_log(toml_path)
