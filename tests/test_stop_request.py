@@ -221,6 +221,9 @@ def test_an_agent_with_a_grace_notes_sigterm_for_its_workers_and_ends_them_when_
             agent._preempted(signal.SIGTERM, None)
         assert agent.ended_why == "a second SIGTERM came"
         assert agent.exit_code(0) == 0  # no worker stopped: the budget was trained first
+        agent._grace_timer.join(timeout=10)  # torchrun returned: the grace's timer was cancelled (60 s were left)
+        assert not agent._grace_timer.is_alive()
+        agent._preempted(signal.SIGTERM, None)  # and a late SIGTERM has nothing left to end: no exception
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -73,6 +73,9 @@ class _StopFile:
         self.notice = PreemptionNotice(grace_s)
         self.ended_why = ""
         """Why :meth:`_preempted` ended the workers, once it did."""
+        self._grace_timer: threading.Timer | None = None
+        self._over = False
+        """torchrun returned: a late signal (the grace's timer, one from outside) has nothing left to end."""
         signal.signal(STOP_SIGNAL, self._note)
         if grace_s > 0:
             signal.signal(PREEMPTION_SIGNAL, self._preempted)
@@ -89,14 +92,16 @@ class _StopFile:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         now, grace = time.monotonic(), self.notice.grace_s
+        if self._over:
+            return
         if self.notice.take(now):
             self._note(signum, None)
             print(f"titan_recover.torchrun: {signal.Signals(signum).name}, a preemption notice: the workers stop "
                   "after a step they agree on, with a checkpoint of it; they are ended if they have not within "
                   f"recover.preemption_grace_s = {grace} s", file=sys.stderr, flush=True)
-            timer = threading.Timer(grace, os.kill, (os.getpid(), signum))
-            timer.daemon = True
-            timer.start()
+            self._grace_timer = threading.Timer(grace, os.kill, (os.getpid(), signum))
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
             return
         self.ended_why = (f"not stopped within recover.preemption_grace_s = {grace} s"
                           if self.notice.expired(now) else f"a second {signal.Signals(signum).name} came")
@@ -104,6 +109,9 @@ class _StopFile:
 
     def exit_code(self, code: int) -> int:
         """The process's exit code: 128 + the signal that asked if the workers stopped on it and exited 0."""
+        self._over = True
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
         stopped = code == 0 and os.path.exists(os.path.join(self.folder, "stopped"))
         shutil.rmtree(self.folder, ignore_errors=True)
         return 128 + (self.requested_by or STOP_SIGNAL) if stopped else code
