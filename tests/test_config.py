@@ -251,6 +251,15 @@ def test_checkpoint_restart_mode_is_checked_and_becomes_the_replicate_dimension(
     assert out.rstrip().endswith("--parallelism.data_parallel_replicate_degree 2")
 
 
+def test_a_fault_between_two_diloco_blocks_is_refused_where_no_block_ends(launcher):
+    fault = '[{kind = "hang", replica = 1, step = 3, phase = "block_end"}]'
+    code, _, err = launcher("train_configs/replicas.toml", "--chaos.faults", fault, "--dry-run")
+    assert code == 2 and 'phase "block_end" (between two blocks of a diloco learner) never comes in mode \'sync\'' \
+        in err, err
+    code, _, err = launcher("train_configs/diloco.toml", "--chaos.faults", fault, "--dry-run")
+    assert code == 0, err
+
+
 def test_a_preemption_grace_is_checked_before_launch_and_reaches_the_agent(launcher):
     """``[recover] preemption_grace_s``: SIGTERM becomes a stop with a checkpoint, so it needs checkpoints and a
     synchronous job; the agent of a job without replica groups gets it as its own option."""

@@ -835,6 +835,43 @@ def test_a_learner_whose_main_thread_hangs_is_named_and_its_block_trained_by_the
     assert processes_of_run(str(tmp_path)) == []
 
 
+@pytest.mark.multiprocess
+def test_a_learner_stopped_between_two_blocks_is_named_stopped_ended_and_restarted(tmp_path):
+    """Learner 1 is SIGSTOPped (``hang``) right after step 5's block was counted, before it claims the next: it holds
+    no block, so there is nothing to give back. Its heartbeat stands still: the syncer takes it for lost after
+    ``heartbeat_timeout_s`` and, once the beat stood still for ``progress_timeout_s``, names it stopped (dropped),
+    once; its launcher ends it and starts it again, and the budget is trained, every block claimed once."""
+    from conftest import launch
+
+    # enough blocks that learner 0 alone trains well past the progress timeout and the other's restart (a tiny
+    # block takes ~0.05 s): with fewer, the job ends trained before the stopped learner is named
+    steps, learners, progress_timeout_s = 150, 2, 4.0
+    proc = launch(
+        "train_configs/diloco.toml", "--model.flavor", "tiny", "--recover.replicas", str(learners),
+        "--training.steps", str(steps), "--recover.diloco.inner_steps", "4", "--recover.diloco.max_window_s", "1",
+        "--recover.diloco.eval_interval_s", "0", "--recover.progress_timeout_s", str(progress_timeout_s),
+        "--metrics.no_enable_wandb", "--dump_folder", str(tmp_path),
+        "--chaos.faults", '[{kind = "hang", replica = 1, step = 5, phase = "block_end"}]', timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    by_kind = collections.defaultdict(list)
+    for e in read_events(tmp_path / "events.jsonl"):
+        by_kind[e["event"]].append(e)
+    [hang] = by_kind["fault_injected"]
+    assert hang["replica"] == 1 and hang["phase"] == "block_end", hang
+    [stopped] = by_kind["learner_stopped"]  # named once, though it stays stopped until its launcher ends it
+    assert stopped["learner"] == 1 and stopped["start"] == 0, stopped
+    assert stopped["time"] - hang["time"] >= progress_timeout_s
+    lost = [e for e in by_kind["learner_lost"] if e["learner"] == 1]
+    assert lost and lost[0]["requeued_block"] is None, lost  # it held no block
+    assert "replica 1 (start 0) was dropped from the job: ending its processes" in proc.stderr, proc.stderr[-3000:]
+    assert "replica 1 exited with -9: restarting it (start 1" in proc.stderr, proc.stderr[-3000:]
+    claims = [block for e in by_kind["block_claimed"] for block in [e["block"]]]
+    assert sorted(claims) == list(range(steps * learners)), claims  # none given back, none trained twice
+    [finished] = by_kind["syncer_finished"]
+    assert finished["blocks_done"] == steps * learners
+    assert processes_of_run(str(tmp_path)) == []
+
+
 def test_a_block_given_back_is_taken_once_and_given_back_once():
     from titan_recover.recover.diloco.blocks import claim_requeued, requeue_block
 

@@ -276,6 +276,9 @@ def check_job(config, options: dict):
     if config.recover.preemption_grace_s and not config.checkpoint.enable:
         raise ConfigError(f"recover.preemption_grace_s = {config.recover.preemption_grace_s} stops the job with a "
                           "checkpoint at SIGTERM: set checkpoint.enable = true, or preemption_grace_s = 0")
+    if not config.recover.diloco_mode and any(f.phase == "block_end" for f in config.chaos.faults):
+        raise ConfigError('chaos fault phase "block_end" (between two blocks of a diloco learner) never comes in '
+                          f'mode {config.recover.resolved_mode!r}: use another phase, or recover.mode = "diloco"')
     nnodes = _int_option(options, "--nnodes", 1)
     nproc = _int_option(options, "--nproc-per-node", 0) if "--nproc-per-node" in options else None
     if config.recover.enabled:  # a replica group's processes all run on its node

@@ -70,6 +70,7 @@ class DilocoMode(Mode):
             logger.error("%s", given_back)
             self.events.emit("learner_ended", step=step, block=self.learner.block, reason=str(given_back))
             os._exit(EXIT_EXCLUDED)
+        self.chaos.maybe_inject(step, "block_end")  # the block is counted; the next is not claimed yet
 
     def forward_backward(self, step: int, **batch) -> torch.Tensor:
         self.member.progress(step=step, phase="forward")
