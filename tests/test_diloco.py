@@ -796,6 +796,24 @@ def test_one_node_on_the_embedded_store_a_hung_syncer_is_ended_and_restarted_whi
     assert processes_of_run(str(tmp_path)) == []
 
 
+def two_learners_with_a_fault(tmp_path, steps: int, progress_timeout_s: float, fault: str, *extra: str):
+    """A diloco job of 2 tiny learners (blocks of 4 inner steps, no evaluation) with one chaos fault, which must end
+    trained (exit 0); returns (the launcher's result, its events by kind)."""
+    from conftest import launch
+
+    proc = launch(
+        "train_configs/diloco.toml", "--model.flavor", "tiny", "--recover.replicas", "2",
+        "--training.steps", str(steps), "--recover.diloco.inner_steps", "4", "--recover.diloco.max_window_s", "1",
+        "--recover.diloco.eval_interval_s", "0", "--recover.progress_timeout_s", str(progress_timeout_s),
+        "--metrics.no_enable_wandb", "--dump_folder", str(tmp_path), "--chaos.faults", f"[{fault}]", *extra,
+        timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    by_kind = collections.defaultdict(list)
+    for e in read_events(tmp_path / "events.jsonl"):
+        by_kind[e["event"]].append(e)
+    return proc, by_kind
+
+
 @pytest.mark.multiprocess
 def test_a_learner_whose_main_thread_hangs_is_named_and_its_block_trained_by_the_other(tmp_path):
     """Learner 1's main thread gets stuck in step 5's forward while its heartbeat thread beats on (the ``stall``
@@ -804,20 +822,10 @@ def test_a_learner_whose_main_thread_hangs_is_named_and_its_block_trained_by_the
     trains that block too (waiting for it once the counter is past the budget), so the whole budget is trained and
     the launcher exits 0. The launcher ends the stuck learner as soon as the syncer named it lost (it cannot exit by
     itself; the observer here only reports) and starts it again."""
-    from conftest import launch
-
     steps, learners, progress_timeout_s = 20, 2, 6.0
-    proc = launch(
-        "train_configs/diloco.toml", "--model.flavor", "tiny", "--recover.replicas", str(learners),
-        "--training.steps", str(steps), "--recover.diloco.inner_steps", "4", "--recover.diloco.max_window_s", "1",
-        "--recover.diloco.eval_interval_s", "0", "--recover.progress_timeout_s", str(progress_timeout_s),
-        "--recover.localize.hang_threshold_s", "3", "--recover.localize.no_end_hung",
-        "--metrics.no_enable_wandb", "--dump_folder", str(tmp_path),
-        "--chaos.faults", '[{kind = "stall", replica = 1, step = 5, phase = "forward"}]', timeout=180)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    by_kind = collections.defaultdict(list)
-    for e in read_events(tmp_path / "events.jsonl"):
-        by_kind[e["event"]].append(e)
+    proc, by_kind = two_learners_with_a_fault(
+        tmp_path, steps, progress_timeout_s, '{kind = "stall", replica = 1, step = 5, phase = "forward"}',
+        "--recover.localize.hang_threshold_s", "3", "--recover.localize.no_end_hung")
     [stall] = by_kind["fault_injected"]
     [hang] = by_kind["hang_detected"]
     assert hang["replica"] == 1 and hang["kind"] == "stalled" and not hang["ended"], hang
@@ -841,21 +849,11 @@ def test_a_learner_stopped_between_two_blocks_is_named_stopped_ended_and_restart
     no block, so there is nothing to give back. Its heartbeat stands still: the syncer takes it for lost after
     ``heartbeat_timeout_s`` and, once the beat stood still for ``progress_timeout_s``, names it stopped (dropped),
     once; its launcher ends it and starts it again, and the budget is trained, every block claimed once."""
-    from conftest import launch
-
     # enough blocks that learner 0 alone trains well past the progress timeout and the other's restart (a tiny
     # block takes ~0.05 s): with fewer, the job ends trained before the stopped learner is named
     steps, learners, progress_timeout_s = 150, 2, 4.0
-    proc = launch(
-        "train_configs/diloco.toml", "--model.flavor", "tiny", "--recover.replicas", str(learners),
-        "--training.steps", str(steps), "--recover.diloco.inner_steps", "4", "--recover.diloco.max_window_s", "1",
-        "--recover.diloco.eval_interval_s", "0", "--recover.progress_timeout_s", str(progress_timeout_s),
-        "--metrics.no_enable_wandb", "--dump_folder", str(tmp_path),
-        "--chaos.faults", '[{kind = "hang", replica = 1, step = 5, phase = "block_end"}]', timeout=180)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    by_kind = collections.defaultdict(list)
-    for e in read_events(tmp_path / "events.jsonl"):
-        by_kind[e["event"]].append(e)
+    proc, by_kind = two_learners_with_a_fault(tmp_path, steps, progress_timeout_s,
+                                              '{kind = "hang", replica = 1, step = 5, phase = "block_end"}')
     [hang] = by_kind["fault_injected"]
     assert hang["replica"] == 1 and hang["phase"] == "block_end", hang
     [stopped] = by_kind["learner_stopped"]  # named once, though it stays stopped until its launcher ends it
@@ -865,7 +863,7 @@ def test_a_learner_stopped_between_two_blocks_is_named_stopped_ended_and_restart
     assert lost and lost[0]["requeued_block"] is None, lost  # it held no block
     assert "replica 1 (start 0) was dropped from the job: ending its processes" in proc.stderr, proc.stderr[-3000:]
     assert "replica 1 exited with -9: restarting it (start 1" in proc.stderr, proc.stderr[-3000:]
-    claims = [block for e in by_kind["block_claimed"] for block in [e["block"]]]
+    claims = [e["block"] for e in by_kind["block_claimed"]]
     assert sorted(claims) == list(range(steps * learners)), claims  # none given back, none trained twice
     [finished] = by_kind["syncer_finished"]
     assert finished["blocks_done"] == steps * learners
