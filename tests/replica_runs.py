@@ -192,10 +192,12 @@ def assert_all_equal_reference(reference, folder, events, replicas):
             assert record["n_tokens_seen"] == ref[step]["n_tokens_seen"], (replica, step)
 
 
-def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280) -> list[subprocess.CompletedProcess]:
+def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
+                 while_running=None) -> list[subprocess.CompletedProcess]:
     """Start one launcher per node (``node_args[i]``: node ``i``'s arguments) at once and wait for all of them; on
     timeout every launcher gets SIGTERM, then SIGKILL, and every process of the run is killed. Their output goes to
-    files, not pipes: nothing blocks on a full pipe while another launcher is waited for."""
+    files, not pipes: nothing blocks on a full pipe while another launcher is waited for. ``while_running(procs)``,
+    if given, is called once they all started (to signal one, say)."""
     commands = [launcher_command(*args) for args in node_args]  # (starts the launcher server, named in os.environ)
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as the one-node reference: bitwise results need equal threads
     deadline = time.monotonic() + timeout
@@ -213,6 +215,8 @@ def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280)
         for i, command in enumerate(commands):
             procs.append(subprocess.Popen(command, cwd=ROOT, env=env,
                                           stdout=outputs[i][0], stderr=outputs[i][1], text=True))
+        if while_running is not None:
+            while_running(procs)
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:

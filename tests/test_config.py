@@ -319,6 +319,21 @@ def test_a_sigterm_to_a_replica_launcher_with_a_grace_is_a_stop_request_until_th
     plain.children = ["replica 0"]
     plain.on_signal(signal.SIGTERM, None)
     assert plain.stopped_by == signal.SIGTERM and plain.stop_requested is None
+    # a node whose loss the job survives (not node 0 of the embedded store; any node with etcd): its groups leave as
+    # a lost node's do, at once, and the others train on
+    from titan_recover.recover.nodes import NodePlan
+
+    for extra, rank in (((), 1), (("--recover.store", "etcd://127.0.0.1:2379"), 0)):
+        config = build_config(None, ["--recover.replicas", "4", "--dump_folder", str(tmp_path),
+                                     "--recover.preemption_grace_s", "20", *extra])
+        member_node = ReplicaJob(config, None, [], 1, 0, plan=NodePlan(2, rank, range(2 * rank, 2 * rank + 2)))
+        assert not member_node.holds_the_job
+        member_node.children = ["replica 2"]
+        member_node.on_signal(signal.SIGTERM, None)
+        assert member_node.stopped_by == signal.SIGTERM and member_node.stop_requested is None
+        assert member_node.left_on_notice and signalled[-1] == ("replica 2", signal.SIGTERM)
+        assert "a preemption notice to node %d, whose loss the job survives" % rank in member_node._stopped_by_signal()
+    assert graced.holds_the_job  # one node: the only one
     interrupted = job("--recover.preemption_grace_s", "20")  # Ctrl-C stays a stop at once
     interrupted.children = ["replica 0"]
     interrupted.on_signal(signal.SIGINT, None)

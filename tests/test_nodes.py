@@ -4,6 +4,9 @@ coordinator, each node runs and restarts its own replica groups, and both exit w
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
 from conftest import EXACT_REFERENCE, free_port
@@ -50,6 +53,39 @@ def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmi
     logged = metrics_by_replica(tmp_path)
     assert sorted(logged[0]) == sorted(logged[1]) == list(range(1, STEPS + 1))
     assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert processes_of_run(str(tmp_path)) == []
+
+
+def test_two_nodes_a_preemption_notice_to_node_1_ends_its_group_and_node_0_trains_on(tmp_path, exact_reference):
+    """3 replica groups of 1 rank on 2 nodes (node 1: group 2), ``[recover] preemption_grace_s``: SIGTERM to node 1's
+    launcher once step 3 was committed (what Kubernetes sends an evicted pod). Node 1's loss is survivable (node 0
+    holds the job's store), so its group leaves as a lost node's does, at once: node 1 exits 143 saying so, replicas
+    0 and 1 compute its microbatches and train to the end, node 0 exits 0, and both end bitwise equal to the
+    failure-free one-node run."""
+    args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
+                            extra=("--recover.quota.exact", "--checkpoint.enable",
+                                   "--recover.preemption_grace_s", "60"))
+
+    def preempt_node_1(procs) -> None:
+        deadline = time.monotonic() + 180
+        while not any(e["event"] == "step_committed" and e["step"] >= 3
+                      for e in read_events(tmp_path / "events.jsonl")):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 3 committed"
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)
+
+    node0, node1 = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2, f"127.0.0.1:{free_port()}")],
+                                while_running=preempt_node_1)
+    assert node1.returncode == 128 + signal.SIGTERM, output(node1)
+    assert "stopped by SIGTERM, a preemption notice to node 1, whose loss the job survives" in node1.stderr
+    assert node0.returncode == 0, output(node0)
+    events = read_events(tmp_path / "events.jsonl")
+    assert not of(events, "stopped")  # the job was not stopped: it lost a node
+    removed = [r for e in of(events, "epoch_formed") for r in e["removed"]]
+    assert removed == [2]
+    logged = metrics_by_replica(tmp_path)
+    assert sorted(logged[0]) == sorted(logged[1]) == list(range(1, STEPS + 1))
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=[0, 1])
     assert processes_of_run(str(tmp_path)) == []
 
 

@@ -202,6 +202,7 @@ class ReplicaJob:
         self.stop_requested: int | None = None
         """The signal (SIGUSR1; SIGTERM with a grace) that asked for a stop with a checkpoint, once one came."""
         self.stop_honoured, self.preemption = False, PreemptionNotice(self.recover.preemption_grace_s)
+        self.left_on_notice = False
         self.store: Store | None = None
         """The job's store (:meth:`open_job_store`)."""
         self.address = ""
@@ -296,8 +297,10 @@ class ReplicaJob:
         preemption grace, the first SIGTERM once the job started is a stop request instead (:meth:`on_stop_request`),
         bounded by :meth:`end_after_grace`."""
         if signum == PREEMPTION_SIGNAL and self.children and self.preemption.take(time.monotonic()):
-            self.on_stop_request(signum, frame)
-            return
+            if self.holds_the_job:
+                self.on_stop_request(signum, frame)
+                return
+            self.left_on_notice = True  # this node's groups leave as a lost node's do; the job trains on
         self.stopped_by = signum
         for child in self.children:
             _signal_group(child, signal.SIGTERM)
@@ -679,6 +682,13 @@ class ReplicaJob:
         loop (a signal handler must not use the store's client, which the loop may be using)."""
         self.stop_requested = signum
 
+    @property
+    def holds_the_job(self) -> bool:
+        """This node's loss ends the job: it is the only node, or node 0, whose launcher hosts the embedded store. A
+        preemption notice here stops the whole job with a checkpoint; on any other node its groups leave as a lost
+        node's do, and the others train on."""
+        return not self.recover.store and self.plan.rank == 0
+
     def end_after_grace(self) -> None:
         """A preemption notice whose grace is over while the job still runs: end it as SIGTERM does."""
         if self.stopped_by is None and self.preemption.expired(time.monotonic()):
@@ -853,11 +863,7 @@ class ReplicaJob:
         if verdict == "trained" and (self.syncer is None or self.syncer_done()):
             return 0  # the budget was committed before any signal could stop it
         if self.stopped_by is not None:
-            name = signal.Signals(self.stopped_by).name
-            hint = (": the terminal or SSH session that ran the launcher closed (run it under nohup, tmux or a "
-                    "scheduler)" if self.stopped_by == signal.SIGHUP else "")
-            print(f"[titan_recover] stopped by {name}{hint}; this node's processes were ended without a checkpoint "
-                  "(the job resumes from its newest one)", file=sys.stderr, flush=True)
+            print(f"[titan_recover] {self._stopped_by_signal()}", file=sys.stderr, flush=True)
             return 128 + self.stopped_by
         if self.syncer is not None:
             if not self.finish_syncer():
@@ -875,6 +881,16 @@ class ReplicaJob:
               file=sys.stderr, flush=True)
         requested = self.stop_requested or int(self._read(GroupKeys.STOP_SIGNAL) or 0)  # this node's, or another's
         return 128 + requested if requested else 1
+
+    def _stopped_by_signal(self) -> str:
+        name = signal.Signals(self.stopped_by).name
+        if self.left_on_notice:
+            return (f"stopped by {name}, a preemption notice to node {self.plan.rank}, whose loss the job survives: "
+                    "its replica groups left the job as a lost node's do, and the other nodes train on")
+        hint = (": the terminal or SSH session that ran the launcher closed (run it under nohup, tmux or a "
+                "scheduler)" if self.stopped_by == signal.SIGHUP else "")
+        return (f"stopped by {name}{hint}; this node's processes were ended without a checkpoint (the job resumes "
+                "from its newest one)")
 
     def _verdict(self) -> str:
         """The job's verdict in its store (``trained``, ``stopped``, ...; empty while none is recorded)."""
