@@ -185,8 +185,7 @@ class ReplicaJob:
         self.ranks, self.metrics_rank = ranks_per_replica, metrics_rank
         self.run_dir = os.path.abspath(config.dump_folder)
         os.makedirs(self.run_dir, exist_ok=True)
-        self.metrics = config.metrics
-        self.verbose = verbose
+        self.metrics, self.verbose = config.metrics, verbose
         self.logs = "" if verbose or config.recover.diloco_mode else os.path.join(self.run_dir, "logs")
         """Where each child's output goes, one file per process kind (empty: the console, prefixed: with
         ``--verbose``, and in diloco mode, whose learners have no common step to summarise)."""
