@@ -227,3 +227,13 @@ def test_an_agent_with_a_grace_notes_sigterm_for_its_workers_and_ends_them_when_
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def test_the_agent_beside_a_keeper_runs_in_a_session_of_its_own():
+    """A job without replica groups that runs a snapshot keeper starts torchrun's agent as a child of the launcher,
+    which passes signals on: in the launcher's process group the agent would get a group's SIGTERM twice (a
+    terminal's, ``kill -- -PGID``), and with a preemption grace the second ends the job without a checkpoint."""
+    from titan_recover.recover.phoenix.keeper import _run_forwarding_signals
+
+    leader = "import os, sys; sys.exit(0 if os.getsid(0) == os.getpid() else 3)"
+    assert _run_forwarding_signals([sys.executable, "-c", leader], dict(os.environ)) == 0

@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     stop = _StopFile(grace)
     taken = {STOP_SIGNAL.name} | ({PREEMPTION_SIGNAL.name} if grace > 0 else set())
     argv, dropped = _without_signals(argv, run.get_args_parser().get_default(_SIGNALS_DEST), taken)
+    dropped = [name for name in dropped if name != PREEMPTION_SIGNAL.name]  # asked for with the grace: no news
     if dropped:
         print(f"titan_recover.torchrun: {', '.join(dropped)}: a stop with a checkpoint here, not a signal torchrun "
               "ends the workers on: taken out of PET_SIGNALS_TO_HANDLE / --signals-to-handle", file=sys.stderr)

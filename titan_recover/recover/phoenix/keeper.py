@@ -67,8 +67,12 @@ def run_with_keeper(cmd: list[str], env: dict, *, many_nodes: bool = False) -> i
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
-    """Run ``cmd`` to its end, passing Ctrl-C / SIGTERM / SIGUSR1 (a stop with a checkpoint) on to it."""
-    job = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(signal.SIGTERM))  # torchrun ends its workers
+    """Run ``cmd`` to its end, passing Ctrl-C / SIGTERM / SIGUSR1 (a stop with a checkpoint) on to it. It runs in a
+    session of its own, so that it gets each signal once, from here, however the signal was sent (to this process,
+    or to its process group: a terminal's Ctrl-C, ``kill -- -PGID``): with a preemption grace a second SIGTERM ends
+    the job (titan_recover/torchrun.py)."""
+    job = subprocess.Popen(cmd, env=env, start_new_session=True,
+                           preexec_fn=die_with_parent(signal.SIGTERM))  # torchrun ends its workers
     previous = {s: signal.signal(s, lambda signum, _f: job.send_signal(signum))
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
