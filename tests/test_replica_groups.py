@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import launcher_command, ROOT
 from replica_runs import assert_survived, FAST_DETECTION, run_replicas
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import MAX_LOOK_GAP_S
@@ -100,7 +100,7 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
     if sig == signal.SIGTERM:
         extra += ("--recover.preemption_grace_s", "120")
     args = replica_job_args(tmp_path, replicas=2, ranks=1, steps=1000, faults=[], extra=extra)
-    proc = subprocess.Popen([sys.executable, "-m", "titan_recover.launch", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(launcher_command(*args), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180

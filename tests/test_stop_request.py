@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import read_metrics, ROOT
+from conftest import launcher_command, read_metrics, ROOT
 from titan_recover.recover.events import read_events
 from titan_recover.recover.stop_request import StopAgreement
 
@@ -98,11 +98,11 @@ def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_ch
     logged, SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends), or SIGTERM with
     ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process). Both ranks stop after the
     same step, a checkpoint of its full training state is written, and the launcher exits 128 + the signal."""
-    command = [sys.executable, "-m", "titan_recover.launch", "train_configs/debug_model.toml", "--model.flavor", "tiny",
-               "--metrics.no_enable_wandb", "--training.steps", "400", "--checkpoint.enable",
-               "--checkpoint.interval", "1000", "--dump_folder", str(tmp_path)]
+    args = ["train_configs/debug_model.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps",
+            "400", "--checkpoint.enable", "--checkpoint.interval", "1000", "--dump_folder", str(tmp_path)]
     if sig == signal.SIGTERM:
-        command += ["--recover.preemption_grace_s", "120"]
+        args += ["--recover.preemption_grace_s", "120"]
+    command = launcher_command(*args)  # the launcher execs torchrun's agent: the signal goes to the agent
     job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
     try:
