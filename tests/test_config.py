@@ -319,20 +319,40 @@ def test_a_sigterm_to_a_replica_launcher_with_a_grace_is_a_stop_request_until_th
     plain.children = ["replica 0"]
     plain.on_signal(signal.SIGTERM, None)
     assert plain.stopped_by == signal.SIGTERM and plain.stop_requested is None
-    # a node whose loss the job survives (not node 0 of the embedded store; any node with etcd): its groups leave as
-    # a lost node's do, at once, and the others train on
+    # a node whose loss the job survives (not node 0 of the embedded store; any node with etcd) marks itself
+    # preempted in the job's store; its groups leave as a lost node's do while the nodes not preempted run
+    # min_replicas groups, and the whole job stops with a checkpoint when they do not (every node preempted: the
+    # last to read the marks keeps its groups to write it)
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys
     from titan_recover.recover.nodes import NodePlan
 
-    for extra, rank in (((), 1), (("--recover.store", "etcd://127.0.0.1:2379"), 0)):
+    etcd = ("--recover.store", "etcd://h:2379")
+    for extra, rank, others_preempted, leaves in (((), 1, False, True), (etcd, 0, False, True), (etcd, 0, True, False)):
         config = build_config(None, ["--recover.replicas", "4", "--dump_folder", str(tmp_path),
-                                     "--recover.preemption_grace_s", "20", *extra])
-        member_node = ReplicaJob(config, None, [], 1, 0, plan=NodePlan(2, rank, range(2 * rank, 2 * rank + 2)))
-        assert not member_node.holds_the_job
-        member_node.children = ["replica 2"]
-        member_node.on_signal(signal.SIGTERM, None)
-        assert member_node.stopped_by == signal.SIGTERM and member_node.stop_requested is None
-        assert member_node.left_on_notice and signalled[-1] == ("replica 2", signal.SIGTERM)
-        assert "a preemption notice to node %d, whose loss the job survives" % rank in member_node._stopped_by_signal()
+                                     "--recover.preemption_grace_s", "20", "--recover.min_replicas", "2", *extra])
+        node = ReplicaJob(config, None, [], 1, 0, plan=NodePlan(2, rank, range(2 * rank, 2 * rank + 2)))
+        node.store, stops = HashStore(), []
+        node.stop_job = lambda reason, leaving=frozenset(): stops.append((reason, leaving))
+        if others_preempted:
+            node.store.set(GroupKeys.PREEMPTED_PREFIX + str(1 - rank), "1")
+        assert not node.holds_the_job
+        node.children = [f"replica {2 * rank}"]
+        node.on_signal(signal.SIGTERM, None)
+        assert node.stop_requested == signal.SIGTERM and node.stopped_by is None  # decided in the loop
+        node.honour_stop_request()
+        assert node.store.get(GroupKeys.PREEMPTED_PREFIX + str(rank)) == b"1"
+        if leaves:
+            assert node.stopped_by == signal.SIGTERM and node.left_on_notice and not stops
+            assert signalled[-1] == (f"replica {2 * rank}", signal.SIGTERM)
+            assert f"a preemption notice to node {rank}, whose loss the job survives" in node._stopped_by_signal()
+        else:
+            assert node.stopped_by is None and not node.left_on_notice and len(stops) == 1
+            reason, leaving = stops[0]
+            assert "the nodes not preempted run fewer than recover.min_replicas groups" in reason
+            assert leaving == {2, 3}  # node 1's groups are leaving: neither may be chosen to write the checkpoint
+            assert node.store.get(GroupKeys.STOP_SIGNAL) == str(int(signal.SIGTERM)).encode()
     assert graced.holds_the_job  # one node: the only one
     interrupted = job("--recover.preemption_grace_s", "20")  # Ctrl-C stays a stop at once
     interrupted.children = ["replica 0"]

@@ -113,3 +113,33 @@ def test_two_nodes_on_etcd_the_standby_coordinator_takes_over(tmp_path, etcd_ser
     finals = of(events, "final_parameters")
     assert sorted(e["replica"] for e in finals) == [0, 1] and len({e["sha256"] for e in finals}) == 1
     assert processes_of_run(str(tmp_path)) == []
+
+
+def test_two_nodes_on_etcd_both_preempted_at_once_stop_the_job_with_a_checkpoint(tmp_path, etcd_server):
+    """2 replica groups on 2 nodes on etcd (neither node's loss ends the job), ``preemption_grace_s``: SIGTERM to both
+    launchers at once, what a whole job's preemption sends. Each marks itself preempted; one whose marks leave fewer
+    than ``min_replicas`` groups on nodes not preempted keeps its group and stops the whole job: a durable checkpoint
+    of the last committed step is written, and both launchers exit 143."""
+    args = replica_job_args(tmp_path, replicas=2, ranks=1, steps=1000, faults=[],
+                            extra=("--recover.store", f"etcd://{etcd_server}", "--checkpoint.enable",
+                                   "--checkpoint.interval", "1000", "--recover.preemption_grace_s", "60"))
+
+    def preempt_both(procs) -> None:
+        deadline = time.monotonic() + 180
+        while not any(e["event"] == "step_committed" and e["step"] >= 3
+                      for e in read_events(tmp_path / "events.jsonl")):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 3 committed"
+            time.sleep(0.1)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+
+    nodes = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2)], while_running=preempt_both)
+    assert [n.returncode for n in nodes] == [128 + signal.SIGTERM] * 2, "\n".join(output(n) for n in nodes)
+    said = "".join(n.stderr for n in nodes)
+    assert "the nodes not preempted run fewer than recover.min_replicas groups" in said, said[-3000:]
+    events = read_events(tmp_path / "events.jsonl")
+    committed = max(e["step"] for e in of(events, "step_committed"))
+    stopped = of(events, "stopped")
+    assert stopped and {e["step"] for e in stopped} == {committed} and any(e["checkpoint_saved"] for e in stopped)
+    assert (tmp_path / "checkpoint" / f"step-{committed}" / ".metadata").is_file()
+    assert processes_of_run(str(tmp_path)) == []

@@ -1100,6 +1100,36 @@ def test_a_coordinator_whose_first_epoch_stops_the_job_waits_for_its_members_and
     assert result == {"code": 1} and store.get(GroupKeys.FINISHED) == b"stopped"
 
 
+def test_after_a_stop_a_member_that_dies_is_not_waited_for(tmp_path):
+    """The job stops (a launcher's stop request) while a member dies, as when a preempted node's group leaves while
+    the job stops: the survivors finish, and the coordinator records ``stopped`` once the dead member's heartbeat
+    timed out, instead of waiting forever for it to finish. No fault flag is raised for it: no epoch follows."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.coordinator import Coordinator
+    from titan_recover.recover.groups.keys import GroupKeys
+
+    from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
+
+    store = HashStore()
+    config = RecoverConfig(replicas=2, heartbeat_timeout_s=2.0, startup_timeout_s=5.0)  # no beat moves: dead after 2 s
+    for replica in (0, 1):
+        store.set(GroupKeys.register(replica, 0), f"{replica},host,1,0")
+        store.set(GroupKeys.heartbeat(replica), encode_group_beat({0: Heartbeat(time.time(), time.time(), 1, "x")}))
+    coordinator = Coordinator(config, store, replicas=2, ranks_per_replica=1, run_dir=str(tmp_path))
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", coordinator.run()), daemon=True)
+    thread.start()
+    _until(lambda: store.check([GroupKeys.members(0)]), "epoch 0 is formed of both")
+    store.set(GroupKeys.STOP, "stop requested (a test)")
+    store.set(GroupKeys.done(0, 0), "1")  # replica 0 finished; replica 1 never beats again
+    thread.join(15.0)
+    assert result == {"code": 1} and store.get(GroupKeys.FINISHED) == b"stopped"
+    assert not store.check([GroupKeys.fault(0)])
+
+
 def test_a_replica_restarted_before_epoch_0_joins_by_admission_not_as_a_member_of_epoch_0(tmp_path):
     """Replica 1's first start crashed while building its model and its launcher restarted it (incarnation 1)
     before epoch 0 was formed: it waits to be admitted (a joiner), so epoch 0 is formed of replica 0 alone at once

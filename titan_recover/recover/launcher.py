@@ -42,8 +42,8 @@ from titan_recover.recover.groups.protocol import decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
                                              run_segment)
-from titan_recover.recover.nodes import (address_towards, agreed_text, is_loopback, node_address, NodeKeys, NodePlan,
-                                        single_node, unreachable)
+from titan_recover.recover.nodes import (address_towards, agreed_text, groups_outside, is_loopback, node_address,
+                                        node_groups, NodeKeys, NodePlan, single_node, unreachable)
 from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.standby import LEADER_TTL_S
 from titan_recover.recover.stop_request import PREEMPTION_SIGNAL, PreemptionNotice
@@ -201,7 +201,7 @@ class ReplicaJob:
         self.stop_requested: int | None = None
         """The signal (SIGUSR1; SIGTERM with a grace) that asked for a stop with a checkpoint, once one came."""
         self.stop_honoured, self.preemption = False, PreemptionNotice(self.recover.preemption_grace_s)
-        self.left_on_notice = False
+        self.left_on_notice, self.leaving = False, frozenset()  # (:meth:`leaves_on_notice`)
         self.store: Store | None = None
         """The job's store (:meth:`open_job_store`)."""
         self.address = ""
@@ -296,10 +296,8 @@ class ReplicaJob:
         preemption grace, the first SIGTERM once the job started is a stop request instead (:meth:`on_stop_request`),
         bounded by :meth:`end_after_grace`."""
         if signum == PREEMPTION_SIGNAL and self.children and self.preemption.take(time.monotonic()):
-            if self.holds_the_job:
-                self.on_stop_request(signum, frame)
-                return
-            self.left_on_notice = True  # this node's groups leave as a lost node's do; the job trains on
+            self.on_stop_request(signum, frame)  # the loop decides: the whole job stops, or this node leaves
+            return
         self.stopped_by = signum
         for child in self.children:
             _signal_group(child, signal.SIGTERM)
@@ -660,9 +658,11 @@ class ReplicaJob:
         print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
         self.stop_job(reason)
 
-    def stop_job(self, reason: str) -> None:
+    def stop_job(self, reason: str, leaving: frozenset[int] = frozenset()) -> None:
         """Stop the job at once with a durable checkpoint of the last committed step (written by the lowest replica
-        that committed it), as a coordinator's stop does, whether or not a coordinator runs."""
+        that committed it), as a coordinator's stop does, whether or not a coordinator runs. ``leaving``: groups
+        known to be ending (those of other preempted nodes), left out of the stop's epoch so that none of them is
+        chosen to write the checkpoint."""
         self.store.set(GroupKeys.STOP, reason)  # before anything a rank wakes by: it reads the stop with it
         self._seen = None  # the rest of the pass reads the stop
         epoch = newest_published(self.store, int(self.store.get(GroupKeys.EPOCH))
@@ -673,6 +673,7 @@ class ReplicaJob:
         # no epoch after a stop, so this launcher does, with the same members; an epoch a coordinator published
         # meanwhile stays as it was (its ranks read the stop written before it)
         members = decode_members(self.store.get(GroupKeys.members(epoch)))[0] if epoch >= 0 else ()
+        members = tuple(m for m in members if m not in leaving)
         self.store.compare_set(GroupKeys.members(epoch + 1), "", encode_members(members, reason))
 
     def on_stop_request(self, signum, _frame) -> None:
@@ -683,10 +684,24 @@ class ReplicaJob:
 
     @property
     def holds_the_job(self) -> bool:
-        """This node's loss ends the job: it is the only node, or node 0, whose launcher hosts the embedded store. A
-        preemption notice here stops the whole job with a checkpoint; on any other node its groups leave as a lost
-        node's do, and the others train on."""
+        """This node's loss ends the job: it is the only node, or node 0, whose launcher hosts the embedded store."""
         return not self.recover.store and self.plan.rank == 0
+
+    def leaves_on_notice(self) -> bool:
+        """At a preemption notice: True if this node's groups leave as a lost node's do and the job trains on
+        without them, False if the whole job stops with a checkpoint of its last committed step. The job stops
+        where it cannot survive this node's loss (:attr:`holds_the_job`), or where the nodes not preempted (each
+        notified node marks itself in the job's store first) run fewer than ``min_replicas`` groups: in a preemption
+        of every node, the last to read the marks keeps its groups to write the checkpoint."""
+        if self.holds_the_job:
+            return False
+        self.store.set(GroupKeys.PREEMPTED_PREFIX + str(self.plan.rank), "1")
+        nodes = range(self.plan.nnodes)
+        marks = read_keys(self.store, [GroupKeys.PREEMPTED_PREFIX + str(n) for n in nodes])
+        preempted = {n for n, mark in zip(nodes, marks) if mark is not None}
+        self.leaving = frozenset(g for n in preempted - {self.plan.rank}
+                                 for g in node_groups(self.recover.groups, self.plan.nnodes, n))
+        return groups_outside(preempted, self.recover.groups, self.plan.nnodes) >= self.recover.min_replicas
 
     def end_after_grace(self) -> None:
         """A preemption notice whose grace is over while the job still runs: end it as SIGTERM does."""
@@ -700,6 +715,10 @@ class ReplicaJob:
         if self.stop_requested is None or self.stop_honoured:
             return
         self.stop_honoured = True
+        if self.stop_requested == PREEMPTION_SIGNAL and not self.job_over() and self.leaves_on_notice():
+            self.left_on_notice = True  # this node's groups leave as a lost node's do; the others train on
+            self.on_signal(PREEMPTION_SIGNAL, None)  # the notice was taken: this one ends the node's processes
+            return
         name = signal.Signals(self.stop_requested).name
         if self.recover.diloco_mode:
             print(f"[titan_recover] {name}: a stop with a checkpoint is for the synchronous mode; a diloco job's "
@@ -712,10 +731,12 @@ class ReplicaJob:
         why = (f"{to}: a preemption notice, recover.preemption_grace_s = {self.preemption.grace_s} s"
                if self.stop_requested == PREEMPTION_SIGNAL else
                f"{to}, e.g. a scheduler's warning before the job's time limit")
+        if self.stop_requested == PREEMPTION_SIGNAL and not self.holds_the_job:
+            why += "; the nodes not preempted run fewer than recover.min_replicas groups"
         reason = f"stop requested ({why}): stopping the job with a durable checkpoint of the last committed step"
         print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
         self.store.set(GroupKeys.STOP_SIGNAL, str(self.stop_requested))  # every node exits 128 + it
-        self.stop_job(reason)
+        self.stop_job(reason, leaving=self.leaving)
 
     def cold_restart_due(self) -> int | None:
         """The empty epoch of a cold restart this launcher has not yet restarted its groups for, or None."""

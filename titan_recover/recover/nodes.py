@@ -70,6 +70,11 @@ def node_groups(groups: int, nnodes: int, rank: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
+def groups_outside(nodes: set[int], groups: int, nnodes: int) -> int:
+    """How many of the job's replica groups run on nodes not in ``nodes``."""
+    return sum(len(node_groups(groups, nnodes, rank)) for rank in range(nnodes) if rank not in nodes)
+
+
 def parse_endpoint(text: str) -> tuple[str, int]:
     """``HOST:PORT`` of ``--rdzv-endpoint`` (IPv6 in brackets); ValueError saying what is wrong."""
     host, sep, port = text.strip().rpartition(":")

@@ -115,13 +115,15 @@ class Coordinator:
         while not self._terminate:
             if self.cold and not self._form_founding_epoch():
                 continue  # stopped: the survivors (none) are done at once
-            if self._finished():
-                stopped = self.store.check([GroupKeys.STOP])
+            stopped = self.store.check([GroupKeys.STOP])
+            if self._finished(skip=self.excluded if stopped else set()):
                 self.events.emit("job_finished", epoch=self.epoch, members=list(self.members), stopped=stopped)
                 self.store.set(GroupKeys.FINISHED, "stopped" if stopped else "trained")
                 return 1 if stopped else 0
             self._beat()
-            if not self.store.check([GroupKeys.STOP]):  # after a stop, the survivors only finish
+            if stopped:  # the survivors only finish; one that dies meanwhile never will, and is not waited for
+                self._watch_liveness(raise_flags=False)
+            else:
                 self._watch_liveness()
                 if self.store.check([GroupKeys.fault(self.epoch)]):
                     self._form_next_epoch()
@@ -197,10 +199,10 @@ class Coordinator:
                 joined[replica] = set(decode_members(so_far_value)[0]) if so_far_value is not None else set()
         return joined
 
-    def _finished(self) -> bool:
-        """Every rank of every member is done (one request)."""
-        return not self.members or self.store.check(
-            [GroupKeys.done(m, r) for m in self.members for r in range(self.ranks)])
+    def _finished(self, skip: set[int] = frozenset()) -> bool:
+        """Every rank of every member but those in ``skip`` is done (one request)."""
+        members = [m for m in self.members if m not in skip]
+        return not members or self.store.check([GroupKeys.done(m, r) for m in members for r in range(self.ranks)])
 
     def _any_done(self) -> bool:
         """Some rank finished training: only then are ranks' ``done`` keys looked at one by one."""
@@ -237,7 +239,9 @@ class Coordinator:
             time.sleep(TICK_S)
         return False
 
-    def _watch_liveness(self) -> None:
+    def _watch_liveness(self, raise_flags: bool = True) -> None:
+        """Judge the members not yet excluded; one dead or hung is excluded and, unless ``raise_flags`` is False
+        (after a stop, when no epoch follows), the epoch's fault flag raised."""
         watched = [m for m in self.members if m not in self.excluded]
         # a rank that finished training stops beating: it is done, not dead; once the leader rank finished, the
         # group's last step is committed and the group's beat (the leader's relay) stops: it is no longer watched
@@ -246,7 +250,10 @@ class Coordinator:
         ranks = {m: rs for m, rs in ranks.items() if rs and 0 in rs}
         if not ranks:
             return
-        raw = self.store.multi_get([GroupKeys.heartbeat(m) for m in ranks])
+        keys = [GroupKeys.heartbeat(m) for m in ranks]
+        # one request while training; after a stop a member may be gone without a beat ever written, and a read of
+        # its key must not wait for it (an absent beat is a silent one)
+        raw = self.store.multi_get(keys) if raise_flags else [v or b"" for v in read_keys(self.store, keys)]
         now = time.monotonic()  # after the read: what it returned is the store's state at about this time
         beats = group_beats(dict(zip(ranks, raw)), ranks, self.incarnation)
         self.watch.look(now, beats)
@@ -258,7 +265,7 @@ class Coordinator:
             if not verdict.alive:
                 self.excluded.add(replica)
                 self._save(dataclasses.replace(self._state(), excluded=tuple(sorted(self.excluded))))
-                flag = raise_fault_flag(self.store, self.epoch, verdict.reason())
+                flag = raise_fault_flag(self.store, self.epoch, verdict.reason()) if raise_flags else None
                 self.events.emit("failure_detected", epoch=self.epoch, replica=replica, by="coordinator",
                                  reason=verdict.reason(), dead_ranks=list(verdict.dead_ranks),
                                  hung_ranks=list(verdict.hung_ranks), flag=flag,

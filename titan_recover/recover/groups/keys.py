@@ -22,6 +22,8 @@ class GroupKeys:
     STOP_SIGNAL = "stop/signal"
     """Set before ``STOP`` by the launcher whose signal asked for the stop (SIGUSR1; SIGTERM with a preemption
     grace): every node's launcher then exits 128 + that signal."""
+    PREEMPTED_PREFIX = "preempted/"
+    """``preempted/<node>``: that node's launcher got a preemption notice (``[recover] preemption_grace_s``)."""
     STOP_UNTRUSTED = "stop/untrusted"
     """Set before ``STOP`` when replicas disagree without a majority: no replica's state may be saved."""
     FINISHED = "finished"
