@@ -24,6 +24,18 @@ def output(proc) -> str:
     return proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def sigterm_once_step_3_committed(folder, nodes: list[int]):
+    """For ``launch_nodes``: SIGTERM to the launchers of ``nodes``, back to back, once step 3 was committed."""
+    def preempt(procs) -> None:
+        deadline = time.monotonic() + 180
+        while not any(e["event"] == "step_committed" and e["step"] >= 3 for e in read_events(folder / "events.jsonl")):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 3 committed"
+            time.sleep(0.1)
+        for node in nodes:
+            procs[node].send_signal(signal.SIGTERM)
+    return preempt
+
+
 def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmitted(tmp_path, exact_reference):
     """3 replica groups of 1 rank on 2 nodes (node 0: groups 0 and 1, and the store and the coordinator; node 1:
     group 2). Replica 2 is killed in step 3's forward: replicas 0 and 1 compute its microbatch in the same step, node
@@ -66,16 +78,8 @@ def test_two_nodes_a_preemption_notice_to_node_1_ends_its_group_and_node_0_train
                             extra=("--recover.quota.exact", "--checkpoint.enable",
                                    "--recover.preemption_grace_s", "60"))
 
-    def preempt_node_1(procs) -> None:
-        deadline = time.monotonic() + 180
-        while not any(e["event"] == "step_committed" and e["step"] >= 3
-                      for e in read_events(tmp_path / "events.jsonl")):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 3 committed"
-            time.sleep(0.1)
-        procs[1].send_signal(signal.SIGTERM)
-
     node0, node1 = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2, f"127.0.0.1:{free_port()}")],
-                                while_running=preempt_node_1)
+                                while_running=sigterm_once_step_3_committed(tmp_path, nodes=[1]))
     assert node1.returncode == 128 + signal.SIGTERM, output(node1)
     assert "stopped by SIGTERM, a preemption notice to node 1, whose loss the job survives" in node1.stderr
     assert node0.returncode == 0, output(node0)
@@ -124,16 +128,8 @@ def test_two_nodes_on_etcd_both_preempted_at_once_stop_the_job_with_a_checkpoint
                             extra=("--recover.store", f"etcd://{etcd_server}", "--checkpoint.enable",
                                    "--checkpoint.interval", "1000", "--recover.preemption_grace_s", "60"))
 
-    def preempt_both(procs) -> None:
-        deadline = time.monotonic() + 180
-        while not any(e["event"] == "step_committed" and e["step"] >= 3
-                      for e in read_events(tmp_path / "events.jsonl")):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 3 committed"
-            time.sleep(0.1)
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-
-    nodes = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2)], while_running=preempt_both)
+    nodes = launch_nodes(tmp_path, [(*args, *o) for o in node_options(2)],
+                         while_running=sigterm_once_step_3_committed(tmp_path, nodes=[0, 1]))
     assert [n.returncode for n in nodes] == [128 + signal.SIGTERM] * 2, "\n".join(output(n) for n in nodes)
     said = "".join(n.stderr for n in nodes)
     assert "the nodes not preempted run fewer than recover.min_replicas groups" in said, said[-3000:]
