@@ -1114,7 +1114,7 @@ def test_after_a_stop_a_member_that_dies_is_not_waited_for(tmp_path):
     from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
 
     store = HashStore()
-    config = RecoverConfig(replicas=2, heartbeat_timeout_s=2.0, startup_timeout_s=5.0)  # no beat moves: dead after 2 s
+    config = RecoverConfig(replicas=2, heartbeat_timeout_s=1.0, startup_timeout_s=5.0)  # no beat moves: dead after 1 s
     for replica in (0, 1):
         store.set(GroupKeys.register(replica, 0), f"{replica},host,1,0")
         store.set(GroupKeys.heartbeat(replica), encode_group_beat({0: Heartbeat(time.time(), time.time(), 1, "x")}))
