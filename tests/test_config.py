@@ -592,6 +592,27 @@ def test_the_verdict_of_a_committed_job_stands_after_a_late_signal(tmp_path, cap
     assert job.result() == 128 + signal.SIGUSR1
 
 
+def test_a_launchers_stop_leaves_failed_and_leaving_groups_out_of_the_stops_epoch(tmp_path):
+    """The stop's epoch names who may write its checkpoint (the lowest member that holds the last committed
+    state): a member the coordinator has judged failed, or a group known to be leaving, is left out of it, so the
+    writer is one that stays. The epoch's fault flag is raised with the stop."""
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.protocol import CoordinatorState, decode_members, encode_members
+    from titan_recover.recover.launcher import ReplicaJob
+
+    config = build_config(None, ["--recover.replicas", "4", "--dump_folder", str(tmp_path)])
+    job = ReplicaJob(config, None, [], 1, 0)
+    job.store = HashStore()
+    job.store.set(GroupKeys.members(0), encode_members((0, 1, 2, 3), "all replicas registered"))
+    job.store.set(GroupKeys.EPOCH, "0")
+    job.store.set(GroupKeys.COORDINATOR_STATE, CoordinatorState(0, (0, 1, 2, 3), "", excluded=(0,)).encode())
+    job.stop_job("stop requested (a test)", leaving=frozenset({2}))
+    assert decode_members(job.store.get(GroupKeys.members(1))) == ((1, 3), "stop requested (a test)")
+    assert job.store.get(GroupKeys.STOP) == b"stop requested (a test)" and job.store.check([GroupKeys.fault(0)])
+
+
 def test_a_replica_group_jobs_processes_run_without_nccls_heartbeat_monitor(tmp_path, monkeypatch):
     """On GPUs, NCCL's heartbeat monitor of a process's first group (TorchTitan's) ends the process minutes after any
     group's watchdog saw an error: a fault-tolerant group's abandoned pieces after a peer died would kill the

@@ -38,7 +38,7 @@ from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys, warming
 from titan_recover.recover.events import NODE_ENV
 from titan_recover.recover.groups.keys import GroupKeys, newest_published, parse_dropped, raise_fault_flag
-from titan_recover.recover.groups.protocol import decode_members, encode_members
+from titan_recover.recover.groups.protocol import CoordinatorState, decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
                                              run_segment)
@@ -660,9 +660,9 @@ class ReplicaJob:
 
     def stop_job(self, reason: str, leaving: frozenset[int] = frozenset()) -> None:
         """Stop the job at once with a durable checkpoint of the last committed step (written by the lowest replica
-        that committed it), as a coordinator's stop does, whether or not a coordinator runs. ``leaving``: groups
-        known to be ending (those of other preempted nodes), left out of the stop's epoch so that none of them is
-        chosen to write the checkpoint."""
+        that committed it), as a coordinator's stop does, whether or not a coordinator runs. Left out of the stop's
+        epoch, so that none is chosen to write the checkpoint: the members the coordinator has judged failed (its
+        stored state's ``excluded``) and ``leaving``, groups known to be ending (those of other preempted nodes)."""
         self.store.set(GroupKeys.STOP, reason)  # before anything a rank wakes by: it reads the stop with it
         self._seen = None  # the rest of the pass reads the stop
         epoch = newest_published(self.store, int(self.store.get(GroupKeys.EPOCH))
@@ -673,7 +673,9 @@ class ReplicaJob:
         # no epoch after a stop, so this launcher does, with the same members; an epoch a coordinator published
         # meanwhile stays as it was (its ranks read the stop written before it)
         members = decode_members(self.store.get(GroupKeys.members(epoch)))[0] if epoch >= 0 else ()
-        members = tuple(m for m in members if m not in leaving)
+        state = read_keys(self.store, [GroupKeys.COORDINATOR_STATE])[0]
+        failed = set(CoordinatorState.decode(state).excluded) if state is not None else set()
+        members = tuple(m for m in members if m not in leaving and m not in failed)
         self.store.compare_set(GroupKeys.members(epoch + 1), "", encode_members(members, reason))
 
     def on_stop_request(self, signum, _frame) -> None:
