@@ -20,7 +20,8 @@ to every piece from its issue, whatever a collective's options say) is :data:`WA
 deadline.
 
 Why this and not ``torch.distributed.shrink_group`` or a communicator in a subprocess (torchft's
-``ProcessGroupBabyNCCL``): docs/replica_groups.md, "Backends". Not yet run on a GPU (docs/platform.md).
+``ProcessGroupBabyNCCL``): docs/replica_groups.md, "Backends". Run on one GPU as a group of one only
+(docs/platform.md, "What ran on a GPU"); never with two ranks.
 """
 
 from __future__ import annotations
@@ -87,11 +88,13 @@ class NcclGroup(PolledGroup):
         self.pg.eager_connect_single_device(self.device)
 
     def close(self) -> None:
-        """Abort the communicator of a group that is done with (a new epoch's group replaces it): a non-blocking
-        abort returns at once; the communicator is then let go (:func:`_let_go`), which frees its device buffers."""
+        """Abort the communicator of a group that is done with (a new epoch's group replaces it), off the caller's
+        thread (:func:`_let_go`): ``ProcessGroupNCCL.abort`` of an idle communicator took 1.0 s on an H200 (torch
+        2.11, NCCL 2.28; docs/platform.md), time an epoch change would otherwise wait. Nothing is pending on it: the
+        group's collectives all completed, or it would have failed."""
         if self.pg is not None and not self.failed:
             self.failed = True
-            self._abort()
+            _let_go(self, abort=True)
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         self.allreduce_many_([tensor])
@@ -164,16 +167,24 @@ class NcclGroup(PolledGroup):
             _let_go(self)  # a failed group is never used again (its ``failed`` says so)
 
 
-def _let_go(group: NcclGroup) -> None:
-    """Take ``group``'s aborted communicator from it and drop the last reference on a thread of its own (no local
-    variable of this thread may hold it meanwhile). Until it is destroyed it holds the inputs of every piece no one
-    waited for (with torch's default of no ``recordStream``, NCCL keeps them alive until a wait, or until a later
-    call on the training thread that a failed group never gets): gradient views that would keep a whole gradient on
-    the device per fault. Its destructor joins NCCL's watchdog thread, which may still be writing its debug dump,
-    so it must not run on the training thread."""
+def _let_go(group: NcclGroup, abort: bool = False) -> threading.Thread:
+    """Take ``group``'s communicator from it and drop the last reference on a thread of its own (no local variable
+    of this thread may hold it meanwhile), after aborting it there if ``abort``. Until it is destroyed it holds the
+    inputs of every piece no one waited for (with torch's default of no ``recordStream``, NCCL keeps them alive
+    until a wait, or until a later call on the training thread that a failed group never gets): gradient views that
+    would keep a whole gradient on the device per fault. Its destructor joins NCCL's watchdog thread, which may
+    still be writing its debug dump, so it must not run on the training thread."""
     holder = [group.pg]
     group.pg = None
-    threading.Thread(target=holder.clear, daemon=True, name="titan-recover-nccl-release").start()
+
+    def release() -> None:
+        if abort:
+            holder[0].abort()
+        holder.clear()
+
+    thread = threading.Thread(target=release, daemon=True, name="titan-recover-nccl-release")
+    thread.start()
+    return thread
 
 
 @contextmanager
