@@ -13,7 +13,12 @@ and raw / transfer without digests); printed: median, min and max of the times a
 then one thread's xxHash3 of the whole state and one copy of it in memory (the host's memory speed, which bounds a
 loopback transfer: each byte is copied into the kernel and out again).
 
-    python benchmarks/state_transfer.py [--width 2048] [--layers 48] [--rounds 11] [--chunk-mb 64] [--out FILE]
+    python benchmarks/state_transfer.py [--width 2048] [--layers 48] [--rounds 11] [--chunk-mb 64] [--device cpu]
+                                        [--out FILE]
+
+``--device cuda``: the state on the GPU (both processes on device 0), so the donor's chunks go device -> pinned
+host -> gloo -> pinned host -> device through the transfer's ring (docs/phoenix.md); the raw broadcast stays a host
+tensor's, the target's reference.
 
 Last line: ``transfer_mb_s=... raw_mb_s=... transfer_ratio=... transfer_ratio_min=... transfer_ratio_max=...
 unverified_ratio=... transfer_s=... raw_s=... unverified_s=... hash_s=... copy_s=... state_mb=...`` (throughputs from
@@ -67,11 +72,15 @@ def _member(port: int, replica: int, args, results) -> None:
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
     group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=replica, rank=0, timeout_s=300.0)
     torch.manual_seed(replica)
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if replica == 0:
-        model(torch.randn(2, args.width)).sum().backward()
+        model(torch.randn(2, args.width, device=device)).sum().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # the gradients are not part of the state: free their memory
     state = TrainingState([model], [optimizer], scheduler, _Step(1 if replica == 0 else 0))
@@ -99,10 +108,12 @@ def _member(port: int, replica: int, args, results) -> None:
                          broadcast_many=lambda tensors, on_each: group.broadcast_many_(tensors, 0, on_each),
                          checksummed=kind == "transfer")
             barrier()
+            if device.type == "cuda":  # the joiner's last host-to-device copy is done
+                torch.cuda.synchronize(device)
             timings[kind].append(time.perf_counter() - start)
     # what each side's digests cost alone: xxHash3 over every byte of the state, on this process's one thread
     start = time.perf_counter()
-    for view in (bytes_view(t) for t in state.tensors()):
+    for view in (bytes_view(t.cpu()) for t in state.tensors()):  # the ring hashes host chunks, on CPU as on GPU
         checksum(view)
     timings["hash"] = [time.perf_counter() - start]
     # the host's memory speed: one copy of the state's bytes between two buffers of this process
@@ -120,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--chunk-mb", type=int, default=64)
+    parser.add_argument("--device", default="cpu", help="where the state lives (cuda: both processes on one GPU, "
+                        "the chunks staged through the pinned ring); the raw broadcast is of host memory")
     add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -157,7 +170,8 @@ def measure(args) -> None:
     medians = {kind: statistics.median(timings[kind]) for kind in KINDS}
     ratios = [raw / moved for raw, moved in zip(timings["raw"], timings["transfer"])]
     bare = [raw / moved for raw, moved in zip(timings["raw"], timings["unverified"])]
-    print(f"state {mb:.1f} MB ({args.layers} x {args.width}^2 parameters + AdamW state), chunks of {args.chunk_mb} MB, "
+    print(f"state {mb:.1f} MB ({args.layers} x {args.width}^2 parameters + AdamW state) on {args.device}, chunks of "
+          f"{args.chunk_mb} MB, "
           f"{args.rounds} interleaved rounds; seconds on the joiner's clock")
     print(f"{'':26s} {'median [min, max]':26s} per round")
     for label, values in (("transfer", timings["transfer"]), ("raw broadcast", timings["raw"]),

@@ -9,7 +9,10 @@ Sections (each one's failure is recorded in the JSON and does not stop the other
   ``--members`` processes sharing the GPU: the sum is right, its time against the plain path (``.cpu()``, one gloo
   all-reduce, copy back), and a member SIGKILLed mid-reduction releases the survivors with ``FaultDetected``;
 - ``ftpg_nccl``: the ``nccl`` backend's communicator (non-blocking config, eager connect, pieces, abort) as a group
-  of one (NCCL refuses several ranks on one GPU), in a subprocess with a deadline;
+  of one (NCCL refuses several ranks on one GPU), in a subprocess with a deadline; then a piece held back on the
+  device (the issuing stream busy with a spin kernel, as a peer that never arrives holds it) released by the
+  epoch's fault flag and, apart, by the progress deadline, each aborting the communicator before the spin ends; then
+  a new epoch's communicator;
 - ``signature``: the parameter signature of CUDA tensors equals that of the same bytes on the host, and a flipped
   sign, exponent or mantissa bit changes it; its time for ``--mb`` MiB;
 - ``snapshot_overlap``: a snapshot-sized device -> pinned-host copy on the snapshots' side stream while a matmul
@@ -22,7 +25,9 @@ Sections (each one's failure is recorded in the JSON and does not stop the other
 - ``stop_agreement``: the per-step stop flag of a job without replica groups (``recover/stop_request.py``) over
   200 steps with a stand-in all-reduce: the answer arrives ``lag`` steps after the request, the host's time per
   step, and that no step allocates (the same ``lag + 1`` flags and pinned host copies reused; device memory
-  allocated before and after).
+  allocated before and after);
+- ``device_timing``: a matmul loop timed on the host clock with and without the wait the project's speed
+  measurements put around device work (``titan_recover.platform.synchronize``).
 
     python scripts/device_check.py [--out device_check.json] [--mb 256] [--members 3]
     python scripts/device_check.py --allow-cpu --mb 16   # the sections that run without a GPU (a smoke test)
@@ -190,6 +195,44 @@ def ftpg_gloo(device: torch.device, mb: int, members: int, reps: int = 3) -> dic
 
 
 # ---- the nccl backend's communicator ----------------------------------------------------------------------------
+def _spin_cycles_per_s(device: torch.device) -> float:
+    """The rate of ``torch.cuda._sleep``'s cycles (a kernel that spins on the SM clock), measured."""
+    torch.cuda._sleep(10**6)  # loaded and warm
+    cycles = 2 * 10**8
+    times = _timed(lambda: torch.cuda._sleep(cycles), device, 3)
+    return cycles / statistics.median(times)
+
+
+def _held(device: torch.device, store, epoch: int, mb: int, timeout_s: float, hold_s: float,
+          flag_after_s: float | None) -> dict:
+    """One all-reduce whose piece NCCL cannot start: the issuing stream runs a spin kernel for ``hold_s`` first (a
+    peer that never arrives, as a group of one can show it). With ``flag_after_s`` the epoch's fault flag is raised
+    that long after the issue; without, the progress deadline (``timeout_s``) ends it. Either must raise
+    ``FaultDetected`` and abort the communicator without waiting for the spin to end."""
+    from titan_recover.recover.ftpg.base import build_group, FaultDetected, FTPGConfig
+    from titan_recover.recover.groups.keys import raise_fault_flag
+
+    group = build_group(FTPGConfig(backend="nccl", chunk_mb=max(1, mb // 4)), store, epoch=epoch, members=(0,),
+                        replica=0, rank=0, timeout_s=timeout_s, device=device)
+    t = torch.ones(mb * 2**20 // 4, device=device)
+    group.allreduce_sum_(t)  # connected outside the measured part
+    _sync(device)
+    torch.cuda._sleep(int(hold_s * _spin_cycles_per_s(device)))
+    if flag_after_s is not None:
+        threading.Timer(flag_after_s, raise_fault_flag, (store, epoch, "raised by the device check")).start()
+    start = time.perf_counter()
+    outcome = "completed"
+    try:
+        group.allreduce_sum_(t)
+    except FaultDetected as fault:
+        outcome = f"fault: {fault.reason[:160]}"
+    released = time.perf_counter() - start
+    _sync(device)  # the spin ends; nothing of the aborted communicator may hold the stream beyond it
+    return {"outcome": outcome, "released_s": round(released, 3), "stream_free_s": round(time.perf_counter() - start, 3),
+            "hold_s": hold_s, "timeout_s": timeout_s, "flag_after_s": flag_after_s, "failed": group.failed,
+            "communicator_let_go": group.pg is None}
+
+
 def _nccl_alone(device_name: str, mb: int, results) -> None:
     from torch.distributed import HashStore
 
@@ -198,8 +241,9 @@ def _nccl_alone(device_name: str, mb: int, results) -> None:
     try:
         device = torch.device(device_name)
         torch.cuda.set_device(device)
+        store = HashStore()
         start = time.perf_counter()
-        group = build_group(FTPGConfig(backend="nccl", chunk_mb=max(1, mb // 4)), HashStore(), epoch=0,
+        group = build_group(FTPGConfig(backend="nccl", chunk_mb=max(1, mb // 4)), store, epoch=0,
                             members=(0,), replica=0, rank=0, timeout_s=30.0, device=device)
         created = time.perf_counter() - start
         t = torch.arange(mb * 2**20 // 4, dtype=torch.float32, device=device)
@@ -207,26 +251,126 @@ def _nccl_alone(device_name: str, mb: int, results) -> None:
         times = _timed(lambda: group.allreduce_sum_(t), device, 3)
         unchanged = bool(torch.equal(t, before))  # a group of one sums to itself
         start = time.perf_counter()
-        group._abort()
-        results.put({"created_s": created, "allreduce_s": statistics.median(times), "sum_correct": unchanged,
-                     "abort_s": time.perf_counter() - start, "nccl": ".".join(map(str, torch.cuda.nccl.version()))})
+        group.close()
+        results.put(("basic", {"created_s": created, "allreduce_s": statistics.median(times),
+                               "sum_correct": unchanged, "close_abort_s": time.perf_counter() - start,
+                               "nccl": ".".join(map(str, torch.cuda.nccl.version()))}))
+        results.put(("flag", _held(device, store, 1, mb, timeout_s=30.0, hold_s=6.0, flag_after_s=0.5)))
+        results.put(("deadline", _held(device, store, 2, mb, timeout_s=1.0, hold_s=4.0, flag_after_s=None)))
+        # the next epoch's communicator works after two aborted ones
+        group = build_group(FTPGConfig(backend="nccl"), store, epoch=3, members=(0,), replica=0, rank=0,
+                            timeout_s=30.0, device=device)
+        t.fill_(2.0)
+        group.allreduce_sum_(t)
+        _sync(device)
+        results.put(("next_epoch", {"sum_correct": bool((t == 2.0).all()),
+                                    "device_mb_allocated": torch.cuda.memory_allocated(device) / 2**20}))
     except Exception:
-        results.put({"error": traceback.format_exc()[-2000:]})
+        results.put(("error", traceback.format_exc()[-2000:]))
+    results.put(("done", None))
+
+
+def _nccl_phases(device_name: str, mb: int, monitoring: str, results) -> None:
+    """Where a held piece's release spends its time: issuing it, querying it, noticing the flag, ``abort()``, and the
+    stream's wait after; and an idle communicator's ``abort()`` and destruction. ``monitoring``: the value of
+    ``TORCH_NCCL_ENABLE_MONITORING`` (the launcher sets 0 in replica-group processes)."""
+    os.environ["TORCH_NCCL_ENABLE_MONITORING"] = monitoring
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.ftpg.base import build_group, FTPGConfig
+    from titan_recover.recover.ftpg.nccl import NcclGroup
+
+    out: dict = {"monitoring": monitoring}
+    try:
+        device = torch.device(device_name)
+        torch.cuda.set_device(device)
+        store = HashStore()
+        t = torch.ones(mb * 2**20 // 4, device=device)
+        group = build_group(FTPGConfig(backend="nccl"), store, epoch=0, members=(0,), replica=0, rank=0,
+                            timeout_s=30.0, device=device)
+        group.allreduce_sum_(t)
+        _sync(device)
+        pg, group.pg = group.pg, None
+        start = time.perf_counter()
+        pg.abort()
+        out["idle_abort_s"] = round(time.perf_counter() - start, 4)
+        start = time.perf_counter()
+        del pg
+        out["idle_destroy_s"] = round(time.perf_counter() - start, 4)
+        group = build_group(FTPGConfig(backend="nccl"), store, epoch=1, members=(0,), replica=0, rank=0,
+                            timeout_s=30.0, device=device)
+        group.allreduce_sum_(t)
+        _sync(device)
+        hold_s = 4.0
+        torch.cuda._sleep(int(hold_s * _spin_cycles_per_s(device)))
+        start = time.perf_counter()
+        work = NcclGroup._issue(group.pg, t.view(-1), None)
+        out["held_issue_s"] = round(time.perf_counter() - start, 4)
+        queries, first = 0, time.perf_counter()
+        while time.perf_counter() - first < 0.5 and not work.is_completed():
+            queries += 1
+            time.sleep(0.0005)
+        out["held_queries_in_0_5_s"] = queries
+        out["held_completed_by_0_5_s"] = bool(work.is_completed())
+        pg, group.pg = group.pg, None
+        start = time.perf_counter()
+        pg.abort()
+        out["held_abort_s"] = round(time.perf_counter() - start, 4)
+        start = time.perf_counter()
+        _sync(device)
+        out["held_stream_after_abort_s"] = round(time.perf_counter() - start, 4)
+        out["held_total_s"] = round(time.perf_counter() - first, 4)
+        out["hold_s"] = hold_s
+        del work, pg
+    except Exception:
+        out["error"] = traceback.format_exc()[-2000:]
+    results.put(out)
+
+
+def nccl_phases(device: torch.device, mb: int) -> dict:
+    """:func:`_nccl_phases` with NCCL's heartbeat monitor on (torch's default) and off (the launcher's), each in a
+    subprocess with a deadline."""
+    ctx = mp.get_context("spawn")
+    out = {}
+    for monitoring in ("1", "0"):
+        results = ctx.Queue()
+        proc = ctx.Process(target=_nccl_phases, args=(str(device), mb, monitoring, results))
+        proc.start()
+        try:
+            out[f"monitoring_{monitoring}"] = results.get(timeout=60)
+        except queue.Empty:
+            out[f"monitoring_{monitoring}"] = {"error": "no result within 60 s"}
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    return out
 
 
 def ftpg_nccl(device: torch.device, mb: int) -> dict:
+    """The communicator as a group of one in a subprocess: created, all-reduce, close; then a piece held back on the
+    device, released by the fault flag and by the progress deadline; then a new epoch's communicator."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=_nccl_alone, args=(str(device), mb, results))
     proc.start()
+    out: dict = {}
+    deadline = time.monotonic() + 150
     try:
-        return results.get(timeout=120)
-    except queue.Empty:
-        return {"error": "no result within 120 s (communicator creation or the all-reduce hung)"}
+        while True:
+            try:
+                kind, value = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                out["error"] = f"no result after {sorted(out)} within 150 s (a communicator or a wait hung)"
+                break
+            if kind == "done":
+                break
+            out[kind] = value
     finally:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+    return out
 
 
 # ---- signature and bit flips on device tensors -----------------------------------------------------------------
@@ -348,12 +492,42 @@ def stop_agreement(device: torch.device, steps: int = 200, requested_at: int = 5
             - allocated_after_first}
 
 
+def device_timing(device: torch.device, iters: int = 40, reps: int = 5) -> dict:
+    """What a host clock reads around device work with and without ``titan_recover.platform.synchronize`` (the
+    wait the quota's speeds, the straggler detector and chaos ``slow`` put around what they time): without it, the
+    time to launch the kernels."""
+    from titan_recover.platform import synchronize
+
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+
+    def work():
+        for _ in range(iters):
+            torch.mm(a, a)
+
+    work()
+    synchronize(device)
+    unwaited, waited = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        work()
+        unwaited.append(time.perf_counter() - start)
+        synchronize(device)
+        start = time.perf_counter()
+        work()
+        synchronize(device)
+        waited.append(time.perf_counter() - start)
+    return {"without_wait_s": statistics.median(unwaited), "with_wait_s": statistics.median(waited),
+            "tflop_s_with_wait": round(iters * 2 * 4096**3 / statistics.median(waited) / 1e12, 1),
+            "matmuls": iters}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "device_check.json"))
     parser.add_argument("--mb", type=int, default=256)
     parser.add_argument("--members", type=int, default=3)
     parser.add_argument("--allow-cpu", action="store_true", help="no GPU: run what runs on CPU tensors")
+    parser.add_argument("--sections", help="comma-separated names of the sections to run (default: all)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
@@ -366,21 +540,28 @@ def main(argv: list[str] | None = None) -> int:
     sections = {"staging": lambda: staging(device, args.mb),
                 "ftpg_gloo": lambda: ftpg_gloo(device, args.mb, args.members),
                 "ftpg_nccl": lambda: ftpg_nccl(device, args.mb),
+                "nccl_phases": lambda: nccl_phases(device, args.mb),
                 "signature": lambda: signature(device, args.mb),
                 "snapshot_overlap": lambda: snapshot_overlap(device, args.mb),
                 "overlap_events": lambda: overlap_events(device),
-                "stop_agreement": lambda: stop_agreement(device)}
-    for name, run in sections.items():
-        if not cuda and name in ("staging", "ftpg_nccl", "snapshot_overlap", "overlap_events"):
+                "stop_agreement": lambda: stop_agreement(device),
+                "device_timing": lambda: device_timing(device)}
+    chosen = args.sections.split(",") if args.sections else list(sections)
+    unknown = sorted(set(chosen) - set(sections))
+    if unknown:
+        parser.error(f"--sections: no section {unknown}; the sections are {', '.join(sections)}")
+    needs_cuda = {"staging", "ftpg_nccl", "nccl_phases", "snapshot_overlap", "overlap_events", "device_timing"}
+    for name in chosen:
+        if not cuda and name in needs_cuda:
             report[name] = {"skipped": "no CUDA device"}
-            continue
-        start = time.perf_counter()
-        try:
-            report[name] = run()
-        except Exception:
-            report[name] = {"error": traceback.format_exc()[-2000:]}
-        report[name]["section_s"] = round(time.perf_counter() - start, 2)
-        print(f"{name}: {json.dumps(report[name], default=str)[:600]}", flush=True)
+        else:
+            start = time.perf_counter()
+            try:
+                report[name] = sections[name]()
+            except Exception:
+                report[name] = {"error": traceback.format_exc()[-2000:]}
+            report[name]["section_s"] = round(time.perf_counter() - start, 2)
+            print(f"{name}: {json.dumps(report[name], default=str)[:600]}", flush=True)
         # after every section: a run ended by the machine's time limit keeps the figures of the sections done
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(report, indent=2, default=str))

@@ -25,6 +25,7 @@ def test_the_device_check_runs_its_cpu_sections_and_writes_its_figures(tmp_path)
     assert len(reasons) == gloo["members"] - 1 and not deadlines, gloo
     assert gloo["kill_release_s"] < gloo["timeout_s"], gloo
     assert report["signature"]["device_equals_host"] and all(report["signature"]["flip_detected"].values())
-    assert report["staging"] == {"skipped": "no CUDA device"}
+    assert all(report[name] == {"skipped": "no CUDA device"}
+               for name in ("staging", "ftpg_nccl", "nccl_phases", "snapshot_overlap", "overlap_events", "device_timing"))
     stop = report["stop_agreement"]  # asked at step 50, agreed 2 steps later, with 3 flags for 200 steps
     assert (stop["first_true_at"], stop["buffers"]) == (52, 3), stop
