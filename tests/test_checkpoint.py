@@ -276,11 +276,11 @@ def test_the_purge_keeps_complete_checkpoints_over_a_lost_writers_partial_one(tm
 
 def test_a_joiner_whose_admission_had_not_committed_never_writes_the_stops_checkpoint():
     """A stop during an admission: the stop's epoch still lists the joiner (replica 0, the lowest); the checkpoint
-    of the last committed step comes from the lowest replica that committed it, and from nobody if only joiners
-    are left (their state is partly received, or an older checkpoint's)."""
-    from titan_recover.recover.modes.sync import stop_writer
+    of the last committed step comes from the lowest replica that committed it (then the next, in turn), and
+    from nobody if only joiners are left (their state is partly received, or an older checkpoint's)."""
+    from titan_recover.recover.groups.stop_checkpoint import candidates
 
-    assert stop_writer((0, 2, 3), committed=(1, 2, 3)) == 2
-    assert stop_writer((0, 1, 2), committed=(0, 1, 2)) == 0  # admitted and committed since: a member like any
-    assert stop_writer((0,), committed=(1, 2)) is None
-    assert stop_writer((), committed=(1, 2)) is None
+    assert candidates((0, 2, 3), committed=(1, 2, 3)) == (2, 3)
+    assert candidates((2, 0, 1), committed=(0, 1, 2)) == (0, 1, 2)  # admitted and committed since: a member like any
+    assert candidates((0,), committed=(1, 2)) == ()
+    assert candidates((), committed=(1, 2)) == ()

@@ -258,6 +258,12 @@ def test_a_fault_between_two_diloco_blocks_is_refused_where_no_block_ends(launch
         in err, err
     code, _, err = launcher("train_configs/diloco.toml", "--chaos.faults", fault, "--dry-run")
     assert code == 0, err
+    fault = '[{kind = "kill", replica = 0, phase = "stop_save"}]'  # the turn to write a stop's checkpoint
+    code, _, err = launcher("train_configs/diloco.toml", "--chaos.faults", fault, "--dry-run")
+    assert code == 2 and 'phase "stop_save" (before a replica group writes a stop\'s checkpoint) never comes in ' \
+        "mode 'diloco'" in err, err
+    code, _, err = launcher("train_configs/replicas.toml", "--chaos.faults", fault, "--dry-run")
+    assert code == 0, err
 
 
 def test_a_preemption_grace_is_checked_before_launch_and_reaches_the_agent(launcher):

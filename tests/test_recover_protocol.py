@@ -1124,10 +1124,13 @@ def test_after_a_stop_a_member_that_dies_is_not_waited_for(tmp_path):
     thread.start()
     _until(lambda: store.check([GroupKeys.members(0)]), "epoch 0 is formed of both")
     store.set(GroupKeys.STOP, "stop requested (a test)")
-    store.set(GroupKeys.done(0, 0), "1")  # replica 0 finished; replica 1 never beats again
+    store.set(GroupKeys.done(0, 0), "1")  # replica 0 finished (as ReplicaMember.finish does); replica 1 never
+    store.add(GroupKeys.DONE_COUNT, 1)  # beats again
     thread.join(15.0)
     assert result == {"code": 1} and store.get(GroupKeys.FINISHED) == b"stopped"
     assert not store.check([GroupKeys.fault(0)])
+    # named lost, so that a stop's checkpoint writer found dead passes its turn on (tests/test_stop_checkpoint.py)
+    assert store.check([GroupKeys.stop_lost(1)]) and not store.check([GroupKeys.stop_lost(0)])
 
 
 def test_a_replica_restarted_before_epoch_0_joins_by_admission_not_as_a_member_of_epoch_0(tmp_path):

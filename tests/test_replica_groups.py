@@ -124,16 +124,28 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
     assert processes_of_run(str(tmp_path)) == []
 
 
-def test_too_few_replicas_stop_with_a_durable_checkpoint(tmp_path, default_data):
+def test_too_few_replicas_stop_with_a_durable_checkpoint_written_in_turn(tmp_path, default_data):
+    """Replica 1 dies in step 3: 2 of 3 replicas left, fewer than min_replicas = 3, so the job stops with the
+    checkpoint of step 2. Its first writer, replica 0 (the lowest candidate), dies right before its save, a case no
+    liveness check before the stop can see; the coordinator names it lost, and replica 2, which waited, writes the
+    checkpoint instead (docs/replica_groups.md "Checkpoints")."""
     proc, events = run_replicas(
-        tmp_path, replicas=2, ranks=1, steps=5,
-        faults=[{"kind": "kill", "replica": 1, "rank": 0, "step": 3, "phase": "forward"}],
-        extra=("--recover.min_replicas", "2", "--checkpoint.enable", "--checkpoint.interval", "100"),
+        tmp_path, replicas=3, ranks=1, steps=5,
+        faults=[{"kind": "kill", "replica": 1, "rank": 0, "step": 3, "phase": "forward"},
+                {"kind": "kill", "replica": 0, "rank": 0, "step": 2, "phase": "stop_save"}],
+        extra=("--recover.min_replicas", "3", "--checkpoint.enable", "--checkpoint.interval", "100"),
     )
+    output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "fewer than recover.min_replicas = 2: stopping" in proc.stdout + proc.stderr
-    stopped = [e for e in events if e["event"] == "stopped"]
-    assert stopped and stopped[0]["step"] == 2 and stopped[0]["checkpoint_saved"]
+    assert "fewer than recover.min_replicas = 3: stopping" in output, output[-3000:]
+    injected = [e for e in events if e["event"] == "fault_injected" and e["phase"] == "stop_save"]
+    assert [e["source"] for e in injected] == ["0/0"], injected
+    handover = [e for e in events if e["event"] == "stop_checkpoint_handover"]
+    assert [(e["source"], e["step"], e["handovers"]) for e in handover] == [("2/0", 2, [[0, "lost"]])], handover
+    log = (tmp_path / "logs" / "replica_2.log").read_text()
+    assert "the checkpoint of step 2 passes to replica 2 (replica 0 lost)" in log, log[-3000:]
+    stopped = {e["source"]: e for e in events if e["event"] == "stopped"}
+    assert set(stopped) == {"2/0"} and stopped["2/0"]["step"] == 2 and stopped["2/0"]["checkpoint_saved"]
     # written once, by the survivor, into the run's checkpoint folder (docs/replica_groups.md "Checkpoints")
     assert (tmp_path / "checkpoint" / "step-2" / ".metadata").is_file()
     assert not list(tmp_path.glob("replica_*/checkpoint"))

@@ -279,6 +279,10 @@ def check_job(config, options: dict):
     if not config.recover.diloco_mode and any(f.phase == "block_end" for f in config.chaos.faults):
         raise ConfigError('chaos fault phase "block_end" (between two blocks of a diloco learner) never comes in '
                           f'mode {config.recover.resolved_mode!r}: use another phase, or recover.mode = "diloco"')
+    if config.recover.resolved_mode != "sync" and any(f.phase == "stop_save" for f in config.chaos.faults):
+        raise ConfigError('chaos fault phase "stop_save" (before a replica group writes a stop\'s checkpoint) never '
+                          f'comes in mode {config.recover.resolved_mode!r}: use replica groups (recover.replicas > 1 '
+                          'in recover.mode = "sync")')
     nnodes = _int_option(options, "--nnodes", 1)
     nproc = _int_option(options, "--nproc-per-node", 0) if "--nproc-per-node" in options else None
     if config.recover.enabled:  # a replica group's processes all run on its node

@@ -87,12 +87,16 @@ class RecoverTrainer(Trainer):
         if stop is None:
             return
         self.step, self.ntokens_seen = stop.step, stop.ntokens_seen
-        saved = False
-        if stop.save:  # the mode chose this replica to write the stop's checkpoint, one the job resumes from
-            self.checkpointer.writer = True
-            saved = self.checkpointer.save_resumable(stop.step)
+        saved = self._save_stop(stop) if stop.save else False
+        while self.mode.next_stop_save(stop, saved):  # the replica whose turn it was did not write it
+            saved = self._save_stop(stop)
         self.mode.stopped(stop, checkpoint_saved=saved)
         raise SystemExit(stop.exit_code)
+
+    def _save_stop(self, stop) -> bool:
+        """The stop's checkpoint, one the job resumes from, written by this replica (the mode's choice)."""
+        self.checkpointer.writer = True
+        return self.checkpointer.save_resumable(stop.step)
 
     def close(self) -> None:
         if getattr(self, "mode", None) is not None:

@@ -9,6 +9,7 @@ A fault's ``kind`` names a registered fault (:mod:`~titan_recover.recover.chaos.
     rank = 0
     step = 3
     phase = "reduction"    # forward | backward | reduction | commit | rebuild | optimizer | transfer | block_end
+                           # | stop_save (sync mode: right before this replica writes a stop's checkpoint)
 
     [[chaos.faults]]       # at a wall-clock offset: 40 s after the job started, at the next forward of replica 2,
     kind = "kill"          # whichever start of it is running then; once per job (benchmarks' failure schedules)
@@ -35,7 +36,7 @@ JOB_START_ENV = "TITAN_RECOVER_JOB_START"
 STEP_PHASES = ("forward", "backward", "reduction", "commit", "rebuild", "optimizer")
 """Phases every step passes (a seeded random schedule draws from these)."""
 FLIP_TARGETS = ("parameter", "gradient", "activation")
-TRAINER_PHASES = (*STEP_PHASES, "transfer", "collective", "block_end")
+TRAINER_PHASES = (*STEP_PHASES, "transfer", "collective", "block_end", "stop_save")
 PROCESS_PHASES = {"trainer": TRAINER_PHASES, "syncer": ("merge",), "coordinator": ("step", "epoch", "publish")}
 """The phases at which each process can be hit."""
 PHASES = tuple(phase for phases in PROCESS_PHASES.values() for phase in phases)
@@ -62,7 +63,9 @@ class FaultSpec:
     the joiner enters), or collective: just before the rank issues its replica's own collective of the step (the
     speed agreement of the ``throughput`` policy; ``stall`` there hangs in it, ``desync`` issues another one), or
     block_end (diloco mode only): after a learner counted the step's block and sent what was due, before it claims
-    the next, so that it holds no block."""
+    the next, so that it holds no block, or stop_save (sync mode with replica groups): after a stop, right before
+    this replica writes the stop's checkpoint (its turn, docs/replica_groups.md "Checkpoints"); ``step`` is the
+    stop's, the last committed one."""
     factor: float = 2.0
     """``slow``: compute-time multiplier from ``step`` on (apply it to every rank of the replica)."""
     incarnation: int = 0

@@ -96,6 +96,7 @@ class Coordinator:
         self.cold = False
         """The current epoch is empty after losing every replica: the groups restart and found the next one."""
         self.excluded: set[int] = set()
+        self._named_lost: set[int] = set()  # after a stop: the excluded members named lost in the store
         self.incarnation: dict[int, int] = {}  # the incarnation of each member (a restart is a new one)
         self.dropped: dict[int, int] = {}  # the incarnation of each replica last removed
         self.watch = LivenessWatch(config.heartbeat_timeout_s, config.progress_timeout_s,
@@ -123,6 +124,7 @@ class Coordinator:
             self._beat()
             if stopped:  # the survivors only finish; one that dies meanwhile never will, and is not waited for
                 self._watch_liveness(raise_flags=False)
+                self._name_lost()
             else:
                 self._watch_liveness()
                 if self.store.check([GroupKeys.fault(self.epoch)]):
@@ -274,6 +276,14 @@ class Coordinator:
                                                                       self.incarnation.get(replica, 0)),
                                                       self.incarnation.get(replica, 0), time.time()),
                                  unwatched_s=round(self.watch.time.unwatched_s, 3))
+
+    def _name_lost(self) -> None:
+        """After a stop: name in the job's store each member found dead or hung (``stop/lost/<replica>``, once), so
+        that the survivors waiting for the stop's checkpoint pass a lost writer's turn on
+        (:mod:`~titan_recover.recover.groups.stop_checkpoint`)."""
+        for replica in sorted(self.excluded - self._named_lost):
+            self.store.set(GroupKeys.stop_lost(replica), "1")
+            self._named_lost.add(replica)
 
     def _form_next_epoch(self) -> None:
         fault_time, reason = fault_time_and_reason(self.store.get(GroupKeys.fault(self.epoch)))

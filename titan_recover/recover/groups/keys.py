@@ -210,6 +210,18 @@ class GroupKeys:
         return f"evicted/e{epoch}/{replica}"
 
     @staticmethod
+    def stop_checkpoint(step: int, round_: int) -> str:
+        """The outcome of turn ``round_`` to write the checkpoint of a stop at ``step``: ``saved``, ``failed`` or
+        ``lost`` (compare-and-set; :mod:`~titan_recover.recover.groups.stop_checkpoint`)."""
+        return f"stop/checkpoint/s{step}/r{round_}"
+
+    @staticmethod
+    def stop_lost(replica: int) -> str:
+        """After a stop: the coordinator found ``replica`` dead or hung (the reason). A stop's checkpoint writer
+        named so loses its turn to the next candidate."""
+        return f"stop/lost/{replica}"
+
+    @staticmethod
     def evictions(epoch: int) -> str:
         """Written after ``epoch``'s ``evicted`` keys and before the fault flag: the coordinator reads those keys,
         one per member, only when this one exists."""

@@ -138,6 +138,12 @@ class Mode:
         run()
         return None
 
+    def next_stop_save(self, stop: Stop, saved: bool) -> bool:
+        """Called after the trainer acted on ``stop.save`` (``saved``: this replica wrote the checkpoint), and again
+        after each save it asks for: True if this replica must now write the stop's checkpoint (the replica whose
+        turn it was did not; sync mode's handover, :mod:`~titan_recover.recover.groups.stop_checkpoint`)."""
+        return False
+
     def stopped(self, stop: Stop, checkpoint_saved: bool) -> None:
         """The trainer acted on ``stop`` (``checkpoint_saved``: a durable checkpoint of ``stop.step`` exists)."""
 

@@ -41,6 +41,7 @@ from titan_recover.recover.groups.member import (  # noqa: E402
 from titan_recover.recover.groups.keys import newest_published  # noqa: E402
 from titan_recover.recover.groups.protocol import active_replicas  # noqa: E402
 from titan_recover.recover.groups.replica_sync import ReplicaSync  # noqa: E402
+from titan_recover.recover.groups.stop_checkpoint import candidates, SAVED, StopCheckpoint  # noqa: E402
 from titan_recover.recover.invariant import grad_norm  # noqa: E402
 from titan_recover.recover.invariant.step_recovery import STEP_MANAGERS, StepOutcome  # noqa: E402
 from titan_recover.recover.modes.base import Mode, register_mode, StepReport, Stop, TrainerParts  # noqa: E402
@@ -94,8 +95,8 @@ class SyncMode(Mode):
         self.step = 0
         self.committed_tokens = 0
         """Tokens of the global batches committed before the step being trained."""
-        self.stop_writer: int | None = None
-        """After a stop that saves a checkpoint: the replica that writes it (:meth:`_stop_writer`)."""
+        self.stop_turns: StopCheckpoint | None = None
+        """After a stop that saves a checkpoint: who writes it, in turn (:meth:`_stop_turns`)."""
         self.previous_writer: int | None = None
         """The replica that wrote the checkpoint of the step before the one being trained, if it saved one (None
         before this process's first commit)."""
@@ -245,12 +246,14 @@ class SyncMode(Mode):
         folder, shared by the replica groups (docs/replica_groups.md "Checkpoints")."""
         return self.replica == min(self.sync.committed_members)
 
-    def _stop_writer(self) -> int | None:
-        """At a stop: the replica that writes the stop's checkpoint, the lowest of those left in the epoch the
-        coordinator formed with the stop (published before the stop itself, so every survivor reads the same one)
-        that hold the last committed state (:func:`stop_writer`); None if none is left."""
+    def _stop_turns(self, step: int) -> StopCheckpoint:
+        """At a stop: who writes the stop's checkpoint of ``step``, in turn: those left in the epoch the coordinator
+        formed with the stop (published before the stop itself, so every survivor reads the same one) that hold the
+        last committed state, lowest first (:func:`~titan_recover.recover.groups.stop_checkpoint.candidates`)."""
         epoch = newest_published(self.member.store, self.sync.epoch)
-        return stop_writer(self.member.members_of(epoch), self.sync.committed_members)
+        turns = candidates(self.member.members_of(epoch), self.sync.committed_members)
+        return StopCheckpoint(self.member.store, step=step, candidates=turns, replica=self.replica, rank=self.rank,
+                              stall_timeout_s=self.config.recover.agree_timeout_s)
 
     def _optimizer_step(self, step: int, outcome: StepOutcome) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, as TorchTitan's ``Trainer.train_step`` does; ``drop``
@@ -346,8 +349,10 @@ class SyncMode(Mode):
             # the current step was not committed: the parameters are those of the step before; replicas that
             # disagree without a majority leave no state anyone can trust, so none is saved
             if self.config.checkpoint.enable and not stop.untrusted:
-                self.stop_writer = self._stop_writer()
-            save = self.stop_writer == self.replica
+                self.stop_turns = self._stop_turns(self.step - 1)
+            save = self.stop_turns is not None and self.stop_turns.mine
+            if save:
+                self.chaos.maybe_inject(self.step - 1, "stop_save")
             return Stop(step=self.step - 1, ntokens_seen=self.committed_tokens, reason=str(stop), save=save,
                         exit_code=EXIT_STOPPED)
         return None
@@ -366,14 +371,39 @@ class SyncMode(Mode):
         self.events.emit("final_parameters", step=self.step, epoch=self.sync.epoch,
                          sha256=parameter_digest(self.parts.model_parts))
 
+    def next_stop_save(self, stop: Stop, saved: bool) -> bool:
+        """The writer reports its save's outcome; a candidate that did not write waits for it, and writes if the
+        turn passes to it (the writer's save failed, or the coordinator found the writer lost)."""
+        turns = self.stop_turns
+        if turns is None or self.replica not in turns.candidates:
+            return False
+        if turns.mine:
+            outcome = turns.report(saved)
+            if outcome != SAVED and saved:
+                logger.warning("titan_recover: replica %d saved the checkpoint of step %d after it was named lost; the "
+                               "next replica in turn writes it again", self.replica, stop.step)
+            return False
+        turn = turns.await_turn()
+        if turn.mine:
+            lost = ", ".join(f"replica {r} {outcome}" for r, outcome in turns.handovers)
+            logger.warning("titan_recover: the checkpoint of step %d passes to replica %d (%s)", stop.step,
+                           self.replica, lost)
+            self.events.emit("stop_checkpoint_handover", step=stop.step, writer=self.replica,
+                             handovers=[list(h) for h in turns.handovers])
+            self.chaos.maybe_inject(stop.step, "stop_save")
+        return turn.mine
+
     def stopped(self, stop: Stop, checkpoint_saved: bool) -> None:
         folder = getattr(self.parts.checkpointer, "folder", "checkpoint")
-        if self.stop_writer is not None and not checkpoint_saved:
-            where = f"replica {self.stop_writer} writes the durable checkpoint of step {stop.step} in {folder}"
+        turns = self.stop_turns
+        if checkpoint_saved:
+            where = f"durable checkpoint of step {stop.step} in {folder}"
+        elif turns is not None and turns.written_by is not None:
+            where = f"replica {turns.written_by} wrote the durable checkpoint of step {stop.step} in {folder}"
+        elif turns is not None and turns.ended:
+            where = turns.ended
         else:
-            where = (f"durable checkpoint of step {stop.step} in {folder}" if checkpoint_saved
-                     else "no checkpoint written" + ("" if self.config.checkpoint.enable else
-                                                     " ([checkpoint] enable = false)"))
+            where = "no checkpoint written" + ("" if self.config.checkpoint.enable else " ([checkpoint] enable = false)")
         self.member.finish()
         self.events.emit("stopped", step=stop.step, reason=stop.reason, checkpoint_saved=checkpoint_saved)
         logger.error("titan_recover: %s; %s", stop.reason, where)
@@ -381,10 +411,3 @@ class SyncMode(Mode):
     def close(self) -> None:
         self.member.close()
 
-
-def stop_writer(left: tuple[int, ...], committed: tuple[int, ...]) -> int | None:
-    """The replica that writes a stop's checkpoint: the lowest of those ``left`` in the stop's epoch that were
-    members of the epoch that committed the last step (``committed``, the same on every survivor). A joiner whose
-    admission had not committed holds no such state (partly received, or an older checkpoint's), so it never
-    writes; None where only joiners are left."""
-    return min((m for m in left if m in committed), default=None)
