@@ -7,7 +7,8 @@ Sections (each one's failure is recorded in the JSON and does not stop the other
 - ``staging``: host <-> device bandwidth through pinned vs pageable host memory (the staging rings use pinned);
 - ``ftpg_gloo``: the fault-tolerant group's ``gloo`` backend with CUDA tensors (pinned ring, copy stream) among
   ``--members`` processes sharing the GPU: the sum is right, its time against the plain path (``.cpu()``, one gloo
-  all-reduce, copy back), and a member SIGKILLed mid-reduction releases the survivors with ``FaultDetected``;
+  all-reduce, copy back) and against gloo's own path for CUDA tensors (``direct``: the tensor handed to gloo where it
+  lies), and a member SIGKILLed mid-reduction releases the survivors with ``FaultDetected``;
 - ``ftpg_nccl``: the ``nccl`` backend's communicator (non-blocking config, eager connect, pieces, abort) as a group
   of one (NCCL refuses several ranks on one GPU), in a subprocess with a deadline; then a piece held back on the
   device (the issuing stream busy with a spin kernel, as a peer that never arrives holds it) released by the
@@ -100,6 +101,15 @@ def _plain_allreduce(pg, t: torch.Tensor) -> None:
     t.copy_(host)
 
 
+def _direct_allreduce(pg, t: torch.Tensor) -> None:
+    """gloo's own path for the tensor where it lies (for a CUDA tensor, gloo's CUDA algorithm: its own staging)."""
+    from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
+
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    pg.allreduce([t], opts).wait()
+
+
 def _gloo_member(port: int, replica: int, members: tuple, device_name: str, mb: int, reps: int, results) -> None:
     from torch.distributed import PrefixStore, TCPStore
     from torch._C._distributed_c10d import ProcessGroupGloo
@@ -122,15 +132,16 @@ def _gloo_member(port: int, replica: int, members: tuple, device_name: str, mb: 
         plain = ProcessGroupGloo(PrefixStore("plain", store), replica, len(members), timedelta(seconds=120))
         n = mb * 2**20 // 4
         t = torch.empty(n, device=device)
-        staged, raw = [], []
+        staged, raw, direct = [], [], []
+        expected = len(members) * (len(members) + 1) / 2
+        correct = True
         for _ in range(reps):
-            t.fill_(float(replica + 1))
-            staged += _timed(lambda: group.allreduce_sum_(t), device, 1)
-            expected = len(members) * (len(members) + 1) / 2
-            correct = bool((t == expected).all())
-            t.fill_(float(replica + 1))
-            raw += _timed(lambda: _plain_allreduce(plain, t), device, 1)
-        results.put(("round", replica, {"staged_s": staged, "plain_s": raw, "correct": correct}))
+            for times, reduce in ((staged, group.allreduce_sum_), (raw, lambda x: _plain_allreduce(plain, x)),
+                                  (direct, lambda x: _direct_allreduce(plain, x))):
+                t.fill_(float(replica + 1))
+                times += _timed(lambda: reduce(t), device, 1)
+                correct = correct and bool((t == expected).all())
+        results.put(("round", replica, {"staged_s": staged, "plain_s": raw, "direct_s": direct, "correct": correct}))
         store.add("kill_round", 1)
         while int(store.add("kill_round", 0)) < len(members):
             time.sleep(0.01)
@@ -183,10 +194,12 @@ def ftpg_gloo(device: torch.device, mb: int, members: int, reps: int = 3) -> dic
     rounds = got["round"].values()
     staged = statistics.median(x for r in rounds for x in r["staged_s"]) if rounds else None
     plain = statistics.median(x for r in rounds for x in r["plain_s"]) if rounds else None
+    direct = statistics.median(x for r in rounds for x in r["direct_s"]) if rounds else None
     survivors = [v for r, v in got["kill"].items() if r != members - 1]
     return {
         "members": members, "mb": mb, "correct": all(r["correct"] for r in rounds) and len(rounds) == members,
         "staged_s": staged, "plain_s": plain, "staged_vs_plain": staged / plain if staged and plain else None,
+        "direct_s": direct, "staged_vs_direct": staged / direct if staged and direct else None,
         "kill_survivors_released": len(survivors) == members - 1 and all(v["outcome"] == "fault" for v in survivors),
         "kill_release_s": max((v["s"] for v in survivors), default=None), "kill": got["kill"],
         "timeout_s": GROUP_TIMEOUT_S,
