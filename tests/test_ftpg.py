@@ -28,6 +28,7 @@ from titan_recover.recover.ftpg.nccl import NcclGroup
 from titan_recover.recover.ftpg.polled import batches_of, pieces_of, Progress
 from titan_recover.recover.ftpg.staging import HostStaging
 from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
+from titan_recover.recover.groups.member import wait_for_key
 from titan_recover.recover.invariant.overlap import OverlappedReduction
 from titan_recover.recover.invariant.reduction import Backup
 from two_members import run_both
@@ -579,6 +580,30 @@ def test_a_failed_piece_aborts_the_communicator_first_even_when_the_flag_cannot_
         group.allreduce_sum_(torch.ones(4))
     assert fault.value.raised_here and group.failed and group.communicators and _FakeCommunicator.made[-1].aborted
     assert "peer gone" in fault.value.reason and "raising the epoch's fault flag failed" in fault.value.reason
+
+
+def test_a_failed_piece_raises_the_flag_while_the_communicator_aborts():
+    """NCCL's abort took 1.0 s on an H200, more while device work queued before the collective ran
+    (docs/platform.md): the flag that tells the other members does not wait for it, and the collective returns only
+    once the abort did (its kernels may write into the tensor until then)."""
+    group = _fake_nccl(auto=False)
+    seen = []
+
+    def connect(*args):
+        group.pg = _BrokenCommunicator(args[0])
+        group.communicators.append(group.pg)
+        comm = group.pg
+
+        def abort():  # returns once the flag is in the store (or after 5 s, when it never comes)
+            seen.append(wait_for_key(group.store, GroupKeys.fault(0), 5.0))
+            comm.aborted = True
+        comm.abort = abort
+
+    group._connect = connect
+    with pytest.raises(FaultDetected, match="peer gone") as fault:
+        group.allreduce_sum_(torch.ones(4))
+    assert fault.value.raised_here and seen == [True] and group.communicators[0].aborted and group.pg is None
+    assert "releasing the group failed" not in fault.value.reason
 
 
 def test_a_fault_flag_aborts_the_nccl_communicator_and_releases_the_wait():

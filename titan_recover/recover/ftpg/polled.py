@@ -12,6 +12,7 @@ raises the flag, so every other member stops waiting too, and the backend's ``_a
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from typing import Callable
 
@@ -145,13 +146,30 @@ class PolledGroup(FaultTolerantGroup):
                 f"replica {self.replica} rank {self.rank}: {name} in epoch {self.epoch} failed: "
                 f"{type(error).__name__}: {str(error)[:200]}"
             )
-            self._fail()  # first: releasing what is pending needs no store
+            # releasing what is pending (NCCL's abort: 1.0 s on an H200, longer while device work queued before the
+            # collective finishes, docs/platform.md) needs no store, and the flag, which tells the other members,
+            # needs no communicator: side by side. The caller returns once both are done: until the abort returns,
+            # a kernel of the failed collective may still write into the tensors it was given.
+            failures: list[BaseException] = []
+            releasing = threading.Thread(target=self._fail_into, args=(failures,), daemon=True,
+                                         name="titan-recover-ftpg-release")
+            releasing.start()
             try:
                 raise_fault_flag(self.store, self.epoch, reason)
             except Exception as store_error:  # the store is lost too: the fault stands, with both reasons
                 reason += f"; raising the epoch's fault flag failed: {type(store_error).__name__}: {store_error}"
+            releasing.join()
+            if failures:
+                reason += f"; releasing the group failed: {type(failures[0]).__name__}: {failures[0]}"
             raise FaultDetected(reason, raised_here=True) from error
 
     def _fail(self) -> None:
         self.failed = True
         self._abort()
+
+    def _fail_into(self, failures: list[BaseException]) -> None:
+        """:meth:`_fail` on another thread, its exception (if any) appended to ``failures``."""
+        try:
+            self._fail()
+        except BaseException as error:  # noqa: BLE001 (reported in the fault's reason by the caller)
+            failures.append(error)
