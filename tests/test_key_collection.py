@@ -34,8 +34,8 @@ def members_of(address: str, epoch: int) -> list[ReplicaSync]:
     return syncs
 
 
-def commit(syncs: list[ReplicaSync], step: int | str) -> None:
-    """Every member runs the commit barrier of ``step`` at once; every one must read ``commit``."""
+def decide(syncs: list[ReplicaSync], step: int | str) -> list[str | None]:
+    """Every member runs the commit barrier of ``step`` at once; what each one read."""
     decisions = [None] * len(syncs)
 
     def run(i: int) -> None:
@@ -46,6 +46,12 @@ def commit(syncs: list[ReplicaSync], step: int | str) -> None:
         thread.start()
     for thread in threads:
         thread.join(30)
+    return decisions
+
+
+def commit(syncs: list[ReplicaSync], step: int | str) -> None:
+    """Every member runs the commit barrier of ``step`` at once; every one must read ``commit``."""
+    decisions = decide(syncs, step)
     assert decisions == ["commit"] * len(syncs), (step, decisions)
 
 
@@ -93,6 +99,28 @@ def test_a_commit_deletes_the_step_before_on_the_embedded_store():
     assert server.check([GroupKeys.reduced(0, 39), GroupKeys.decision(0, 39)])
     assert not any(server.check([key]) for step in range(39) for key in
                    (GroupKeys.reduced(0, step), GroupKeys.decision(0, step)))
+
+
+def test_a_requested_checkpoint_rides_on_the_next_commit_decision_once():
+    """A durable checkpoint asked for while the job trains on (a node leaving on a preemption notice) is in the next
+    commit's decision, which every member reads, once for every request made before it; the commits after it carry
+    none (docs/replica_groups.md "Checkpoints")."""
+    from titan_recover.recover.groups.keys import request_checkpoint
+    from titan_recover.recover.groups.protocol import CommitDecision
+
+    server = open_store("127.0.0.1:0", timeout=timedelta(seconds=10), is_server=True)
+    syncs = members_of(f"127.0.0.1:{server.port}", epoch=0)
+    commit(syncs, 0)
+    assert not server.check([GroupKeys.CHECKPOINT_REQUESTED])  # none asked for: no key made
+    request_checkpoint(server)
+    request_checkpoint(server)  # two before the next commit: one checkpoint serves both
+    checkpoint = CommitDecision("commit", checkpoint=True).encode()
+    assert decide(syncs, 1) == [checkpoint] * REPLICAS
+    commit(syncs, 2)
+    request_checkpoint(server)
+    assert decide(syncs, 3) == [checkpoint] * REPLICAS
+    commit(syncs, 4)
+    assert int(server.add(GroupKeys.CHECKPOINT_SERVED, 0)) == int(server.add(GroupKeys.CHECKPOINT_REQUESTED, 0)) == 3
 
 
 @pytest.mark.multiprocess

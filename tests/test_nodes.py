@@ -73,7 +73,8 @@ def test_two_nodes_a_preemption_notice_to_node_1_ends_its_group_and_node_0_train
     launcher once step 3 was committed (what Kubernetes sends an evicted pod). Node 1's loss is survivable (node 0
     holds the job's store), so its group leaves as a lost node's does, at once: node 1 exits 143 saying so, replicas
     0 and 1 compute its microbatches and train to the end, node 0 exits 0, and both end bitwise equal to the
-    failure-free one-node run."""
+    failure-free one-node run. The job, now with fewer groups on fewer nodes, writes a durable checkpoint of the next
+    step it commits, whatever the interval says (docs/replica_groups.md "Checkpoints")."""
     args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
                             extra=("--recover.quota.exact", "--checkpoint.enable",
                                    "--recover.preemption_grace_s", "60"))
@@ -87,6 +88,9 @@ def test_two_nodes_a_preemption_notice_to_node_1_ends_its_group_and_node_0_train
     assert not of(events, "stopped")  # the job was not stopped: it lost a node
     removed = [r for e in of(events, "epoch_formed") for r in e["removed"]]
     assert removed == [2]
+    saved = [(e["source"], e["step"]) for e in of(events, "checkpoint_requested_saved")]
+    assert len(saved) == 1 and saved[0][0] == "0/0" and 3 <= saved[0][1] < STEPS, saved
+    assert (tmp_path / "checkpoint" / f"step-{saved[0][1]}" / ".metadata").is_file()
     logged = metrics_by_replica(tmp_path)
     assert sorted(logged[0]) == sorted(logged[1]) == list(range(1, STEPS + 1))
     assert_all_equal_reference(exact_reference, tmp_path, events, replicas=[0, 1])

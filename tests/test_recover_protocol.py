@@ -176,8 +176,13 @@ def test_commit_decision_carries_the_admitted_replicas():
     both = CommitDecision("commit", (3, 4))
     assert CommitDecision.decode(both.encode()) == both and both.encode() == "commit+3,4"
     assert CommitDecision.decode("abort").outcome == "abort"
+    asked = CommitDecision("commit", (3,), checkpoint=True)  # and a requested checkpoint of the step
+    assert asked.encode() == "commit!+3" and CommitDecision.decode(asked.encode()) == asked
+    assert CommitDecision.decode("commit!") == CommitDecision("commit", (), True)
     with pytest.raises(ValueError, match="only a commit admits"):
         CommitDecision("abort", (1,)).encode()
+    with pytest.raises(ValueError, match="only a commit admits replicas or asks for a checkpoint"):
+        CommitDecision("abort", checkpoint=True).encode()
     with pytest.raises(ValueError, match="not a commit decision"):
         CommitDecision.decode("maybe")
 

@@ -169,13 +169,16 @@ class RecoverCheckpointManager(CheckpointManager):
         """TorchTitan's save on the checkpoint writer; nothing elsewhere."""
         if not self.writer:
             return False
+        if not last_step and getattr(self, "_full_state_saved", None) == curr_step:
+            return True  # saved already, on request (save_resumable): the same state
         saved = super()._save(curr_step, last_step)
         if saved and not last_step:
             self._full_state_saved = curr_step  # the full training state (a last step's may be model-only)
         return saved
 
     def save_resumable(self, step: int) -> bool:
-        """A checkpoint of ``step`` the job resumes from, written now on the checkpoint writer (a stop's): the full
+        """A checkpoint of ``step`` the job resumes from, written now on the checkpoint writer (a stop's, or one
+        requested while the job trains on): the full
         training state, synchronously, whatever the interval says, and whatever ``last_save_model_only`` /
         ``last_save_in_hf`` / ``export_dtype`` say: those shape TorchTitan's final export (``save(last_step=True)``),
         whose model-only folder a later start could not load (TorchTitan loads the full state of any step but 0).
@@ -183,12 +186,13 @@ class RecoverCheckpointManager(CheckpointManager):
         if not self.enable or self.load_only or not self.writer:
             return False
         self.maybe_wait_for_saving()
-        if getattr(self, "_full_state_saved", None) == step:  # the interval's save of this step: the same state
-            logger.info("the checkpoint of step %d, saved by its interval, is the one to resume from", step)
+        if getattr(self, "_full_state_saved", None) == step:  # this step's full state is saved: the same state
+            logger.info("the checkpoint of step %d, saved already, is the one to resume from", step)
             return True
         logger.info("saving a full checkpoint of step %d to resume from", step)
         self.dcp_save(self._flattened_model_states_sd(), checkpoint_id=self._create_checkpoint_id(step),
                       async_mode=AsyncMode.DISABLED, enable_garbage_collection=True)
+        self._full_state_saved = step
         self._purge_stale_checkpoints()
         return True
 

@@ -77,6 +77,8 @@ class RecoverTrainer(Trainer):
             self.ntokens_seen = report.ntokens_seen
             # read by the project's checkpoint manager when TorchTitan's loop saves this step
             self.checkpointer.writer = report.checkpoint_writer
+            if report.checkpoint_now:  # asked for while training on: this step's, whatever the interval says
+                self.checkpointer.save_resumable(self.step)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         return self.mode.forward_backward(self.step, input_dict=input_dict, labels=labels,

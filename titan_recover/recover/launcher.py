@@ -37,7 +37,8 @@ from titan_recover.recover.groups.member import (COORDINATOR_ENV, FOUNDING_STEP_
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys, warming
 from titan_recover.recover.events import NODE_ENV
-from titan_recover.recover.groups.keys import GroupKeys, newest_published, parse_dropped, raise_fault_flag
+from titan_recover.recover.groups.keys import (GroupKeys, newest_published, parse_dropped, raise_fault_flag,
+                                             request_checkpoint)
 from titan_recover.recover.groups.protocol import CoordinatorState, decode_members, encode_members
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
@@ -719,6 +720,8 @@ class ReplicaJob:
         self.stop_honoured = True
         if self.stop_requested == PREEMPTION_SIGNAL and not self.job_over() and self.leaves_on_notice():
             self.left_on_notice = True  # this node's groups leave as a lost node's do; the others train on
+            # with fewer groups and nodes being taken, a durable checkpoint of the next committed step
+            request_checkpoint(self.store)
             self.on_signal(PREEMPTION_SIGNAL, None)  # the notice was taken: this one ends the node's processes
             return
         name = signal.Signals(self.stop_requested).name

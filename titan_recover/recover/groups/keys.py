@@ -29,6 +29,12 @@ class GroupKeys:
     FINISHED = "finished"
     """Written by the coordinator once every member finished: ``trained`` (the training budget was committed) or
     ``stopped`` (the job stopped early; ``STOP`` says why). The launcher's exit code follows it."""
+    CHECKPOINT_REQUESTED = "checkpoint/requested"
+    """A counter: durable checkpoints asked for while the job trains on (a node whose groups left on a preemption
+    notice adds 1). The commit that serves them says so in its decision (``CommitDecision.checkpoint``) and moves
+    ``CHECKPOINT_SERVED`` up to the count it saw."""
+    CHECKPOINT_SERVED = "checkpoint/served"
+    """A counter: the requests the last commit with a checkpoint served."""
     COORDINATOR_STATE = "coordinator/state"
     """The coordinator's write-ahead state (:class:`~titan_recover.recover.groups.protocol.CoordinatorState`)."""
     DONE_COUNT = "done_count"
@@ -259,6 +265,19 @@ def newest_published(store: Store, epoch: int) -> int:
     while store.check([GroupKeys.members(epoch + 1)]):
         epoch += 1
     return epoch
+
+
+def checkpoint_requests(store: Store) -> tuple[int, int]:
+    """(requested, served) durable checkpoints (``CHECKPOINT_REQUESTED`` / ``CHECKPOINT_SERVED``): one request,
+    which creates no key, while none was ever asked for; three after."""
+    if not store.check([GroupKeys.CHECKPOINT_REQUESTED]):
+        return 0, 0
+    return int(store.add(GroupKeys.CHECKPOINT_REQUESTED, 0)), int(store.add(GroupKeys.CHECKPOINT_SERVED, 0))
+
+
+def request_checkpoint(store: Store) -> None:
+    """Ask for a durable checkpoint of the next step committed (a node leaving on a preemption notice)."""
+    store.add(GroupKeys.CHECKPOINT_REQUESTED, 1)
 
 
 def raise_fault_flag(store: Store, epoch: int, reason: str) -> str:

@@ -74,23 +74,29 @@ def decode_members(raw: bytes | str) -> tuple[tuple[int, ...], str]:
 
 @dataclass(frozen=True)
 class CommitDecision:
-    """The stored value of ``decision/e{e}/s{t}``: the outcome, and the replicas admitted after this commit."""
+    """The stored value of ``decision/e{e}/s{t}``: the outcome, the replicas admitted after this commit, and whether
+    the committed step's durable checkpoint is written now (``checkpoint``: one was requested, e.g. by a node that
+    left on a preemption notice; docs/replica_groups.md "Checkpoints")."""
 
     outcome: str
     admitted: tuple[int, ...] = ()
+    checkpoint: bool = False
 
     def encode(self) -> str:
-        if self.admitted and self.outcome != "commit":
-            raise ValueError("only a commit admits replicas")
-        return self.outcome + ("+" + ",".join(str(r) for r in self.admitted) if self.admitted else "")
+        if (self.admitted or self.checkpoint) and self.outcome != "commit":
+            raise ValueError("only a commit admits replicas or asks for a checkpoint")
+        return (self.outcome + ("!" if self.checkpoint else "")
+                + ("+" + ",".join(str(r) for r in self.admitted) if self.admitted else ""))
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "CommitDecision":
         text = raw.decode() if isinstance(raw, bytes) else raw
         outcome, _, admitted = text.partition("+")
+        checkpoint = outcome.endswith("!")
+        outcome = outcome.removesuffix("!")
         if outcome not in ("commit", "abort"):
             raise ValueError(f"not a commit decision: {text!r}")
-        return cls(outcome, tuple(int(r) for r in admitted.split(",") if r))
+        return cls(outcome, tuple(int(r) for r in admitted.split(",") if r), checkpoint)
 
 
 def ready_to_join(

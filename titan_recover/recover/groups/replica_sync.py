@@ -23,6 +23,7 @@ from titan_recover.recover.events import EventLog
 from titan_recover.recover.ftpg.base import build_group, FaultDetected, FaultTolerantGroup
 from titan_recover.recover.groups.collect import KeyCollector
 from titan_recover.recover.groups.keys import (
+    checkpoint_requests,
     fault_time_and_reason,
     GroupKeys,
     raise_fault_flag,
@@ -59,6 +60,8 @@ class ReplicaSync:
         """A restarted replica: it waits for admission and receives its state at the start of its first step."""
         self.pending: tuple[int, tuple[int, ...]] | None = None
         """(step, replicas) admitted by the last commit: the transfer runs at the start of the next step."""
+        self.checkpoint_requested = False
+        """The last decision asked for the committed step's durable checkpoint (a requested one, not the interval's)."""
         self.group: FaultTolerantGroup | None = None
         self._retired: list[FaultTolerantGroup] = []  # every group built (see build_group)
         self._moving: str | None = None
@@ -254,6 +257,7 @@ class ReplicaSync:
             logger.warning("step %d epoch %d: %s", step, self.epoch, fault.reason)
             decision = self.propose(step, "abort")
         outcome = CommitDecision.decode(decision)
+        self.checkpoint_requested = outcome.checkpoint
         if outcome.outcome == "commit":
             self.mark_committed()
             self.events.emit("step_committed", step=step, epoch=self.epoch, members=list(self.members),
@@ -364,12 +368,18 @@ class ReplicaSync:
             decision = store.get(decided).decode()
             pass_on(self.member.group_store, self.epoch, step, decision)
             return decision
-        if proposal == "commit" and admit:
-            # the first proposal stored is every member's decision: one writer decides the admission too
-            proposal = CommitDecision("commit", self._ready_joiners()).encode()
+        requested = served = 0
+        if proposal == "commit":
+            # the first proposal stored is every member's decision: one writer decides the admission and a
+            # requested checkpoint too
+            requested, served = checkpoint_requests(store)
+            proposal = CommitDecision("commit", self._ready_joiners() if admit else (),
+                                      checkpoint=requested > served).encode()
         decision = self.propose(step, proposal)
         if decision == proposal and CommitDecision.decode(decision).outcome == "commit":
             self.collector.after_commit(self.epoch, step)  # this rank stored the commit: every member is in it
+            if CommitDecision.decode(decision).checkpoint:  # before this group counts in at the next step
+                store.add(GroupKeys.CHECKPOINT_SERVED, requested - served)  # the one writer of this counter
         return decision
 
     def _await(self, store, key: str) -> bool:

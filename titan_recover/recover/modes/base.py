@@ -85,6 +85,10 @@ class StepReport:
     """This replica writes the step's durable checkpoint, if the step has one (sync mode: only the lowest member
     of the epoch that committed the step; the others hold the same bytes and skip the save)."""
 
+    checkpoint_now: bool = False
+    """The step has a durable checkpoint whatever the interval says (one was requested while the job trains on:
+    sync mode, a node that left on a preemption notice); written by the ``checkpoint_writer``."""
+
 
 @dataclass(frozen=True)
 class Stop:

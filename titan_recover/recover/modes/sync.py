@@ -237,7 +237,10 @@ class SyncMode(Mode):
         tokens = train_state["ntokens_seen"] + outcome.committed * self.worker.tokens_per_microbatch
         if parts.metrics_processor.should_log(step):
             self._log(step, outcome, grad_norm, {"n_tokens_seen": tokens, **lr_metrics})
-        return StepReport(ntokens_seen=tokens, checkpoint_writer=writer)
+        now = self.sync.checkpoint_requested and self.config.checkpoint.enable
+        if now and writer:
+            self.events.emit("checkpoint_requested_saved", step=step)
+        return StepReport(ntokens_seen=tokens, checkpoint_writer=writer, checkpoint_now=now)
 
     def _checkpoint_writer(self) -> bool:
         """This replica writes the durable checkpoint of the step just committed, and its verification record:
