@@ -9,8 +9,8 @@ launch is a **client**, a small Python process without torch, which the test sta
 - the server forks a child per client: the child takes the client's standard streams, working directory,
   environment and arguments, and runs ``titan_recover.launch.main`` and ``process_exit.leave`` as
   ``python -m titan_recover.launch`` does;
-- the client forwards SIGINT, SIGTERM, SIGHUP and SIGUSR1 to that child, and ends as the child ended (its exit code,
-  or the same signal, so ``Popen.returncode`` is what the launcher's would be);
+- the client forwards SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 to that child, and ends as the child ended (its
+  exit code, or the same signal, so ``Popen.returncode`` is what the launcher's would be);
 - a client that dies (SIGKILL on a test's timeout) takes its child with it: the server SIGKILLs it, and the child's
   own children follow by their death signal as under a real launcher.
 
@@ -30,7 +30,7 @@ import socket
 import sys
 
 SOCKET_ENV = "TITAN_RECOVER_TEST_ZYGOTE_SOCKET"
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _send_fds(sock: socket.socket, payload: bytes, fds: list[int]) -> None:

@@ -93,8 +93,19 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
     """SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends before the time limit), or SIGTERM
     with ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process): the job stops at once
     with a durable checkpoint of its last committed step, written once, and the launcher exits 128 + the signal
-    (stopped, not trained), naming the request; nothing is left running."""
+    (stopped, not trained), naming the request; nothing is left running. Before that (the time-limit case), SIGUSR2
+    asks for a checkpoint while the job trains on: the next committed step's is written, whatever the interval."""
     from replica_runs import replica_job_args
+
+    def first_step(event: str, since: int = 0) -> int:
+        deadline = time.monotonic() + 180
+        while True:
+            found = [e["step"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == event
+                     and e["step"] >= since]
+            if found:
+                return found[0]
+            assert time.monotonic() < deadline and proc.poll() is None, f"no {event} from step {since} on"
+            time.sleep(0.2)
 
     extra = ("--checkpoint.enable", "--checkpoint.interval", "1000")
     if sig == signal.SIGTERM:
@@ -103,11 +114,11 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
     proc = subprocess.Popen(launcher_command(*args), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while not any(e["event"] == "step_committed" and e["step"] >= 3
-                      for e in read_events(tmp_path / "events.jsonl")):
-            assert time.monotonic() < deadline and proc.poll() is None, "training did not reach step 3"
-            time.sleep(0.2)
+        asked_at = first_step("step_committed", since=3)
+        if sig == signal.SIGUSR1:
+            proc.send_signal(signal.SIGUSR2)
+            asked = first_step("checkpoint_requested_saved", since=asked_at)
+            assert (tmp_path / "checkpoint" / f"step-{asked}" / ".metadata").is_file()
         proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
     finally:
@@ -115,6 +126,8 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
             proc.kill()
     assert proc.returncode == 128 + sig, output[-3000:]
     assert f"stop requested ({signal.Signals(sig).name} to the launcher of node 0" in output, output[-3000:]
+    if sig == signal.SIGUSR1:
+        assert "SIGUSR2 to the launcher of node 0: a durable checkpoint of the next committed step asked for" in output
     events = read_events(tmp_path / "events.jsonl")
     committed = max(e["step"] for e in events if e["event"] == "step_committed")
     stopped = [e for e in events if e["event"] == "stopped"]

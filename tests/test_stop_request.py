@@ -90,6 +90,25 @@ def test_the_agent_notes_the_signal_for_its_workers_and_exits_138_only_if_they_s
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_the_agent_of_a_job_without_replica_groups_ignores_sigusr2_saying_why(tmp_path, monkeypatch, capfd):
+    """SIGUSR2 asks a launcher of replica groups for a checkpoint while training on (docs/deploy.md); to torchrun's
+    agent of a job without them, its default action would end the job: the agent says why it is ignored instead."""
+    from titan_recover.recover.stop_request import STOP_FILE_ENV
+    from titan_recover.torchrun import _StopFile
+
+    monkeypatch.delenv(STOP_FILE_ENV, raising=False)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        agent = _StopFile()
+        os.kill(os.getpid(), signal.SIGUSR2)  # the default action would end this process
+        assert "SIGUSR2 asks for a checkpoint while the job trains on, which needs replica groups" in \
+            capfd.readouterr().err
+        assert agent.requested_by is None and agent.exit_code(0) == 0  # no stop either
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["time_limit", "preemption"])
 def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint_of_it(tmp_path, default_data,

@@ -41,7 +41,8 @@ import traceback
 from typing import NoReturn
 
 from titan_recover.process_exit import leave, pid_alive
-from titan_recover.recover.stop_request import PREEMPTION_SIGNAL, PreemptionNotice, STOP_FILE_ENV, STOP_SIGNAL
+from titan_recover.recover.stop_request import (CHECKPOINT_SIGNAL, PREEMPTION_SIGNAL, PreemptionNotice,
+                                                STOP_FILE_ENV, STOP_SIGNAL)
 
 
 _STOP_FOLDER_PREFIX = "titan_recover_stop."
@@ -77,8 +78,15 @@ class _StopFile:
         self._over = False
         """torchrun returned: a late signal (the grace's timer, one from outside) has nothing left to end."""
         signal.signal(STOP_SIGNAL, self._note)
+        signal.signal(CHECKPOINT_SIGNAL, self._checkpoint_asked)  # its default action would end the agent
         if grace_s > 0:
             signal.signal(PREEMPTION_SIGNAL, self._preempted)
+
+    @staticmethod
+    def _checkpoint_asked(signum, _frame) -> None:
+        print(f"titan_recover.torchrun: {signal.Signals(signum).name} asks for a checkpoint while the job trains on, "
+              "which needs replica groups (recover.replicas > 1); ignored: a job of one replica writes its checkpoints "
+              "by [checkpoint] interval, and SIGUSR1 stops it with one", file=sys.stderr, flush=True)
 
     def _note(self, signum, _frame) -> None:
         if self.requested_by is None:

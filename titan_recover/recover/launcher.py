@@ -47,7 +47,7 @@ from titan_recover.recover.nodes import (address_towards, agreed_text, groups_ou
                                         node_groups, NodeKeys, NodePlan, single_node, unreachable)
 from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.standby import LEADER_TTL_S
-from titan_recover.recover.stop_request import PREEMPTION_SIGNAL, PreemptionNotice
+from titan_recover.recover.stop_request import CHECKPOINT_SIGNAL, PREEMPTION_SIGNAL, PreemptionNotice
 from titan_recover.recover.stores import connect, job_url, parse_store_url, read_keys
 
 GRACE_S = 10.0
@@ -162,6 +162,8 @@ class ReplicaJob:
     process of the run behind."""
 
     deposed_grace_s = DEPOSED_GRACE_S
+    checkpoints_asked = checkpoints_passed_on = 0
+    """SIGUSR2s this launcher received, and those it passed on to the job's store (:meth:`on_checkpoint_request`)."""
 
     def __init__(self, config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
                  metrics_rank: int, devices: list[list[str]] | None = None, plan: NodePlan | None = None,
@@ -679,6 +681,27 @@ class ReplicaJob:
         members = tuple(m for m in members if m not in leaving and m not in failed)
         self.store.compare_set(GroupKeys.members(epoch + 1), "", encode_members(members, reason))
 
+    def on_checkpoint_request(self, _signum, _frame) -> None:
+        """SIGUSR2: a durable checkpoint of the next committed step, and the job trains on. Only counted here;
+        :meth:`honour_checkpoint_requests` acts from the loop."""
+        self.checkpoints_asked += 1
+
+    def honour_checkpoint_requests(self) -> None:
+        if self.checkpoints_asked == self.checkpoints_passed_on:
+            return
+        self.checkpoints_passed_on = self.checkpoints_asked
+        name = signal.Signals(CHECKPOINT_SIGNAL).name
+        if self.recover.diloco_mode or not self.checkpoint_folder:
+            why = ("a diloco job's state is its syncer's checkpoint (recover.diloco.checkpoint_interval_s)"
+                   if self.recover.diloco_mode else "[checkpoint] enable = false: there is nowhere to write it")
+            print(f"[titan_recover] {name}: {why}; ignored", file=sys.stderr, flush=True)
+            return
+        if self.job_over():
+            return
+        request_checkpoint(self.store)
+        print(f"[titan_recover] {name} to the launcher of node {self.plan.rank}: a durable checkpoint of the next "
+              "committed step asked for; the job trains on", file=sys.stderr, flush=True)
+
     def on_stop_request(self, signum, _frame) -> None:
         """SIGUSR1 (e.g. SLURM's ``--signal=B:USR1@SECONDS`` before the time limit): stop the job with a durable
         checkpoint of the last committed step. Only remembered here; :meth:`honour_stop_request` acts from the
@@ -809,6 +832,7 @@ class ReplicaJob:
                 return False
             self.supervise_syncer()
         self.honour_stop_request()
+        self.honour_checkpoint_requests()
         self.end_after_grace()
         self.supervise_coordinator()
         self.restart_every_group()
@@ -1035,6 +1059,7 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
                      verbose=verbose)
     previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, job.on_stop_request)
+    previous[CHECKPOINT_SIGNAL] = signal.signal(CHECKPOINT_SIGNAL, job.on_checkpoint_request)
     try:
         job.open_job_store()
         if job.stopped_by is not None:  # Ctrl-C / SIGTERM / SIGHUP while this node waited for the job's store

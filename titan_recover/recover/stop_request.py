@@ -30,6 +30,9 @@ import torch
 
 STOP_SIGNAL = signal.SIGUSR1
 PREEMPTION_SIGNAL = signal.SIGTERM
+CHECKPOINT_SIGNAL = signal.SIGUSR2
+"""To a launcher of replica groups: write a durable checkpoint of the next committed step and train on
+(docs/deploy.md "A checkpoint now"); elsewhere noted and ignored, never the end of the job."""
 STOP_FILE_ENV = "TITAN_RECOVER_STOP_FILE"
 """Set by ``titan_recover.torchrun`` for its workers: a node-local file that exists once the agent got
 :data:`STOP_SIGNAL` (or, with a preemption grace, :data:`PREEMPTION_SIGNAL`); it holds that signal's name."""
