@@ -88,7 +88,7 @@ def test_two_nodes_a_preemption_notice_to_node_1_ends_its_group_and_node_0_train
     assert not of(events, "stopped")  # the job was not stopped: it lost a node
     removed = [r for e in of(events, "epoch_formed") for r in e["removed"]]
     assert removed == [2]
-    saved = [(e["source"], e["step"]) for e in of(events, "checkpoint_requested_saved")]
+    saved = [(e["source"], e["step"]) for e in of(events, "checkpoint_on_request")]
     assert len(saved) == 1 and saved[0][0] == "0/0" and 3 <= saved[0][1] < STEPS, saved
     assert (tmp_path / "checkpoint" / f"step-{saved[0][1]}" / ".metadata").is_file()
     logged = metrics_by_replica(tmp_path)

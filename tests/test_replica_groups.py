@@ -117,7 +117,7 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
         asked_at = first_step("step_committed", since=3)
         if sig == signal.SIGUSR1:
             proc.send_signal(signal.SIGUSR2)
-            asked = first_step("checkpoint_requested_saved", since=asked_at)
+            asked = first_step("checkpoint_on_request", since=asked_at)
             assert (tmp_path / "checkpoint" / f"step-{asked}" / ".metadata").is_file()
         proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)

@@ -238,8 +238,8 @@ class SyncMode(Mode):
         if parts.metrics_processor.should_log(step):
             self._log(step, outcome, grad_norm, {"n_tokens_seen": tokens, **lr_metrics})
         now = self.sync.checkpoint_requested and self.config.checkpoint.enable
-        if now and writer:
-            self.events.emit("checkpoint_requested_saved", step=step)
+        if now and writer:  # the trainer writes it next (StepReport.checkpoint_now)
+            self.events.emit("checkpoint_on_request", step=step)
         return StepReport(ntokens_seen=tokens, checkpoint_writer=writer, checkpoint_now=now)
 
     def _checkpoint_writer(self) -> bool:
