@@ -107,6 +107,13 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
             assert time.monotonic() < deadline and proc.poll() is None, f"no {event} from step {since} on"
             time.sleep(0.2)
 
+    def written(step: int) -> None:
+        """The checkpoint of ``step`` completes (its event comes before the trainer writes it), the job running."""
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").is_file():
+            assert time.monotonic() < deadline and proc.poll() is None, f"the checkpoint of step {step} never completed"
+            time.sleep(0.2)
+
     extra = ("--checkpoint.enable", "--checkpoint.interval", "1000")
     if sig == signal.SIGTERM:
         extra += ("--recover.preemption_grace_s", "120")
@@ -117,8 +124,7 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
         asked_at = first_step("step_committed", since=3)
         if sig == signal.SIGUSR1:
             proc.send_signal(signal.SIGUSR2)
-            asked = first_step("checkpoint_on_request", since=asked_at)
-            assert (tmp_path / "checkpoint" / f"step-{asked}" / ".metadata").is_file()
+            written(first_step("checkpoint_on_request", since=asked_at))
         proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
     finally:
