@@ -3,6 +3,7 @@ real processes (no TorchTitan): errors instead of hangs, fast release."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing as mp
 import os
@@ -447,8 +448,22 @@ class _FakeCommunicator:
         self.aborted = True
 
 
+class _GatedCommunicator(_FakeCommunicator):
+    """Its abort returns only once ``gate`` is set (an idle NCCL communicator's took 1.0 s on an H200)."""
+
+    def __init__(self, prefix: str, auto: bool, gate: threading.Event):
+        super().__init__(prefix, auto)
+        self.gate = gate
+
+    def abort(self) -> None:
+        self.gate.wait(10)
+        super().abort()
+
+
 class _FakeNccl(NcclGroup):
     auto = True
+    communicator = _FakeCommunicator
+    """Makes the group's communicator from (prefix, auto)."""
 
     def __init__(self, store, **kwargs):
         kwargs["device"] = torch.device("cuda", 0)  # the fake never touches the device
@@ -456,7 +471,7 @@ class _FakeNccl(NcclGroup):
         self.device = torch.device("cpu")  # its "device" tensors are host tensors
 
     def _connect(self, store, group_rank, size):
-        self.pg = _FakeCommunicator(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.auto)
+        self.pg = self.communicator(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.auto)
         self.communicators.append(self.pg)
 
     @property
@@ -465,14 +480,16 @@ class _FakeNccl(NcclGroup):
         return self.__dict__.setdefault("_communicators", [])
 
 
-def _fake_nccl(epoch=0, timeout_s=5.0, auto=True, chunk_mb=16 / 2**20):
-    cls = type("_Fake", (_FakeNccl,), {"auto": auto})
+def _fake_nccl(epoch=0, timeout_s=5.0, auto=True, chunk_mb=16 / 2**20, communicator=_FakeCommunicator):
+    cls = type("_Fake", (_FakeNccl,), {"auto": auto, "communicator": communicator})
     return cls(HashStore(), config=FTPGConfig(chunk_mb=chunk_mb, poll_s=0.01), epoch=epoch, members=(0, 1),
                replica=0, rank=2, timeout_s=timeout_s)
 
 
 def test_nccl_connects_each_epoch_at_its_first_collective_and_issues_every_piece_there():
-    first, second = _fake_nccl(epoch=0), _fake_nccl(epoch=1)
+    gate = threading.Event()
+    first = _fake_nccl(epoch=0, communicator=functools.partial(_GatedCommunicator, gate=gate))
+    second = _fake_nccl(epoch=1)
     assert first.pg is None and second.pg is None  # connected inside the first collective's guard
     t = torch.arange(40.0)  # 10 pieces of 16 bytes
     first.allreduce_sum_(t)
@@ -482,8 +499,6 @@ def test_nccl_connects_each_epoch_at_its_first_collective_and_issues_every_piece
     assert len(second.pg.works) == 1  # the next epoch's communicator is its own
     # the next epoch's group exists: the previous communicator is aborted, let go, never used again; the abort (1 s
     # on an H200, docs/platform.md) runs off the caller's thread, which close() does not wait for
-    gate = threading.Event()
-    first.pg.abort = lambda: (gate.wait(10), setattr(first.communicators[0], "aborted", True))
     first.close()
     assert first.pg is None and not first.communicators[0].aborted
     gate.set()
@@ -559,7 +574,7 @@ class _LostStore(HashStore):
 class _BrokenCommunicator(_FakeCommunicator):
     """A communicator whose pieces fail (a peer's connection reset), as NCCL reports it without its watchdog."""
 
-    def __init__(self, prefix):
+    def __init__(self, prefix: str, auto: bool = False):
         super().__init__(prefix, auto=False)
 
     def allreduce(self, tensors, opts):
@@ -572,10 +587,22 @@ class _BrokenCommunicator(_FakeCommunicator):
         return work
 
 
-def test_a_failed_piece_aborts_the_communicator_first_even_when_the_flag_cannot_be_raised():
-    group = _fake_nccl(auto=False)
+class _FlagAwaitingCommunicator(_BrokenCommunicator):
+    """Its pieces fail; its abort returns once the epoch's fault flag is in ``store`` (or after 5 s, when it never
+    comes), noting which in ``seen``."""
+
+    def __init__(self, prefix: str, auto: bool, store, seen: list):
+        super().__init__(prefix)
+        self.store, self.seen = store, seen
+
+    def abort(self) -> None:
+        self.seen.append(wait_for_key(self.store, GroupKeys.fault(0), 5.0))
+        super().abort()
+
+
+def test_a_failed_piece_aborts_the_communicator_even_when_the_flag_cannot_be_raised():
+    group = _fake_nccl(auto=False, communicator=_BrokenCommunicator)
     group.store = _LostStore()
-    group._connect = lambda *args: group.communicators.append(setattr(group, "pg", _BrokenCommunicator(args[0])))
     with pytest.raises(FaultDetected) as fault:
         group.allreduce_sum_(torch.ones(4))
     assert fault.value.raised_here and group.failed and group.communicators and _FakeCommunicator.made[-1].aborted
@@ -586,20 +613,9 @@ def test_a_failed_piece_raises_the_flag_while_the_communicator_aborts():
     """NCCL's abort took 1.0 s on an H200, more while device work queued before the collective ran
     (docs/platform.md): the flag that tells the other members does not wait for it, and the collective returns only
     once the abort did (its kernels may write into the tensor until then)."""
-    group = _fake_nccl(auto=False)
-    seen = []
-
-    def connect(*args):
-        group.pg = _BrokenCommunicator(args[0])
-        group.communicators.append(group.pg)
-        comm = group.pg
-
-        def abort():  # returns once the flag is in the store (or after 5 s, when it never comes)
-            seen.append(wait_for_key(group.store, GroupKeys.fault(0), 5.0))
-            comm.aborted = True
-        comm.abort = abort
-
-    group._connect = connect
+    seen, store = [], HashStore()
+    group = _fake_nccl(auto=False, communicator=functools.partial(_FlagAwaitingCommunicator, store=store, seen=seen))
+    group.store = store
     with pytest.raises(FaultDetected, match="peer gone") as fault:
         group.allreduce_sum_(torch.ones(4))
     assert fault.value.raised_here and seen == [True] and group.communicators[0].aborted and group.pg is None

@@ -47,7 +47,7 @@ def test_the_first_candidate_writes_and_the_others_learn_it_saved():
     script.at[1.0] = lambda: writer.report(saved=True)
     waiting = turns(store, 2, script)
     turn = waiting.await_turn()
-    assert not turn.mine and turn.written_by == 0 and waiting.written_by == 0 and not waiting.ended
+    assert not turn.mine and turn.written_by == 0 and waiting.last == turn and not turn.reason
     assert store.get(GroupKeys.stop_checkpoint(7, 0)) == b"saved"
 
 
@@ -93,7 +93,7 @@ def test_a_writer_whose_beat_stands_still_with_no_coordinator_to_name_it_ends_th
     turn = waiting.await_turn()
     assert not turn.mine and turn.written_by is None and 10.0 < script.now < 11.0
     assert "has not beaten for 10 s and no coordinator named it lost: the coordinator is gone too" in turn.reason
-    assert waiting.ended == turn.reason
+    assert waiting.last == turn
 
 
 def test_when_every_candidate_lost_its_turn_nobody_writes():

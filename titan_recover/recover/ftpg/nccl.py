@@ -167,7 +167,7 @@ class NcclGroup(PolledGroup):
             _let_go(self)  # a failed group is never used again (its ``failed`` says so)
 
 
-def _let_go(group: NcclGroup, abort: bool = False) -> threading.Thread:
+def _let_go(group: NcclGroup, abort: bool = False) -> None:
     """Take ``group``'s communicator from it and drop the last reference on a thread of its own (no local variable
     of this thread may hold it meanwhile), after aborting it there if ``abort``. Until it is destroyed it holds the
     inputs of every piece no one waited for (with torch's default of no ``recordStream``, NCCL keeps them alive
@@ -182,9 +182,7 @@ def _let_go(group: NcclGroup, abort: bool = False) -> threading.Thread:
             holder[0].abort()
         holder.clear()
 
-    thread = threading.Thread(target=release, daemon=True, name="titan-recover-nccl-release")
-    thread.start()
-    return thread
+    threading.Thread(target=release, daemon=True, name="titan-recover-nccl-release").start()
 
 
 @contextmanager

@@ -376,9 +376,10 @@ class ReplicaSync:
             proposal = CommitDecision("commit", self._ready_joiners() if admit else (),
                                       checkpoint=requested > served).encode()
         decision = self.propose(step, proposal)
-        if decision == proposal and CommitDecision.decode(decision).outcome == "commit":
+        stored = CommitDecision.decode(decision) if decision == proposal else None
+        if stored is not None and stored.outcome == "commit":
             self.collector.after_commit(self.epoch, step)  # this rank stored the commit: every member is in it
-            if CommitDecision.decode(decision).checkpoint:  # before this group counts in at the next step
+            if stored.checkpoint:  # before this group counts in at the next step
                 store.add(GroupKeys.CHECKPOINT_SERVED, requested - served)  # the one writer of this counter
         return decision
 

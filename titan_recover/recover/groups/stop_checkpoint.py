@@ -63,10 +63,8 @@ class StopCheckpoint:
         self.round = 0
         self.handovers: list[tuple[int, str]] = []
         """(the writer that lost its turn, ``failed`` or ``lost``), in order."""
-        self.written_by: int | None = None
-        """The replica whose save the last wait saw reported ``saved``."""
-        self.ended = ""
-        """Why the last wait ended without a checkpoint (empty otherwise)."""
+        self.last: Turn | None = None
+        """What the last :meth:`await_turn` learnt."""
 
     @property
     def writer(self) -> int | None:
@@ -91,9 +89,8 @@ class StopCheckpoint:
     def await_turn(self) -> Turn:
         """Wait until some candidate saved (not ``mine``), this replica's turn comes (``mine``), no candidate is left,
         or the writer stopped beating without the coordinator naming it lost."""
-        turn = self._await()
-        self.written_by, self.ended = turn.written_by, turn.reason
-        return turn
+        self.last = self._await()
+        return self.last
 
     def _await(self) -> Turn:
         beat, moved = None, self.clock()
@@ -101,7 +98,7 @@ class StopCheckpoint:
             writer = self.writer
             if writer is None:
                 return Turn(False, None, f"every replica that held step {self.step} lost its turn to write it "
-                                         f"({self._history()}): no checkpoint written")
+                                         f"({self.history()}): no checkpoint written")
             if writer == self.replica:
                 return Turn(True)
             outcome = self._outcome()
@@ -135,5 +132,6 @@ class StopCheckpoint:
         key = GroupKeys.heartbeat(replica)
         return self.store.get(key) if self.store.check([key]) else None
 
-    def _history(self) -> str:
+    def history(self) -> str:
+        """The turns lost so far, in words."""
         return ", ".join(f"replica {r} {outcome}" for r, outcome in self.handovers) or "none held it"

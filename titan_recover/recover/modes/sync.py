@@ -388,9 +388,8 @@ class SyncMode(Mode):
             return False
         turn = turns.await_turn()
         if turn.mine:
-            lost = ", ".join(f"replica {r} {outcome}" for r, outcome in turns.handovers)
             logger.warning("titan_recover: the checkpoint of step %d passes to replica %d (%s)", stop.step,
-                           self.replica, lost)
+                           self.replica, turns.history())
             self.events.emit("stop_checkpoint_handover", step=stop.step, writer=self.replica,
                              handovers=[list(h) for h in turns.handovers])
             self.chaos.maybe_inject(stop.step, "stop_save")
@@ -398,13 +397,13 @@ class SyncMode(Mode):
 
     def stopped(self, stop: Stop, checkpoint_saved: bool) -> None:
         folder = getattr(self.parts.checkpointer, "folder", "checkpoint")
-        turns = self.stop_turns
+        turn = self.stop_turns.last if self.stop_turns is not None else None
         if checkpoint_saved:
             where = f"durable checkpoint of step {stop.step} in {folder}"
-        elif turns is not None and turns.written_by is not None:
-            where = f"replica {turns.written_by} wrote the durable checkpoint of step {stop.step} in {folder}"
-        elif turns is not None and turns.ended:
-            where = turns.ended
+        elif turn is not None and turn.written_by is not None:
+            where = f"replica {turn.written_by} wrote the durable checkpoint of step {stop.step} in {folder}"
+        elif turn is not None and turn.reason:
+            where = turn.reason
         else:
             where = "no checkpoint written" + ("" if self.config.checkpoint.enable else " ([checkpoint] enable = false)")
         self.member.finish()
