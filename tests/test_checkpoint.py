@@ -18,7 +18,8 @@ import torch
 from torch.distributed import TCPStore
 
 from test_state_transfer import Replica
-from titan_recover.checkpoint import RecoverCheckpointManager, stale_checkpoints, verified_load_step
+from titan_recover.checkpoint import publish, RecoverCheckpointManager, stale_checkpoints, staging_name, \
+    verified_load_step
 from titan_recover.recover.events import read_events
 from titan_recover.recover.phoenix.snapshots import SnapshotConfig
 from titan_recover.recover.scout.verified import mark_verified
@@ -256,6 +257,62 @@ def test_a_stops_checkpoint_resumes_the_full_state_whatever_the_final_export_set
     resumed.close()
 
 
+class DyingManager(RecoverCheckpointManager):
+    """A writer that dies mid-save: it truncates the data file it writes, writes half of it, and is gone."""
+
+    def dcp_save(self, state_dict, checkpoint_id, **_kwargs):
+        os.makedirs(checkpoint_id, exist_ok=True)
+        with open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb") as half:
+            half.write(b"\0" * 64)
+        raise RuntimeError("killed mid-save")
+
+
+def snapshot_of(folder) -> dict:
+    return {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
+def test_a_resumable_checkpoint_is_published_whole_and_never_written_over(tmp_path, process_group, monkeypatch):
+    """A stop's (or a requested) checkpoint is written into the writer's own staging folder and renamed into place
+    as ``step-N`` once complete: a folder of the step left incomplete by a save that died is replaced; a second
+    writer of the same step (a stop's writer named lost that still saves, and the next in turn) that dies
+    mid-save leaves the first's checkpoint byte for byte, and one that finishes leaves it too and removes its copy."""
+    shared = tmp_path / "checkpoint"
+    (shared / "step-3").mkdir(parents=True)
+    (shared / "step-3" / "__0_0.distcp").write_bytes(b"partial")  # an earlier save of step 3 died: no .metadata
+    stopped = trained(3)
+    config = dict(enable=True, interval=500, folder=str(shared))
+    monkeypatch.setenv("TITAN_RECOVER_REPLICA", "0")
+    first = manager(RecoverCheckpointManager, tmp_path / "replica_0", stopped, **config)
+    assert first.save_resumable(3)
+    first.close()
+    assert sorted(os.listdir(shared)) == ["step-3"]  # no staging folder, no incomplete folder left
+    published = snapshot_of(shared / "step-3")
+    assert ".metadata" in published and published["__0_0.distcp"][1] != b"partial"
+
+    monkeypatch.setenv("TITAN_RECOVER_REPLICA", "1")
+    dying = manager(DyingManager, tmp_path / "replica_1", trained(3), **config)
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        dying.save_resumable(3)
+    dying.close()
+    assert snapshot_of(shared / "step-3") == published  # written in place, it would have truncated the data file
+    second = manager(RecoverCheckpointManager, tmp_path / "replica_1", trained(3), **config)
+    assert second.save_resumable(3)  # the same state, complete: the first copy stands
+    second.close()
+    assert snapshot_of(shared / "step-3") == published
+    assert sorted(os.listdir(shared)) == ["step-3"]  # its staging folder, where the dying save left its half, removed
+
+    fresh = Replica(seed=7)
+    resumed = manager(RecoverCheckpointManager, tmp_path / "replica_2", fresh, load_step=3, **config)
+    assert resumed.load(step=3) and fresh.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(stopped.model.parameters(), fresh.model.parameters()))
+    resumed.close()
+
+    (shared / "gone").mkdir()
+    assert not publish(str(shared / "missing"), str(shared / "step-3"))  # purged by the writer that stood first
+    with pytest.raises(FileNotFoundError):
+        publish(str(shared / "missing"), str(shared / "gone"))
+
+
 def test_the_purge_keeps_complete_checkpoints_over_a_lost_writers_partial_one(tmp_path, process_group):
     assert stale_checkpoints([2, 4, 6, 8, 10], complete=[2, 4, 8], keep=2) == [2]  # 6 partial, 10 in flight
     assert stale_checkpoints([2, 4, 6], complete=[2], keep=2) == []  # too few complete: purge nothing
@@ -268,10 +325,12 @@ def test_the_purge_keeps_complete_checkpoints_over_a_lost_writers_partial_one(tm
                      folder=str(shared), keep_latest_k=2)
     assert writer.save(curr_step=2) and writer.save(curr_step=4)
     (shared / "step-6").mkdir()  # the previous writer died saving step 6: no .metadata
+    (shared / staging_name(6, 0)).mkdir()  # one that died staging a resumable checkpoint of step 6
+    (shared / staging_name(9, 2)).mkdir()  # one staging step 9 now: newer than any complete checkpoint
     assert writer.save(curr_step=8)
     writer.close()  # joins the purge thread
     # TorchTitan's own purge would keep step-6 and step-8 only, no complete checkpoint but the newest
-    assert sorted(os.listdir(shared)) == ["step-4", "step-6", "step-8"]
+    assert sorted(os.listdir(shared)) == [staging_name(9, 2), "step-4", "step-6", "step-8"]
 
 
 def test_a_joiner_whose_admission_had_not_committed_never_writes_the_stops_checkpoint():

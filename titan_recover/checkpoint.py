@@ -6,7 +6,10 @@ saves only while :attr:`~RecoverCheckpointManager.writer` is set: in sync mode t
 checkpoint folder and only the lowest member replica of the epoch that committed a step writes it (the trainer sets
 ``writer`` from each step's report; docs/replica_groups.md "Checkpoints"). Its purge keeps the newest
 ``keep_latest_k`` *complete* checkpoints (:func:`stale_checkpoints`): a save that never completed (its writer died)
-is never counted as one of them, so it cannot push out a good checkpoint. Its ``load`` (called by TorchTitan's
+is never counted as one of them, so it cannot push out a good checkpoint. A checkpoint written at once
+(:meth:`~RecoverCheckpointManager.save_resumable`: a stop's, or one asked for while training on) is staged in the
+writer's own folder and renamed into place complete (:func:`publish`), so that a second writer of the same step
+never writes over it. Its ``load`` (called by TorchTitan's
 ``Trainer.train`` before the first step) differs in two ways:
 
 * which durable checkpoint: with ``load_verified`` on, "the newest" (``load_step = -1``) is the newest checkpoint
@@ -27,9 +30,11 @@ report.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +57,48 @@ from titan_recover.recover.scout.verified import only_unverified, step_to_load  
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_STAGING_DIR = re.compile(r"^\.saving-(\d+)\.r(\d+)$")
+
+
+def staging_name(step: int, replica: int) -> str:
+    """The folder a resumable checkpoint of ``step`` is written into by ``replica`` before it is published as
+    ``step-N``. Hidden, and without ``step-`` in it: TorchTitan's own scans (``re.search(r"step-(\\d+)")``) and the
+    project's never take it for a checkpoint."""
+    return f".saving-{step}.r{replica}"
+
+
+def complete(checkpoint_id: str) -> bool:
+    """A checkpoint folder whose ``.metadata`` exists: DCP writes it last, once every shard is written."""
+    return filesystem.isfile(filesystem.join(checkpoint_id, ".metadata"))
+
+
+def publish(staging: str, target: str) -> bool:
+    """Put the complete checkpoint ``staging`` in place as ``target`` (``step-N``) by one rename, so that readers see
+    the step's folder either complete or not at all, and a checkpoint in place is never written over: True if
+    ``staging`` now stands there; False if a complete checkpoint of the step stood there first (another writer's,
+    the same bytes), and ``staging`` is removed. An incomplete ``target`` (a save of the step that died mid-write) is
+    set aside and removed first. Local folders only (an object store has no atomic rename)."""
+    while True:
+        try:
+            os.rename(staging, target)
+            return True
+        except FileNotFoundError:
+            if complete(target):  # purged by the writer whose checkpoint of the step stood first
+                return False
+            raise
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if complete(target):
+            filesystem.rmtree(staging)
+            return False
+        aside = f"{target}.incomplete-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(target, aside)
+        except FileNotFoundError:
+            continue  # set aside by another writer meanwhile
+        logger.warning("an incomplete checkpoint folder %s (a save that died) is replaced by a complete one", target)
+        filesystem.rmtree(aside)
 
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the world size: the process group's, else torchrun's ``RANK`` / ``WORLD_SIZE``."""
@@ -190,21 +237,42 @@ class RecoverCheckpointManager(CheckpointManager):
             logger.info("the checkpoint of step %d, saved already, is the one to resume from", step)
             return True
         logger.info("saving a full checkpoint of step %d to resume from", step)
-        self.dcp_save(self._flattened_model_states_sd(), checkpoint_id=self._create_checkpoint_id(step),
-                      async_mode=AsyncMode.DISABLED, enable_garbage_collection=True)
+        target = self._create_checkpoint_id(step)
+        if filesystem.is_remote(target):  # no atomic rename on an object store: written in place
+            self.dcp_save(self._flattened_model_states_sd(), checkpoint_id=target, async_mode=AsyncMode.DISABLED,
+                          enable_garbage_collection=True)
+        else:
+            self._save_staged(step, target)
         self._full_state_saved = step
         self._purge_stale_checkpoints()
         return True
+
+    def _save_staged(self, step: int, target: str) -> None:
+        """Write ``step`` into this replica's staging folder, then (rank 0, once DCP returned: every shard and the
+        metadata are written) publish it as ``target``. Two writers of the same step (a stop's writer named lost
+        that still saves, and the next in turn) then never write into one folder, and one that dies mid-save leaves
+        the other's checkpoint as it was (docs/replica_groups.md "Checkpoints")."""
+        replica = int(os.environ.get(REPLICA_ENV, "0"))
+        staging = filesystem.join(self.folder, staging_name(step, replica))
+        self.dcp_save(self._flattened_model_states_sd(), checkpoint_id=staging, async_mode=AsyncMode.DISABLED,
+                      enable_garbage_collection=True)
+        if rank_and_world()[0] == 0 and not publish(staging, target):
+            logger.info("the checkpoint of step %d was in place already (another replica's, the same state): "
+                        "this replica's copy is removed", step)
 
     def _purge_stale_checkpoints(self) -> None:
         """TorchTitan's purge (rank 0, ``keep_latest_k > 0``, through its purge thread), counting only complete
         checkpoints (:func:`stale_checkpoints`)."""
         if not self._should_purge():
             return
-        steps = [int(m.group(1)) for name in filesystem.listdir(self.folder) if (m := _STEP_DIR.match(name))]
-        complete = [s for s in steps if filesystem.isfile(filesystem.join(self._create_checkpoint_id(s), ".metadata"))]
-        for step in stale_checkpoints(steps, complete, self.keep_latest_k):
+        names = filesystem.listdir(self.folder)
+        steps = [int(m.group(1)) for name in names if (m := _STEP_DIR.match(name))]
+        done = [s for s in steps if complete(self._create_checkpoint_id(s))]
+        for step in stale_checkpoints(steps, done, self.keep_latest_k):
             self.purge_queue.put(self._create_checkpoint_id(step))
+        for name in names:  # a staging folder whose writer died, of a step no newer than a complete checkpoint
+            if (m := _STAGING_DIR.match(name)) and done and int(m.group(1)) <= max(done):
+                self.purge_queue.put(filesystem.join(self.folder, name))
 
     def _load(self, step: int = -1) -> bool:
         founding = os.environ.get(FOUNDING_STEP_ENV)

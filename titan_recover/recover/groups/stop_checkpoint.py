@@ -80,7 +80,8 @@ class StopCheckpoint:
 
     def report(self, saved: bool) -> str:
         """The writer's rank 0, after its save: the round's outcome, as it stands (``lost`` if a waiting rank gave up
-        on this writer first: the next candidate then writes the same step again)."""
+        on this writer first: the next candidate then writes the same step again, into its own staging folder; the
+        first complete copy published stands: ``titan_recover.checkpoint.publish``)."""
         if self.rank != 0:
             return SAVED if saved else FAILED
         stored = self.store.compare_set(self.key(), "", SAVED if saved else FAILED)

@@ -384,7 +384,8 @@ class SyncMode(Mode):
             outcome = turns.report(saved)
             if outcome != SAVED and saved:
                 logger.warning("titan_recover: replica %d saved the checkpoint of step %d after it was named lost; the "
-                               "next replica in turn writes it again", self.replica, stop.step)
+                               "next replica in turn writes it again, and the first complete copy published stands",
+                               self.replica, stop.step)
             return False
         turn = turns.await_turn()
         if turn.mine:
