@@ -180,6 +180,24 @@ def test_restart_load_is_read_from_the_slower_steps_while_a_group_restarts():
     assert tokens == pytest.approx(11 * 100 / 24.0, rel=0.03)
 
 
+def test_a_groups_repair_ends_with_its_own_state_transfer_not_when_every_group_is_back():
+    """Two groups lost 10 s apart, each back 20 s after its loss: the job is at full strength only once the second
+    is, 30 s after the first loss, which would read as a 25 s repair each; each joiner's own transfer says 20 s."""
+    from titan_recover.sim.calibration import repairs
+
+    def joiner(t, replica, rank=0):
+        return {"event": "state_transferred", "role": "joiner", "replica": replica, "rank": rank, "t": t}
+
+    events = [{"event": "fault_injected", "t": 40.0, "replica": 0},
+              {"event": "fault_injected", "t": 50.0, "replica": 2},
+              {"event": "state_transferred", "role": "donor", "replica": 1, "rank": 0, "t": 59.0},
+              joiner(60.0, 0), joiner(60.0, 0, rank=1), joiner(70.0, 2),
+              {"event": "full_strength", "t": 71.0, "source": "1/0"}]
+    assert repairs(events) == [(40.0, 60.0), (50.0, 70.0)]
+    old = [e for e in events if e["event"] != "state_transferred"]  # a run recorded before joiners said so
+    assert repairs(old) == [(40.0, 71.0), (50.0, 71.0)]
+
+
 def test_drop_step_without_failures_equals_recover():
     """torchft's drop-the-step policy and titan_recover differ only in what a failure costs (and in stragglers):
     with neither, both train at full speed after the start-up."""

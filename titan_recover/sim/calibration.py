@@ -57,6 +57,23 @@ def fault_steps(run: dict) -> set[int]:
     return hit
 
 
+def repairs(events: list[dict]) -> list[tuple[float, float]]:
+    """``(fault, back)`` for each lost group that came back: from the fault to the end of the group's own state
+    transfer (its rank 0's ``state_transferred`` as the joiner), after which it computes its share again. Another
+    group lost meanwhile does not lengthen it (the job's ``full_strength`` waits for every group); runs recorded
+    before joiners logged their transfer fall back to the first ``full_strength`` after the fault."""
+    faults = [(e["t"], e["replica"]) for e in events if e["event"] == "fault_injected"]
+    joined = [(e["t"], e["replica"]) for e in events
+              if e["event"] == "state_transferred" and e.get("role") == "joiner" and e.get("rank", 0) == 0]
+    full = [e["t"] for e in events if e["event"] == "full_strength"]
+    out = []
+    for fault, replica in faults:
+        back = [t for t, r in joined if r == replica and t > fault] if joined else [t for t in full if t > fault]
+        if back:
+            out.append((fault, min(back)))
+    return out
+
+
 def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Costs:
     """The costs of one run, read from its timeline:
 
@@ -66,17 +83,16 @@ def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Co
     * checkpoint-restart: ``checkpoint_save_s``, the median extra interval of a step after a save, and
       ``job_restart_s``, the mean from a fault to rank 0's next ``training_started`` (its checkpoint loaded);
     * the replica-group modes: ``detect_s``, the mean extra interval of the steps a fault fell in,
-      ``group_restart_s``, the mean from a fault to the next ``full_strength`` (transfer included), and, with
+      ``group_restart_s``, the mean from a fault to the lost group's return (:func:`repairs`, its state transfer
+      included), and, with
       ``compute_units`` shared by the groups (one CPU machine), ``restart_load``: the compute units a restarting
-      group's start-up takes, from how much slower the steps between a fault and full strength are.
+      group's start-up takes, from how much slower the steps between a fault and that group's return are.
     """
     commits, events = run["commits"], run["events"]
     restart_mode = run["mode"] == "ckpt_restart"
     hit = fault_steps(run)
     faults = [e["t"] for e in events if e["event"] == "fault_injected"]
-    # every group that lived through the loss says so: the first to say it counts (the lost group may be replica 0)
-    back = [e["t"] for e in events if e["event"] == "full_strength"]
-    down = [(f, min(t for t in back if t > f)) for f in faults if any(t > f for t in back)]
+    down = repairs(events)
     steady, restarting, saved = [], [], {}
     for (t0, s0), (t1, s1) in zip(commits, commits[1:]):
         if s1 != s0 + 1 or s1 <= 2 or s1 in hit:
