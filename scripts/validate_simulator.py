@@ -21,9 +21,15 @@ Two steps, on different runs:
 The prediction also writes the frozen costs, combined into one set, to ``--calibration-out`` for
 ``scripts/simulate_goodput.py --calibration`` and what it prints to ``--report``.
 
-Last line: ``prediction_error=... prediction_error_median=... fit_error=...``: the largest and the median relative
-error of the frozen prediction over the runs with failures (target: prediction_error <= 0.15), and the largest
-in-sample error.
+The frozen prediction is also read as the share of the failure-free run's throughput a run keeps (the quantity the
+cluster projection gives: ETTR): predicted run / predicted failure-free run of its round, against measured run /
+measured failure-free run of the same round. The machine's speed in that round then cancels; the tokens/s
+prediction carries it.
+
+Last line: ``prediction_error=... prediction_error_median=... fit_error=... kept_error=... kept_error_median=...``:
+the largest and the median relative error of the frozen prediction over the runs with failures (target:
+prediction_error <= 0.15), the largest in-sample error, and the largest and the median error of the predicted
+share kept.
 """
 
 from __future__ import annotations
@@ -118,15 +124,16 @@ def predict_runs(args, record: dict, frozen: dict[str, Costs]) -> int:
         f"at {record['commit']}:")
     for mode, c in frozen.items():
         print(f"  {mode:15s} " + ", ".join(f"{k} {getattr(c, k):.2f}" for k in SHOWN[mode]))
-    errors, fits = [], []
+    errors, fits, kept_errors = [], [], []
     print(f"\n{'output':28s} {'round':>5s} {'run':15s} {'faults':>6s} {'measured tok/s':>14s} "
-        f"{'frozen prediction':>28s} {'fit (own costs)':>28s}")
+        f"{'frozen prediction':>28s} {'fit (own costs)':>28s} {'kept of failure-free':>23s}")
     for path in args.results:
         data = json.loads(pathlib.Path(path).read_text())
         setup = data["setup"]
         shape = dict(steps=setup["steps"], replicas=setup["replicas"], tokens_per_step=setup["tokens_per_step"],
                      compute_units=setup["cpu_count"])
         for index, runs in enumerate(rounds_of(data)):
+            baseline = runs.get("failure_free")
             for mode, run in runs.items():
                 own = calibrate(run, setup["checkpoint_interval"], setup["cpu_count"])
                 faults = sum(e["event"] == "fault_injected" for e in run["events"])
@@ -137,8 +144,13 @@ def predict_runs(args, record: dict, frozen: dict[str, Costs]) -> int:
                     if faults:
                         sink.append(abs(error))
                     cells.append(f"{predicted:10.1f} tok/s ({error:+6.1%})")
+                if faults and baseline is not None:
+                    measured = run["tokens_per_s"] / baseline["tokens_per_s"]
+                    kept = predict(run, frozen[mode], **shape) / predict(baseline, frozen["failure_free"], **shape)
+                    kept_errors.append(abs(kept / measured - 1))
+                    cells.append(f"{kept:.3f} / {measured:.3f} ({kept / measured - 1:+6.1%})")
                 print(f"{pathlib.Path(path).stem:28s} {index:5d} {mode:15s} {faults:6d} {run['tokens_per_s']:14.1f} "
-                    + "".join(f"{c:>28s}" for c in cells))
+                    + "".join(f"{c:>28s}" for c in cells[:2]) + "".join(f"{c:>24s}" for c in cells[2:]))
     shape = dict(steps=setup["steps"], replicas=setup["replicas"], tokens_per_step=setup["tokens_per_step"],
                  compute_units=setup["cpu_count"])
     print(f"\npredicted ratio recover / checkpoint-restart with a failure every N s for as long as each job runs "
@@ -152,8 +164,10 @@ def predict_runs(args, record: dict, frozen: dict[str, Costs]) -> int:
     calibration = {k: round(v, 3) for k, v in combined(frozen).items()}
     pathlib.Path(args.calibration_out).write_text(json.dumps(calibration, indent=1) + "\n")
     print(f"\ncalibration for the simulator at scale (the frozen costs, s): {json.dumps(calibration)}")
+    kept = (f" kept_error={max(kept_errors):.3f} kept_error_median={statistics.median(kept_errors):.3f}"
+            if kept_errors else "")
     print(f"prediction_error={max(errors):.3f} prediction_error_median={statistics.median(errors):.3f} "
-        f"fit_error={max(fits):.3f}")
+        f"fit_error={max(fits):.3f}{kept}")
     return 0
 
 
