@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from report import recorded  # noqa: E402
-from titan_recover.sim.calibration import calibrate, combined, periodic_run, predict  # noqa: E402
+from titan_recover.sim.calibration import calibrate, combined, medians, periodic_run, predict  # noqa: E402
 from titan_recover.sim.model import Costs  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
@@ -70,17 +70,11 @@ def commit() -> str:
 
 
 def measured_costs(data: dict) -> dict[str, Costs]:
-    """Each mode's costs in a benchmark output: the median of each cost over its rounds."""
+    """Each mode's costs in a benchmark output: the median of each cost over its rounds (the step and the start-up
+    of the same job over its failure-free and titan_recover runs together: ``calibration.medians``)."""
     setup = data["setup"]
-    per_round = [{mode: calibrate(run, setup["checkpoint_interval"], setup["cpu_count"]) for mode, run in r.items()}
-                 for r in rounds_of(data)]
-    out = {}
-    for mode in per_round[0]:
-        fields = {f.name: statistics.median(getattr(r[mode], f.name) for r in per_round)
-                  for f in dataclasses.fields(Costs)}
-        fields["diloco_inner_steps"] = int(fields["diloco_inner_steps"])
-        out[mode] = Costs(**fields)
-    return out
+    return medians([{mode: calibrate(run, setup["checkpoint_interval"], setup["cpu_count"]) for mode, run in r.items()}
+                    for r in rounds_of(data)])
 
 
 def freeze(source: pathlib.Path, frozen: pathlib.Path) -> int:

@@ -269,3 +269,22 @@ def test_cluster_projection_prints_the_headline(tmp_path, capsys):
     broken.write_text('{"step_s": 1.0}')
     with pytest.raises(ValueError, match="detect_s"):
         script.base_costs(broken)
+
+
+def test_the_same_jobs_step_and_start_up_are_read_from_its_failure_free_and_titan_recover_runs_together():
+    """Each cost is its median over the calibration rounds; the replica-group job is the same job in the
+    failure-free and the titan_recover runs until the first fault, so its step and start-up are the median of all
+    four runs of two rounds, not of each mode's two; the other costs, and the other modes, stay their own."""
+    from titan_recover.sim.calibration import medians
+    from titan_recover.sim.model import Costs
+
+    def rounds(*values):
+        return [{"failure_free": Costs(step_s=a, startup_s=20 + a), "recover": Costs(step_s=b, startup_s=20 + b,
+                                                                                      detect_s=d),
+                 "ckpt_restart": Costs(step_s=c)} for a, b, c, d in values]
+
+    frozen = medians(rounds((1.0, 1.3, 2.0, 1.0), (1.1, 1.4, 3.0, 2.0)))
+    assert frozen["failure_free"].step_s == frozen["recover"].step_s == pytest.approx(1.2)
+    assert frozen["recover"].startup_s == pytest.approx(21.2)
+    assert frozen["recover"].detect_s == pytest.approx(1.5)
+    assert frozen["ckpt_restart"].step_s == pytest.approx(2.5)

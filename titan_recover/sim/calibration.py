@@ -8,6 +8,7 @@ last step's commit).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import numpy as np
@@ -148,6 +149,26 @@ def predict(run: dict, costs: Costs, *, steps: int, replicas: int, tokens_per_st
         middle = (low + high) / 2
         low, high = (low, middle) if trained(middle) >= steps else (middle, high)
     return steps * tokens_per_step / high
+
+
+SAME_JOB = ("failure_free", "recover")
+"""Modes that run the same job until its first fault (the replica groups, no spare): their steady step and their
+start-up are one quantity, measured in both."""
+
+
+def medians(per_round: list[dict[str, Costs]]) -> dict[str, Costs]:
+    """Each mode's costs over rounds of runs (``{mode: Costs}`` each): the median of each cost over the rounds; the
+    step and the start-up of the modes in :data:`SAME_JOB` over all their runs together."""
+    out = {}
+    for mode in per_round[0]:
+        fields = {f.name: statistics.median(getattr(r[mode], f.name) for r in per_round)
+                  for f in dataclasses.fields(Costs)}
+        if mode in SAME_JOB:
+            for name in ("step_s", "startup_s"):
+                fields[name] = statistics.median(getattr(r[m], name) for r in per_round for m in SAME_JOB if m in r)
+        fields["diloco_inner_steps"] = int(fields["diloco_inner_steps"])
+        out[mode] = Costs(**fields)
+    return out
 
 
 def combined(costs: dict[str, Costs]) -> dict[str, float]:
