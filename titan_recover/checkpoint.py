@@ -92,7 +92,7 @@ def publish(staging: str, target: str) -> bool:
         if complete(target):
             filesystem.rmtree(staging)
             return False
-        aside = f"{target}.incomplete-{uuid.uuid4().hex[:8]}"
+        aside = os.path.join(os.path.dirname(target), f".incomplete-{uuid.uuid4().hex[:8]}")  # no step- in it either
         try:
             os.rename(target, aside)
         except FileNotFoundError:
