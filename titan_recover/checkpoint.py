@@ -100,6 +100,7 @@ def publish(staging: str, target: str) -> bool:
         logger.warning("an incomplete checkpoint folder %s (a save that died) is replaced by a complete one", target)
         filesystem.rmtree(aside)
 
+
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the world size: the process group's, else torchrun's ``RANK`` / ``WORLD_SIZE``."""
     if torch.distributed.is_initialized():
