@@ -24,8 +24,9 @@ commit barrier after its last microbatch (``recover/wait_s`` over the step time,
 large. With overlap this is only the part the backward did not hide; the ``off`` runs give the whole of it.
 
 Last line: ``ratio=<FTPG / native median step time> ...`` for the first ``--abort-recovery`` value (with the
-first ``--overlap`` value), then ``ratio_<value>=`` for the others (``<value>_after`` without overlap). Target:
-ratio <= 1.05 on CPU.
+first ``--overlap`` value), with ``ratio_round_median``, ``_min`` and ``_max`` of its ratios paired by round (each
+round's median step over native's of the same round), then ``ratio_<value>=`` for the others (``<value>_after``
+without overlap). Target: ratio <= 1.05 on CPU.
 """
 
 from __future__ import annotations
@@ -106,12 +107,14 @@ def measure(args) -> int:
         raise SystemExit(f"--overlap takes a comma-separated list of on and off, got {args.overlap!r}")
     kinds = [f"ftpg-{value}{suffix[o]}" for o in overlaps for value in args.abort_recovery.split(",")] + ["native"]
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    per_round: dict[str, list[float]] = {kind: [] for kind in kinds}
     losses: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
                 step_times, curve = run(kind, args, f"{tmp}/{kind}{r}")
                 times[kind] += step_times
+                per_round[kind].append(statistics.median(step_times))
                 losses.setdefault(kind, curve)
                 print(f"round {r} {kind:15s}: median step {statistics.median(step_times):.3f} s", flush=True)
     median = {kind: statistics.median(times[kind]) for kind in kinds}
@@ -123,9 +126,14 @@ def measure(args) -> int:
         print(f"{args.replicas} replicas x {args.shards} shards, {args.flavor}, {kind}: fault-tolerant groups "
               f"{median[kind]:.4f} s, native HSDP {native:.4f} s per step (ratio {median[kind] / native:.4f}); "
               f"reduction share {share:.3f}; largest relative loss difference {diff:.1e}")
+        paired = [a / b for a, b in zip(per_round[kind], per_round["native"])]
+        print(f"  paired by round (its median step over native's of the same round): "
+              f"{' '.join(f'{p:.3f}' for p in paired)}; median {statistics.median(paired):.3f}")
         if n == 0:
             headline.append(f"ratio={median[kind] / native:.4f} ftpg_step_s={median[kind]:.4f} "
-                            f"native_step_s={native:.4f} loss_max_rel_diff={diff:.1e} reduction_share={share:.3f}")
+                            f"native_step_s={native:.4f} loss_max_rel_diff={diff:.1e} reduction_share={share:.3f} "
+                            f"ratio_round_median={statistics.median(paired):.4f} ratio_round_min={min(paired):.4f} "
+                            f"ratio_round_max={max(paired):.4f}")
         else:
             value = kind.removeprefix("ftpg-").replace("-", "_")
             headline.append(f"ratio_{value}={median[kind] / native:.4f} reduction_share_{value}={share:.3f}")
