@@ -148,46 +148,35 @@ def test_fsdp_inside_replicas_kill_during_reduction_restored_from_the_backup(tmp
     assert_trains_like_torchtitan(hsdp, tmp_path, survivors=[0])
 
 
-def test_tensor_parallel_inside_replicas_kill_in_backward(tmp_path, fsdp_reference, seed_checkpoint):
-    """2 replicas x TP 2, rank 1 of replica 1 killed in step 2's backward, with the reduction overlapped (the TP
-    parameters' hooks report the gradients to it during the backward the kill interrupts). Checked against stock
-    TorchTitan's FSDP2 run from the same weights on the same global batch (every layout trains like it:
-    tests/test_parallelisms.py)."""
-    tp = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2")
-    lost = {1: 2}
-    fsdp, _ = fsdp_reference
-    proc, events = run_replicas(tmp_path, replicas=2, ranks=2, steps=LAYOUT_STEPS,
-                                faults=[kill(1, 2, "backward", rank=1)], parallelism=tp,
-                                extra=(*same_batches_and_weights(seed_checkpoint, 2), *OVERLAP))
-    assert_survived(tmp_path, proc, events, replicas=2, ranks=2, steps=LAYOUT_STEPS, lost=lost)
-    check_recovery_steps = [e for e in events if e["event"] == "microbatches_reassigned" and e["step"] == 2]
-    assert check_recovery_steps, "replica 1's microbatches were not taken over in step 2"
-    # every step's reduction overlapped the backward, but step 2's: its overlapped attempt was aborted by the loss
-    overlapped = {step: r["recover/overlapped"] for step, r in metrics_by_replica(tmp_path)[0].items()}
-    assert overlapped == {step: int(step != 2) for step in range(1, LAYOUT_STEPS + 1)}, overlapped
-    assert_trains_like_torchtitan(fsdp, tmp_path, survivors=[0])
-
-
-def test_a_tensor_parallel_spare_takes_over_and_trains_like_torchtitan(tmp_path, fsdp_reference, seed_checkpoint):
-    """2 replicas x TP 2 and a spare (TP 2), rank 1 of replica 1 killed in step 2's forward: the spare computes the
-    lost microbatch in that step and holds its share from step 3. Every step of both replicas that trained to the
-    end, the spare's included, logs what stock TorchTitan's FSDP2 run logs from the same weights on the same global
-    batch, and they end with the same parameters, bit for bit: a spare whose optimizer step differed would fail
-    both. (TorchTitan 0.3.0 wraps this layout's parameters in FSDP2 over a data-parallel mesh of 1, so every
-    parameter is sharded on some dimension and the spare's placement replay, for replicated tensor-parallel
-    parameters, does not run here: tests/test_ledger.py covers it with fakes.)"""
+def test_a_tensor_parallel_replica_killed_in_backward_is_recomputed_and_a_spare_takes_over(tmp_path, fsdp_reference,
+                                                                                          seed_checkpoint):
+    """2 replicas x TP 2 and a spare (TP 2), rank 1 of replica 1 killed in step 2's backward, with the reduction
+    overlapped (the TP parameters' hooks report the gradients to it during the backward the kill interrupts): the
+    survivor computes the lost microbatch in that step, and the spare holds its share from step 3. Every step of
+    both replicas that trained to the end, the spare's included, logs what stock TorchTitan's FSDP2 run logs from
+    the same weights on the same global batch (every layout trains like it: tests/test_parallelisms.py), and they
+    end with the same parameters, bit for bit: a spare whose optimizer step differed would fail both. (TorchTitan
+    0.3.0 wraps this layout's parameters in FSDP2 over a data-parallel mesh of 1, so every parameter is sharded on
+    some dimension and the spare's placement replay, for replicated tensor-parallel parameters, does not run here:
+    tests/test_ledger.py covers it with fakes.)"""
     tp = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2")
     fsdp, _ = fsdp_reference
     spare = 2
     proc, events = run_replicas(tmp_path, replicas=2, ranks=2, steps=LAYOUT_STEPS, parallelism=tp,
-                                faults=[kill(1, 2, "forward", rank=1)],
-                                extra=(*same_batches_and_weights(seed_checkpoint, 2), "--recover.spares", "1"))
+                                faults=[kill(1, 2, "backward", rank=1)],
+                                extra=(*same_batches_and_weights(seed_checkpoint, 2), "--recover.spares", "1",
+                                       *OVERLAP))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len([e for e in events if e["event"] == "fault_injected"]) == 1
+    taken_over = [e for e in events if e["event"] == "microbatches_reassigned" and e["step"] == 2]
+    assert taken_over, "replica 1's microbatches were not taken over in step 2"
     promoted = [e for e in events if e["event"] == "spare_promoted"]
     assert promoted and {e["step"] for e in promoted} == {3} and all(e["spares"] == [spare] for e in promoted)
     logged = metrics_by_replica(tmp_path)
     assert logged[spare][1]["recover/computed_here"] == 0 and logged[spare][3]["recover/computed_here"] > 0
+    # every step's reduction overlapped the backward, but step 2's: its overlapped attempt was aborted by the loss
+    overlapped = {step: r["recover/overlapped"] for step, r in logged[0].items()}
+    assert overlapped == {step: int(step != 2) for step in range(1, LAYOUT_STEPS + 1)}, overlapped
     assert_trains_like_torchtitan(fsdp, tmp_path, survivors=[0, spare])
     finals = [e for e in events if e["event"] == "final_parameters"]
     assert sorted((e["replica"], e["rank"]) for e in finals) == [(0, 0), (0, 1), (spare, 0), (spare, 1)]
