@@ -128,25 +128,25 @@ def predict_runs(args, record: dict, frozen: dict[str, Costs]) -> int:
                      compute_units=setup["cpu_count"])
         for index, runs in enumerate(rounds_of(data)):
             baseline = runs.get("failure_free")
+            baseline_predicted = predict(baseline, frozen["failure_free"], **shape) if baseline is not None else None
             for mode, run in runs.items():
                 own = calibrate(run, setup["checkpoint_interval"], setup["cpu_count"])
                 faults = sum(e["event"] == "fault_injected" for e in run["events"])
-                cells = []
+                cells, predictions = [], []
                 for costs, sink in ((frozen[mode], errors), (own, fits)):
                     predicted = predict(run, costs, **shape)
+                    predictions.append(predicted)
                     error = (predicted - run["tokens_per_s"]) / run["tokens_per_s"]
                     if faults:
                         sink.append(abs(error))
                     cells.append(f"{predicted:10.1f} tok/s ({error:+6.1%})")
                 if faults and baseline is not None:
                     measured = run["tokens_per_s"] / baseline["tokens_per_s"]
-                    kept = predict(run, frozen[mode], **shape) / predict(baseline, frozen["failure_free"], **shape)
+                    kept = predictions[0] / baseline_predicted  # the frozen prediction's share
                     kept_errors.append(abs(kept / measured - 1))
                     cells.append(f"{kept:.3f} / {measured:.3f} ({kept / measured - 1:+6.1%})")
                 print(f"{pathlib.Path(path).stem:28s} {index:5d} {mode:15s} {faults:6d} {run['tokens_per_s']:14.1f} "
                     + "".join(f"{c:>28s}" for c in cells[:2]) + "".join(f"{c:>24s}" for c in cells[2:]))
-    shape = dict(steps=setup["steps"], replicas=setup["replicas"], tokens_per_step=setup["tokens_per_step"],
-                 compute_units=setup["cpu_count"])
     print(f"\npredicted ratio recover / checkpoint-restart with a failure every N s for as long as each job runs "
         f"({setup['steps']} steps, frozen costs):")
     for every in (120, 80, 60, 45, 40, 30, 20):

@@ -85,9 +85,9 @@ def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Co
       ``job_restart_s``, the mean from a fault to rank 0's next ``training_started`` (its checkpoint loaded);
     * the replica-group modes: ``detect_s``, the mean extra interval of the steps a fault fell in,
       ``group_restart_s``, the mean from a fault to the lost group's return (:func:`repairs`, its state transfer
-      included), and, with
-      ``compute_units`` shared by the groups (one CPU machine), ``restart_load``: the compute units a restarting
-      group's start-up takes, from how much slower the steps between a fault and that group's return are.
+      included), and, with ``compute_units`` shared by the groups (one CPU machine), ``restart_load``: the compute
+      units a restarting group's start-up takes, from how much slower the steps between a fault and that group's
+      return are.
     """
     commits, events = run["commits"], run["events"]
     restart_mode = run["mode"] == "ckpt_restart"
