@@ -90,6 +90,24 @@ def rank_logs(folder: pathlib.Path, tail: int = 3000) -> str:
 _zygote: dict = {}
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, parents before their children (Linux /proc): what SLURM's cgroup signals at
+    a preemption, whatever session each process runs in (torchrun starts each rank in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        found.append(todo.pop(0))
+        todo += children.get(found[-1], [])
+    return found
+
+
 def launcher_command(*args: str) -> list[str]:
     """The command that runs the launcher with ``args``: a client of the session's launcher server, which forks
     a launcher that imported TorchTitan once for the session (tests/launcher_zygote.py: the same ``main``, exit

@@ -87,14 +87,18 @@ def test_ctrl_c_or_a_killed_launcher_leaves_no_process_behind(tmp_path, default_
     assert left == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["time_limit", "preemption"])
-def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_last_committed_step(tmp_path,
-                                                                                                   default_data, sig):
+@pytest.mark.parametrize("sig,to_every_process", [(signal.SIGUSR1, False), (signal.SIGTERM, False),
+                                                  (signal.SIGTERM, True)],
+                         ids=["time_limit", "preemption", "preemption_to_every_process"])
+def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_last_committed_step(
+        tmp_path, default_data, sig, to_every_process):
     """SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends before the time limit), or SIGTERM
-    with ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process): the job stops at once
-    with a durable checkpoint of its last committed step, written once, and the launcher exits 128 + the signal
-    (stopped, not trained), naming the request; nothing is left running. Before that (the time-limit case), SIGUSR2
-    asks for a checkpoint while the job trains on: the next committed step's is written, whatever the interval."""
+    with ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process), or that SIGTERM to
+    every process of the job at once, the launcher last (what SLURM sends at a preemption: the coordinator, both
+    groups' agents and ranks too): the job stops at once with a durable checkpoint of its last committed step,
+    written once, and the launcher exits 128 + the signal (stopped, not trained), naming the request; nothing is
+    left running. Before that (the time-limit case), SIGUSR2 asks for a checkpoint while the job trains on: the next
+    committed step's is written, whatever the interval."""
     from replica_runs import replica_job_args
 
     def first_step(event: str, since: int = 0) -> int:
@@ -125,6 +129,9 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
         if sig == signal.SIGUSR1:
             proc.send_signal(signal.SIGUSR2)
             written(first_step("checkpoint_on_request", since=asked_at))
+        children = processes_of_run(str(tmp_path)) if to_every_process else []
+        for pid in children:  # before the launcher: they wait for it to write the node's notice
+            os.kill(pid, sig)
         proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
     finally:
@@ -141,6 +148,11 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
     assert any(e["checkpoint_saved"] for e in stopped)
     assert (tmp_path / "checkpoint" / f"step-{committed}" / ".metadata").is_file()
     assert processes_of_run(str(tmp_path)) == []
+    if to_every_process:  # the coordinator, both agents and both ranks took the SIGTERM for the notice
+        assert len(children) == 5, children
+        logs = "".join(log.read_text() for log in (tmp_path / "logs").glob("*.log"))
+        assert logs.count("SIGTERM, the node's preemption notice") == 5, logs[-4000:]
+        assert "coordinator exited" not in output, output[-3000:]  # not restarted: it carried on
 
 
 def test_too_few_replicas_stop_with_a_durable_checkpoint_written_in_turn(tmp_path, default_data):

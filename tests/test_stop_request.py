@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import launcher_command, read_metrics, ROOT
+from conftest import descendants, launcher_command, read_metrics, ROOT
 from titan_recover.recover.events import read_events
 from titan_recover.recover.stop_request import StopAgreement
 
@@ -67,7 +67,7 @@ def test_the_agent_notes_the_signal_for_its_workers_and_exits_138_only_if_they_s
     from titan_recover.recover.stop_request import STOP_FILE_ENV, StopSignal, stopped_marker
     from titan_recover.torchrun import _StopFile
 
-    monkeypatch.delenv(STOP_FILE_ENV, raising=False)  # restored after the test
+    monkeypatch.setenv(STOP_FILE_ENV, "")  # restored after the test (the agent sets it for its workers)
     previous = signal.getsignal(signal.SIGUSR1)
     try:
         agent = _StopFile()
@@ -96,7 +96,7 @@ def test_the_agent_of_a_job_without_replica_groups_ignores_sigusr2_saying_why(tm
     from titan_recover.recover.stop_request import STOP_FILE_ENV
     from titan_recover.torchrun import _StopFile
 
-    monkeypatch.delenv(STOP_FILE_ENV, raising=False)
+    monkeypatch.setenv(STOP_FILE_ENV, "")
     previous = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
         agent = _StopFile()
@@ -110,18 +110,23 @@ def test_the_agent_of_a_job_without_replica_groups_ignores_sigusr2_saying_why(tm
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["time_limit", "preemption"])
+@pytest.mark.parametrize("sig,to_every_process", [(signal.SIGUSR1, False), (signal.SIGTERM, False),
+                                                  (signal.SIGTERM, True)],
+                         ids=["time_limit", "preemption", "preemption_to_every_process"])
 def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint_of_it(tmp_path, default_data,
-                                                                                               sig):
+                                                                                               sig, to_every_process):
     """FSDP2 over 2 ranks, 400 steps asked for, checkpoints every 1000 (none would be written): once a step was
     logged, SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends), or SIGTERM with
-    ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process). Both ranks stop after the
-    same step, a checkpoint of its full training state is written, and the launcher exits 128 + the signal."""
+    ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process), or that SIGTERM to every
+    process of the job at once (what SLURM sends at a preemption: the agent and both ranks). Both ranks stop after
+    the same step, a checkpoint of its full training state is written, and the launcher exits 128 + the signal."""
     args = ["train_configs/debug_model.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps",
             "400", "--checkpoint.enable", "--checkpoint.interval", "1000", "--dump_folder", str(tmp_path)]
     if sig == signal.SIGTERM:
         args += ["--recover.preemption_grace_s", "120"]
-    command = launcher_command(*args)  # the launcher execs torchrun's agent: the signal goes to the agent
+    # the launcher execs torchrun's agent: the signal goes to the agent; to every process, the job runs without the
+    # tests' launcher server in between, so that its processes are the agent's
+    command = [sys.executable, "-m", "titan_recover.launch", *args] if to_every_process else launcher_command(*args)
     job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
     try:
@@ -129,6 +134,8 @@ def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_ch
         while not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path):
             assert job.poll() is None and time.monotonic() < deadline, "the job logged no step"
             time.sleep(0.2)
+        for pid in (descendants(job.pid) if to_every_process else [])[::-1]:  # the ranks first, then the agent's
+            os.kill(pid, sig)
         job.send_signal(sig)
         output, _ = job.communicate(timeout=120)
     finally:
@@ -142,6 +149,11 @@ def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_ch
     assert (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").is_file()
     assert max(r["step"] for r in read_metrics(tmp_path)) == step
     assert f"stop requested ({signal.Signals(sig).name}" in output and f"stopping after step {step}" in output
+    if to_every_process:  # each rank took the same SIGTERM for the notice and stopped with the others
+        took = "SIGTERM, the node's preemption notice: this rank stops with the job"
+        assert f"titan_recover rank 0: {took}" in output, output[-4000:]  # rank 1 writes to its file
+        [rank_1] = (tmp_path / "logs" / "ranks").rglob("1/stderr.log")
+        assert f"titan_recover rank 1: {took}" in rank_1.read_text()
 
     # the full training state a later start resumes from (TorchTitan loads it whole for any step but 0), not a
     # model-only export; resuming from it is TorchTitan's load, tested in tests/test_checkpoint_restart.py
@@ -212,10 +224,12 @@ def test_an_agent_with_a_grace_notes_sigterm_for_its_workers_and_ends_them_when_
     (torchrun then ends the workers), saying why; so does a second SIGTERM."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from titan_recover.recover.notice import NOTICE_FILE_ENV
     from titan_recover.recover.stop_request import STOP_FILE_ENV, StopSignal, stopped_marker
     from titan_recover.torchrun import _StopFile
 
-    monkeypatch.delenv(STOP_FILE_ENV, raising=False)
+    monkeypatch.setenv(STOP_FILE_ENV, "")  # restored at the end: the agent sets them for its workers
+    monkeypatch.setenv(NOTICE_FILE_ENV, "")
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         agent = _StopFile(grace_s=0.3)

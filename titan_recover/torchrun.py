@@ -26,6 +26,12 @@ workers on it at once, so it is taken out of the signals torchrun handles, noted
 exits 143 (128 + 15) once the workers stopped. A second ``SIGTERM``, or none of them stopping within ``S`` seconds,
 ends them as torchrun ends them on ``SIGTERM`` (its ``SignalException``, raised here), and the process exits 143
 with a sentence saying which.
+
+A scheduler may send that ``SIGTERM`` to the workers as well (SLURM signals every process of a job step). With a
+grace this process is the node's first and writes the node's notice file, in its stop folder, for its workers
+(:mod:`~titan_recover.recover.notice`): ``notice`` when it takes the notice, ``ending`` before it ends them. The
+agent of a replica group has no grace of its own but inherits its launcher's notice file: it takes ``SIGTERM`` out
+of torchrun's signals too, carries on at the node's notice, and ends its workers as torchrun does at any other.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import traceback
 from typing import NoReturn
 
 from titan_recover.process_exit import leave, pid_alive
+from titan_recover.recover.notice import ENDING, NOTICE, NOTICE_FILE_ENV, NoticeFile, SigtermTriage
 from titan_recover.recover.stop_request import (CHECKPOINT_SIGNAL, PREEMPTION_SIGNAL, PreemptionNotice,
                                                 STOP_FILE_ENV, STOP_SIGNAL)
 
@@ -79,8 +86,26 @@ class _StopFile:
         """torchrun returned: a late signal (the grace's timer, one from outside) has nothing left to end."""
         signal.signal(STOP_SIGNAL, self._note)
         signal.signal(CHECKPOINT_SIGNAL, self._checkpoint_asked)  # its default action would end the agent
+        self.node_notice = NoticeFile.inherited()
+        """The notice file of the node's first process: a replica-group launcher's when it names one, else this
+        process's own with a grace (it is the first process), else None (recover/notice.py)."""
         if grace_s > 0:
+            if self.node_notice is None:  # in this agent's folder: removed with it, even after a SIGKILL
+                self.node_notice = NoticeFile(os.path.join(self.folder, "notice"))
+                self._own_notice = True
+                os.environ[NOTICE_FILE_ENV] = self.node_notice.path  # the workers inherit it
             signal.signal(PREEMPTION_SIGNAL, self._preempted)
+        elif self.node_notice is not None:  # an agent of a replica group: the node's notice is not its end
+            signal.signal(PREEMPTION_SIGNAL, SigtermTriage(self.node_notice, self._ended, "titan_recover.torchrun"))
+
+    _own_notice = False
+
+    @staticmethod
+    def _ended(signum, _frame) -> NoReturn:
+        """What torchrun's own handler does: its agent ends the workers and this process exits 128 + ``signum``."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
     @staticmethod
     def _checkpoint_asked(signum, _frame) -> None:
@@ -103,6 +128,7 @@ class _StopFile:
         if self._over:
             return
         if self.notice.take(now):
+            self._mark_notice(NOTICE)  # the same SIGTERM, if it reached the workers too, is this notice
             self._note(signum, None)
             print(f"titan_recover.torchrun: {signal.Signals(signum).name}, a preemption notice: the workers stop "
                   "after a step they agree on, with a checkpoint of it; they are ended if they have not within "
@@ -113,7 +139,12 @@ class _StopFile:
             return
         self.ended_why = (f"not stopped within recover.preemption_grace_s = {grace} s"
                           if self.notice.expired(now) else f"a second {signal.Signals(signum).name} came")
-        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        self._mark_notice(ENDING)  # the agent's SIGTERM to the workers ends them
+        self._ended(signum, _frame)
+
+    def _mark_notice(self, state: str) -> None:
+        if self._own_notice:
+            self.node_notice.mark(state)
 
     def exit_code(self, code: int) -> int:
         """The process's exit code: 128 + the signal that asked if the workers stopped on it and exited 0."""
@@ -186,7 +217,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     grace, argv = _grace(list(sys.argv[1:] if argv is None else argv))
     stop = _StopFile(grace)
-    taken = {STOP_SIGNAL.name} | ({PREEMPTION_SIGNAL.name} if grace > 0 else set())
+    taken = {STOP_SIGNAL.name} | ({PREEMPTION_SIGNAL.name} if stop.node_notice is not None else set())
     argv, dropped = _without_signals(argv, run.get_args_parser().get_default(_SIGNALS_DEST), taken)
     dropped = [name for name in dropped if name != PREEMPTION_SIGNAL.name]  # asked for with the grace: no news
     if dropped:

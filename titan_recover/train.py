@@ -100,9 +100,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """Train, then end the process with the run's exit code (:func:`~titan_recover.process_exit.leave`) while the
     trainer is still referenced: freeing it would run the destructors of past epochs' gloo groups, which wait for
     gloo's timeout on a dead peer."""
+    from titan_recover.recover.notice import guard_rank, NoticeFile
     from titan_recover.recover.stop_request import listen
 
     listen()  # a stop request (SIGUSR1) from now on is noted, not the end of the process (recover/stop_request.py)
+    # with a preemption grace, the node's notice (a SIGTERM to every process) is not this rank's end (recover/notice.py)
+    guard_rank(NoticeFile.inherited(), who=f"titan_recover rank {os.environ.get('RANK', 0)}")
     argv = list(sys.argv[1:] if argv is None else argv)
     toml_path = argv.pop(0) if argv and not argv[0].startswith("--") else None
 

@@ -134,7 +134,8 @@ class RecoverConfig:
     job stops with a durable checkpoint of its last committed step, as on ``SIGUSR1``, and exits 143; whatever still
     runs this many seconds after it, or at a second ``SIGTERM``, is ended as ``SIGTERM`` ends it. With replica groups
     on many nodes, a notice to a node whose loss the job survives (node 1 and up on the embedded store, any node on
-    etcd) makes that node's groups leave at once, as a lost node's do, and the others train on. Set it below the
+    etcd) makes that node's groups leave at once, as a lost node's do, and the others train on. The same ``SIGTERM``
+    sent to every process of the node at once (SLURM) is that notice too: no process dies of it. Set it below the
     platform's own grace (Kubernetes ``terminationGracePeriodSeconds``, 30 s by default; ``docker stop``, 10 s); it
     needs ``[checkpoint] enable`` (docs/deploy.md "Preemption")."""
 

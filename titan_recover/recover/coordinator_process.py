@@ -28,6 +28,7 @@ from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import Coordinator
 from titan_recover.recover.groups.keys import GroupKeys
 from titan_recover.recover.groups.protocol import DurableState
+from titan_recover.recover.notice import NoticeFile, SigtermTriage
 from titan_recover.recover.scout.verified import complete_checkpoints, step_to_load
 from titan_recover.recover.standby import lead, refused, took_office
 from titan_recover.recover.stores import connect
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         coordinator.chaos = ProcessFaults(faults, "coordinator", coordinator.start, coordinator.events)
         if election is not None:
             took_office(election, coordinator.events, "coordinator")
-        signal.signal(signal.SIGTERM, coordinator.request_stop)
+        notice = NoticeFile.inherited()  # a preemption grace: the node's notice reaches every process (SLURM)
+        signal.signal(signal.SIGTERM, coordinator.request_stop if notice is None else
+                      SigtermTriage(notice, coordinator.request_stop, "titan_recover coordinator"))
         signal.signal(signal.SIGINT, coordinator.request_stop)
         return coordinator.run()
     except NotLeader as error:  # another candidate leads: this one's write changed nothing

@@ -47,6 +47,7 @@ from titan_recover.recover.nodes import (address_towards, agreed_text, groups_ou
                                         node_groups, NodeKeys, NodePlan, single_node, unreachable)
 from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.standby import LEADER_TTL_S
+from titan_recover.recover.notice import ENDING, NOTICE, NOTICE_FILE_ENV, NoticeFile
 from titan_recover.recover.stop_request import CHECKPOINT_SIGNAL, PREEMPTION_SIGNAL, PreemptionNotice
 from titan_recover.recover.stores import connect, job_url, parse_store_url, read_keys
 
@@ -174,8 +175,7 @@ class ReplicaJob:
         ``<run>/logs/`` and the console shows the job's steps and events, :mod:`job_log`)."""
         from titan_recover.config.render import render_toml
 
-        self.recover = config.recover
-        self.chaos = config.chaos
+        self.recover, self.chaos = config.recover, config.chaos
         self.checkpoint_folder = (os.path.join(os.path.abspath(config.dump_folder), config.checkpoint.folder)
                                   if config.checkpoint.enable else "")
         self.load_verified = bool(getattr(config.checkpoint, "load_verified", False))
@@ -196,6 +196,7 @@ class ReplicaJob:
             os.makedirs(self.logs, exist_ok=True)
         self.job_log = None
         """Node 0: the job's metrics run and console lines (:meth:`start_job_log`)."""
+        self.notice = NoticeFile.create() if self.recover.preemption_grace_s > 0 else None  # (recover/notice.py)
         self.base_env = self._base_env()
         self.children: list[subprocess.Popen] = []
         """Every process started, for the signal forwarding and the cleanup."""
@@ -230,6 +231,8 @@ class ReplicaJob:
         env = dict(os.environ, **{RUN_DIR_ENV: self.run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1",
                                   NODE_ENV: str(self.plan.rank)})
         env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here (node 0's start)
+        if self.notice is not None:
+            env[NOTICE_FILE_ENV] = self.notice.path
         # On GPUs: NCCL's heartbeat monitor of a process's first group ends the process minutes after the watchdog of
         # any of its groups saw an error, a fault-tolerant group's included (its abandoned pieces after a peer died);
         # the replica protocol handles those, and the hang observer watches for hung ranks (docs/replica_groups.md)
@@ -299,11 +302,17 @@ class ReplicaJob:
         preemption grace, the first SIGTERM once the job started is a stop request instead (:meth:`on_stop_request`),
         bounded by :meth:`end_after_grace`."""
         if signum == PREEMPTION_SIGNAL and self.children and self.preemption.take(time.monotonic()):
+            self._mark_notice(NOTICE)  # the same SIGTERM, if it reached the children too, is this notice
             self.on_stop_request(signum, frame)  # the loop decides: the whole job stops, or this node leaves
             return
         self.stopped_by = signum
+        self._mark_notice(ENDING)  # the SIGTERM below ends them, even if one took an earlier one for the notice
         for child in self.children:
             _signal_group(child, signal.SIGTERM)
+
+    def _mark_notice(self, state: str) -> None:
+        if self.notice is not None:
+            self.notice.mark(state)
 
     # ---- the job's store --------------------------------------------------------------------------------
     def open_job_store(self) -> None:
@@ -1012,6 +1021,7 @@ class ReplicaJob:
     def cleanup(self) -> None:
         """SIGTERM to every child still running, SIGKILL after GRACE_S, then any process carrying the run's
         marker."""
+        self._mark_notice(ENDING)
         for child in self.children:
             if child.poll() is None:
                 _signal_group(child, signal.SIGTERM)
@@ -1021,6 +1031,8 @@ class ReplicaJob:
         for child in self.children:
             _signal_group(child, signal.SIGKILL)
         _kill_all(processes_of_run(self.run_dir, node=self.plan.rank))
+        if self.notice is not None:
+            self.notice.remove()
         if self.announcement is not None:
             self.announcement.resign()
 

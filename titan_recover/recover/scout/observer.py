@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from titan_recover.process_exit import pid_alive
 from titan_recover.recover.scout.beacon import beacon_path, BeaconRecord, read_beacon
 from titan_recover.recover.events import EventLog
+from titan_recover.recover.notice import NoticeFile, SigtermTriage
 
 logger = logging.getLogger("titan_recover.observer")
 
@@ -161,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[observer {args.replica}] %(asctime)s %(message)s")
     observer = Observer(args.run_dir, args.replica, args.incarnation, args.ranks, args.threshold_s, args.end_hung)
-    signal.signal(signal.SIGTERM, observer.request_stop)
+    notice = NoticeFile.inherited()  # a preemption grace: the node's notice reaches every process (SLURM)
+    signal.signal(signal.SIGTERM, observer.request_stop if notice is None else
+                  SigtermTriage(notice, observer.request_stop, "titan_recover observer"))
     signal.signal(signal.SIGINT, observer.request_stop)
     return observer.run()
 

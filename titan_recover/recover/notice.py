@@ -1,0 +1,153 @@
+"""A preemption notice sent to every process of a node at once (docs/deploy.md "Preemption").
+
+With ``[recover] preemption_grace_s > 0`` the job's first process on a node (the launcher of replica groups, or the
+torchrun of a job without them) takes its first ``SIGTERM`` as a preemption notice: the job stops with a checkpoint.
+Kubernetes, ``docker stop`` and systemd signal that process only. SLURM (``proctrack/cgroup``) signals every process
+of the job step at the same moment: the coordinator, each group's torchrun agent and every rank get the same
+``SIGTERM``. By default each of them dies of it, and the checkpoint is never written.
+
+So the first process writes the node's **notice file**, whose path every process it starts inherits
+(:data:`NOTICE_FILE_ENV`), set only when a grace is. The file holds one word:
+
+- ``notice`` (:data:`NOTICE`): the first process took a preemption notice. A ``SIGTERM`` that reaches another
+  process now is that notice, reaching it as well: the process carries on, once, and the stop comes to it the way
+  every stop does (the job's store, or its agent's stop file).
+- ``ending`` (:data:`ENDING`): the first process ends the node's processes (the grace ran out, a second ``SIGTERM``,
+  Ctrl-C). It writes this before it signals them, so that none takes that ``SIGTERM`` for the notice.
+
+A process that gets ``SIGTERM`` while the file does not say ``notice`` waits for it up to :data:`NOTICE_WAIT_S`
+(the signal may reach it before the first process wrote the file), then ends as ``SIGTERM`` ends it. The same
+process's second ``SIGTERM`` always ends it. Only the first process writes the file; so a ``SIGTERM`` that a torchrun
+agent sends its workers after one of them failed (the file absent) ends them :data:`NOTICE_WAIT_S` later than it
+would without a grace.
+
+A rank cannot decide on its main thread: Python runs a signal's handler there only between bytecodes, and a rank
+blocked in a collective whose peer died would then never end (torchrun's agent would have to wait for its SIGKILL,
+30 s later). :func:`guard_rank` decides on a thread of its own, woken by the signal itself (``set_wakeup_fd``), and
+ends the process with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+NOTICE_FILE_ENV = "TITAN_RECOVER_NOTICE_FILE"
+NOTICE, ENDING = "notice", "ending"
+NOTICE_WAIT_S = 1.0
+"""How long a process that got ``SIGTERM`` waits for the node's first process to write ``notice``: the scheduler
+signals every process at once, and the first process writes the file when its own handler runs (a few ms on an idle
+node)."""
+_POLL_S = 0.02
+
+
+class NoticeFile:
+    """The node's notice file at ``path``: written by the first process only, read by the others."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @classmethod
+    def create(cls) -> "NoticeFile":
+        """A new, unwritten file in a folder of its own in the node's temp dir (removed by :meth:`remove`)."""
+        return cls(os.path.join(tempfile.mkdtemp(prefix="titan_recover_notice."), "notice"))
+
+    @classmethod
+    def inherited(cls) -> "NoticeFile | None":
+        """The file the first process named for this one, or None (no grace: ``SIGTERM`` ends it, as ever)."""
+        path = os.environ.get(NOTICE_FILE_ENV, "")
+        return cls(path) if path else None
+
+    def mark(self, state: str) -> None:
+        """Write ``state`` (:data:`NOTICE` or :data:`ENDING`) whole: a reader sees the old word or the new one."""
+        if state not in (NOTICE, ENDING):
+            raise ValueError(f"a notice file holds {NOTICE!r} or {ENDING!r}, not {state!r}")
+        partial = f"{self.path}.{os.getpid()}.partial"
+        with open(partial, "w") as out:
+            out.write(state)
+        os.replace(partial, self.path)
+
+    def read(self) -> str | None:
+        try:
+            with open(self.path) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
+
+    def remove(self) -> None:
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
+def is_notice(read: Callable[[], str | None], first: bool, wait_s: float = NOTICE_WAIT_S,
+              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """A ``SIGTERM`` came to a process that is not the node's first: True if it is the node's preemption notice
+    (carry on), False if it ends the process. Only a process's ``first`` ``SIGTERM`` can be the notice; it is when
+    the file says ``notice`` within ``wait_s``, and not when it says ``ending`` or still nothing by then."""
+    if not first:
+        return False
+    deadline = clock() + wait_s
+    while True:
+        state = read()
+        if state == NOTICE:
+            return True
+        if state == ENDING or clock() >= deadline:
+            return False
+        sleep(_POLL_S)
+
+
+class SigtermTriage:
+    """A ``SIGTERM`` handler for a process whose main thread returns to Python promptly (a coordinator, an agent):
+    the node's notice is noted once and the process carries on; any other ``SIGTERM`` goes to ``on_end``."""
+
+    def __init__(self, notice: NoticeFile, on_end: Callable, who: str):
+        self.notice, self.on_end, self.who = notice, on_end, who
+        self.taken = False
+
+    def __call__(self, signum, frame):
+        first, self.taken = not self.taken, True
+        if is_notice(self.notice.read, first):
+            print(f"{self.who}: SIGTERM, the node's preemption notice: carrying on until the job stops",
+                  file=sys.stderr, flush=True)
+            return None
+        return self.on_end(signum, frame)
+
+
+def guard_rank(notice: NoticeFile | None, who: str = "titan_recover") -> bool:
+    """Install the rank's ``SIGTERM`` decision (module docstring) when the node has a notice file; call it from the
+    main thread, first thing. Returns whether it was installed. Not installed, ``SIGTERM`` ends the rank at once, as
+    without a grace: no notice file, or a wakeup fd that someone else set already (this would replace it)."""
+    if notice is None or threading.current_thread() is not threading.main_thread():
+        return False
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    if previous != -1:  # another part of this process listens to its signals this way: leave it theirs
+        signal.set_wakeup_fd(previous)
+        os.close(read_end), os.close(write_end)
+        print(f"{who}: a signal wakeup fd is set already: SIGTERM ends this rank at once, even as a preemption "
+              "notice", file=sys.stderr, flush=True)
+        return False
+    signal.signal(signal.SIGTERM, lambda *_: None)  # decided on the thread below, not on the main thread
+
+    def decide() -> None:
+        first = True
+        while True:
+            received = os.read(read_end, 64)
+            if signal.SIGTERM not in received:
+                continue
+            if is_notice(notice.read, first):
+                print(f"{who}: SIGTERM, the node's preemption notice: this rank stops with the job",
+                      file=sys.stderr, flush=True)
+                first = False
+                continue
+            print(f"{who}: SIGTERM: ending this rank now (exit {128 + signal.SIGTERM})", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=decide, daemon=True, name="titan-recover-sigterm").start()
+    return True
