@@ -9,6 +9,9 @@
 # run folder, on a file system every node shares; default outputs/<config name>).
 # Three minutes before the time limit SLURM sends SIGUSR1 to this script's process (srun, after the exec below), which
 # passes it to every node's launcher: the job stops with a durable checkpoint of its last committed step, exit 138.
+# At a preemption SLURM sends SIGTERM to every process of the job: with [recover] preemption_grace_s > 0 (below
+# the partition's GraceTime) that is meant to stop it with a checkpoint too, exit 143; not yet run under SLURM
+# (docs/deploy.md "Preemption").
 #SBATCH --job-name=titan_recover_replicas
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive

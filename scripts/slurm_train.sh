@@ -10,6 +10,9 @@
 # Three minutes before the time limit SLURM sends SIGUSR1 to this script's process (srun, after the exec below), which
 # passes it to every node's launcher: every rank stops after the same step with a checkpoint of it, exit 138
 # (docs/deploy.md "Stopping with a checkpoint").
+# At a preemption SLURM sends SIGTERM to every process of the job: with [recover] preemption_grace_s > 0 (below
+# the partition's GraceTime) that is meant to stop it with a checkpoint too, exit 143; not yet run under SLURM
+# (docs/deploy.md "Preemption").
 #SBATCH --job-name=titan_recover
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
