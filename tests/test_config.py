@@ -318,6 +318,9 @@ def test_a_sigterm_to_a_replica_launcher_with_a_grace_is_a_stop_request_until_th
     twice = job("--recover.preemption_grace_s", "20")
     twice.children = ["replica 0"]
     twice.on_signal(signal.SIGTERM, None)
+    twice.on_signal(signal.SIGTERM, None)  # at once: the same notice by a second path (srun forwarding it)
+    assert twice.stopped_by is None and not signalled
+    now[0] += 1.0
     twice.on_signal(signal.SIGTERM, None)
     assert twice.stopped_by == signal.SIGTERM and signalled == [("replica 0", signal.SIGTERM)]
     signalled.clear()

@@ -43,6 +43,7 @@ def test_a_notice_file_holds_one_word_whole_and_its_folder_goes_with_it(tmp_path
     monkeypatch.setenv(NOTICE_FILE_ENV, "")
     assert NoticeFile.inherited() is None  # no grace: no file
     notice = NoticeFile.create()
+    assert not os.path.exists(os.path.dirname(notice.path))  # made by the first word written
     monkeypatch.setenv(NOTICE_FILE_ENV, notice.path)
     assert NoticeFile.inherited().path == notice.path and notice.read() is None
     notice.mark(NOTICE)
@@ -151,6 +152,7 @@ def test_the_agent_of_a_job_without_replica_groups_writes_the_nodes_notice_for_i
         assert notice is not None and notice.read() is None
         agent._preempted(signal.SIGTERM, None)
         assert notice.read() == NOTICE
+        agent.notice.since -= agent.notice.repeat_s  # a second SIGTERM, not the first come again
         with pytest.raises(SignalException):
             agent._preempted(signal.SIGTERM, None)
         assert notice.read() == ENDING

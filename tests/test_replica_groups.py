@@ -94,8 +94,8 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
         tmp_path, default_data, sig, to_every_process):
     """SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends before the time limit), or SIGTERM
     with ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process), or that SIGTERM to
-    every process of the job at once, the launcher last (what SLURM sends at a preemption: the coordinator, both
-    groups' agents and ranks too): the job stops at once with a durable checkpoint of its last committed step,
+    every process of the job at once, the launcher last and twice (what SLURM sends at a preemption: the
+    coordinator, both groups' agents and ranks too, and srun may forward it): the job stops at once with a durable checkpoint of its last committed step,
     written once, and the launcher exits 128 + the signal (stopped, not trained), naming the request; nothing is
     left running. Before that (the time-limit case), SIGUSR2 asks for a checkpoint while the job trains on: the next
     committed step's is written, whatever the interval."""
@@ -133,6 +133,8 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
         for pid in children:  # before the launcher: they wait for it to write the node's notice
             os.kill(pid, sig)
         proc.send_signal(sig)
+        if to_every_process:  # and again at once, as srun may forward the scheduler's to the task it started
+            proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -213,6 +213,10 @@ def test_a_preemption_notice_asks_once_and_ends_the_job_after_its_grace():
     notice = PreemptionNotice(30.0)
     assert not notice.expired(10.0)
     assert notice.take(10.0) and not notice.take(11.0)  # the first asks; a second ends the job
+    assert notice.repeats(10.9) and not notice.repeats(11.0)  # unless it is the first come again, moments later
+    short = PreemptionNotice(0.5)
+    assert short.take(0.0) and short.repeats(0.4) and not short.repeats(0.5)  # never past the grace
+    assert not PreemptionNotice(30.0).repeats(0.0)  # nothing taken: nothing repeats
     assert not notice.expired(39.9) and notice.expired(40.0)
     assert describe("SIGTERM") == "SIGTERM: a preemption notice"
     assert describe("SIGUSR1") == "SIGUSR1, e.g. a scheduler's warning before the job's time limit"
@@ -250,6 +254,8 @@ def test_an_agent_with_a_grace_notes_sigterm_for_its_workers_and_ends_them_when_
 
         agent = _StopFile(grace_s=60)
         agent._preempted(signal.SIGTERM, None)
+        agent._preempted(signal.SIGTERM, None)  # at once: the same notice by a second path (srun forwarding it)
+        agent.notice.since -= agent.notice.repeat_s
         with pytest.raises(SignalException):
             agent._preempted(signal.SIGTERM, None)
         assert agent.ended_why == "a second SIGTERM came"

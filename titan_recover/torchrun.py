@@ -23,7 +23,8 @@ starts on the node removes it (the folder is named after the agent's pid).
 ``--preemption-grace-s S`` (before torchrun's own options; the launcher passes ``[recover] preemption_grace_s``
 when it is above 0) makes ``SIGTERM`` the same stop, named a preemption notice: torchrun's agent would end the
 workers on it at once, so it is taken out of the signals torchrun handles, noted in the file, and the process
-exits 143 (128 + 15) once the workers stopped. A second ``SIGTERM``, or none of them stopping within ``S`` seconds,
+exits 143 (128 + 15) once the workers stopped. A second ``SIGTERM`` (not the first come again within a second:
+``PreemptionNotice.repeats``), or none of them stopping within ``S`` seconds,
 ends them as torchrun ends them on ``SIGTERM`` (its ``SignalException``, raised here), and the process exits 143
 with a sentence saying which.
 
@@ -125,7 +126,7 @@ class _StopFile:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         now, grace = time.monotonic(), self.notice.grace_s
-        if self._over:
+        if self._over or self.notice.repeats(now):  # a repeat: the notice taken a moment ago, come by another path
             return
         if self.notice.take(now):
             self._mark_notice(NOTICE)  # the same SIGTERM, if it reached the workers too, is this notice

@@ -301,10 +301,16 @@ class ReplicaJob:
         """Ctrl-C / SIGTERM / SIGHUP: remember it (no restarts from now on) and forward SIGTERM to every child. With a
         preemption grace, the first SIGTERM once the job started is a stop request instead (:meth:`on_stop_request`),
         bounded by :meth:`end_after_grace`."""
+        if signum == PREEMPTION_SIGNAL and self.preemption.repeats(time.monotonic()):
+            return  # the notice taken a moment ago, come again by another path (srun forwarding it)
         if signum == PREEMPTION_SIGNAL and self.children and self.preemption.take(time.monotonic()):
             self._mark_notice(NOTICE)  # the same SIGTERM, if it reached the children too, is this notice
             self.on_stop_request(signum, frame)  # the loop decides: the whole job stops, or this node leaves
             return
+        self.end_children(signum)
+
+    def end_children(self, signum: int) -> None:
+        """Remember ``signum`` as the job's end (no restarts from now on) and send every child SIGTERM."""
         self.stopped_by = signum
         self._mark_notice(ENDING)  # the SIGTERM below ends them, even if one took an earlier one for the notice
         for child in self.children:
@@ -744,7 +750,7 @@ class ReplicaJob:
             print(f"[titan_recover] the job did not stop within recover.preemption_grace_s = "
                   f"{self.preemption.grace_s} s of SIGTERM: ending this node's processes without waiting for the "
                   "checkpoint", file=sys.stderr, flush=True)
-            self.on_signal(PREEMPTION_SIGNAL, None)
+            self.end_children(PREEMPTION_SIGNAL)
 
     def honour_stop_request(self) -> None:
         if self.stop_requested is None or self.stop_honoured:
@@ -754,7 +760,7 @@ class ReplicaJob:
             self.left_on_notice = True  # this node's groups leave as a lost node's do; the others train on
             # with fewer groups and nodes being taken, a durable checkpoint of the next committed step
             request_checkpoint(self.store)
-            self.on_signal(PREEMPTION_SIGNAL, None)  # the notice was taken: this one ends the node's processes
+            self.end_children(PREEMPTION_SIGNAL)
             return
         name = signal.Signals(self.stop_requested).name
         if self.recover.diloco_mode:

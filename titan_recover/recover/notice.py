@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from typing import Callable
 
 NOTICE_FILE_ENV = "TITAN_RECOVER_NOTICE_FILE"
@@ -55,8 +56,10 @@ class NoticeFile:
 
     @classmethod
     def create(cls) -> "NoticeFile":
-        """A new, unwritten file in a folder of its own in the node's temp dir (removed by :meth:`remove`)."""
-        return cls(os.path.join(tempfile.mkdtemp(prefix="titan_recover_notice."), "notice"))
+        """A new file, in a folder of its own in the node's temp dir that the first :meth:`mark` makes (a process
+        that never writes leaves nothing behind) and :meth:`remove` removes."""
+        folder = f"titan_recover_notice.{os.getpid()}.{uuid.uuid4().hex[:12]}"
+        return cls(os.path.join(tempfile.gettempdir(), folder, "notice"))
 
     @classmethod
     def inherited(cls) -> "NoticeFile | None":
@@ -68,6 +71,7 @@ class NoticeFile:
         """Write ``state`` (:data:`NOTICE` or :data:`ENDING`) whole: a reader sees the old word or the new one."""
         if state not in (NOTICE, ENDING):
             raise ValueError(f"a notice file holds {NOTICE!r} or {ENDING!r}, not {state!r}")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         partial = f"{self.path}.{os.getpid()}.partial"
         with open(partial, "w") as out:
             out.write(state)

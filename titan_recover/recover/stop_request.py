@@ -54,13 +54,24 @@ class PreemptionNotice:
     grace_s: float
     since: float | None = None
     """When the first came (monotonic seconds), None before."""
+    repeat_s: float = 1.0
+    """A ``SIGTERM`` this soon after the first is the same notice come by a second path, not a second one: a
+    scheduler that signals every process of a job may also have the job's own ``srun`` forward it to the process it
+    started, moments later. An operator who means "end it now" a second after the notice sends it again later, or
+    SIGKILL."""
 
     def take(self, now: float) -> bool:
-        """A ``SIGTERM`` came at ``now``: True if it asks for a stop with a checkpoint, False if it ends the job."""
+        """A ``SIGTERM`` came at ``now``: True if it asks for a stop with a checkpoint, False if it ends the job
+        (ask :meth:`repeats` first)."""
         if self.grace_s <= 0 or self.since is not None:
             return False
         self.since = now
         return True
+
+    def repeats(self, now: float) -> bool:
+        """A ``SIGTERM`` at ``now`` is the notice already taken, arriving again (:attr:`repeat_s`): nothing to do.
+        Never once the grace is over (a grace shorter than the window ends the job when it runs out)."""
+        return self.since is not None and now - self.since < min(self.repeat_s, self.grace_s)
 
     def expired(self, now: float) -> bool:
         """A stop was asked for and ``grace_s`` has passed since."""
