@@ -52,11 +52,10 @@ from titan_recover.recover.groups.member import FOUNDING_STEP_ENV, REPLICA_ENV, 
 from titan_recover.recover.phoenix.snapshots import (gather_from_ranks, keeper_addresses, snapshot_job,  # noqa: E402
                                                      SnapshotConfig, Snapshots)
 from titan_recover.recover.phoenix.state_transfer import TrainingState  # noqa: E402
-from titan_recover.recover.scout.verified import only_unverified, step_to_load  # noqa: E402
+from titan_recover.recover.scout.verified import METADATA, only_unverified, STEP_DIR, step_to_load  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _STAGING_DIR = re.compile(r"^\.saving-(\d+)\.r(\d+)$")
 
 
@@ -69,7 +68,7 @@ def staging_name(step: int, replica: int) -> str:
 
 def complete(checkpoint_id: str) -> bool:
     """A checkpoint folder whose ``.metadata`` exists: DCP writes it last, once every shard is written."""
-    return filesystem.isfile(filesystem.join(checkpoint_id, ".metadata"))
+    return filesystem.isfile(filesystem.join(checkpoint_id, METADATA))
 
 
 def publish(staging: str, target: str) -> bool:
@@ -267,7 +266,7 @@ class RecoverCheckpointManager(CheckpointManager):
         if not self._should_purge():
             return
         names = filesystem.listdir(self.folder)
-        steps = [int(m.group(1)) for name in names if (m := _STEP_DIR.match(name))]
+        steps = [int(m.group(1)) for name in names if (m := STEP_DIR.match(name))]
         done = [s for s in steps if complete(self._create_checkpoint_id(s))]
         for step in stale_checkpoints(steps, done, self.keep_latest_k):
             self.purge_queue.put(self._create_checkpoint_id(step))

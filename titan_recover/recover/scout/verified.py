@@ -20,7 +20,10 @@ import re
 logger = logging.getLogger(__name__)
 
 LEDGER = "verified_steps.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+"""A checkpoint's folder under the checkpoint folder, as TorchTitan names it: ``step-N``."""
+METADATA = ".metadata"
+"""The file DCP writes last, once every shard of a checkpoint is written: a folder holding it is complete."""
 
 
 def verifies_previous(step: int, interval: int, clean: bool, previous_writer: int | None,
@@ -59,8 +62,8 @@ def complete_checkpoints(folder: str) -> list[int]:
         return []
     steps = []
     for name in os.listdir(folder):
-        match = _STEP_DIR.match(name)
-        if match and os.path.isfile(os.path.join(folder, name, ".metadata")):
+        match = STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(folder, name, METADATA)):
             steps.append(int(match.group(1)))
     return sorted(steps)
 
