@@ -366,6 +366,31 @@ def test_a_stop_that_came_with_a_later_epoch_after_the_look_is_entered_as_a_stop
         member.wait_for_epoch(0, 5.0)
 
 
+def test_a_group_that_died_between_its_registration_and_its_first_beat_is_judged_without_waiting(tmp_path):
+    """Replica 1 registered and died before its leader wrote the group's first beat: its beat key never exists. The
+    coordinator's look reads it as silent without waiting for it (a TCPStore ``multi_get`` of a missing key waits
+    for the store's timeout, here 5 s, stalling the coordinator's beat), and declares it dead after the heartbeat
+    timeout while replica 0 beats. Keys once seen are then read together, in one request."""
+    from titan_recover.recover.groups.coordinator import Coordinator
+    from titan_recover.recover.groups.keys import GroupKeys
+
+    config = RecoverConfig(replicas=2, heartbeat_timeout_s=0.5, join_window_s=0.3)
+    coordinator = Coordinator(config, job_store(), replicas=2, ranks_per_replica=1, run_dir=str(tmp_path))
+    coordinator._publish(0, (0, 1), (), "all replicas registered", timing={})
+    longest, deadline = 0.0, time.monotonic() + 30
+    while not coordinator.excluded:
+        assert time.monotonic() < deadline, "replica 1 was never declared dead"
+        coordinator.store.set(GroupKeys.heartbeat(0),
+                              encode_group_beat({0: Heartbeat(time.time(), time.time(), 1, "forward")}))
+        looked_at = time.monotonic()
+        coordinator._watch_liveness()
+        longest = max(longest, time.monotonic() - looked_at)
+        time.sleep(0.02)
+    assert coordinator.excluded == {1}
+    assert longest < 2.5, longest  # far below the store's 5 s timeout: no look waited for the missing key
+    assert coordinator._beats_seen == {GroupKeys.heartbeat(0)}
+
+
 def job_store():
     """The job's store as the launcher hosts it (in this process)."""
     from datetime import timedelta

@@ -103,6 +103,8 @@ class Coordinator:
                                    max_gap_s=max(MAX_LOOK_GAP_S, 2 * config.heartbeat_interval_s))
         self._terminate = False
         self._beaten = 0.0
+        self._beats_seen: set[str] = set()
+        """The groups' beat keys read once: present from then on, read together (:meth:`_read_beats`)."""
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def request_stop(self, *_args) -> None:
@@ -241,6 +243,17 @@ class Coordinator:
             time.sleep(TICK_S)
         return False
 
+    def _read_beats(self, keys: list[str], every_key_may_be_absent: bool) -> list[bytes]:
+        """The groups' beats (``b""`` for one never written): the keys already seen in one request, the others each
+        only if present. A read must never wait for a key: a group may die between its registration and its first
+        beat, and after a stop a member may be gone without one (an absent beat is a silent one)."""
+        seen = [] if every_key_may_be_absent else [k for k in keys if k in self._beats_seen]
+        values = dict(zip(seen, self.store.multi_get(seen) if seen else []))
+        unseen = [k for k in keys if k not in values]
+        values.update(zip(unseen, (v or b"" for v in read_keys(self.store, unseen))))
+        self._beats_seen.update(k for k in unseen if values[k])
+        return [values[k] for k in keys]
+
     def _watch_liveness(self, raise_flags: bool = True) -> None:
         """Judge the members not yet excluded; one dead or hung is excluded and, unless ``raise_flags`` is False
         (after a stop, when no epoch follows), the epoch's fault flag raised."""
@@ -252,10 +265,7 @@ class Coordinator:
         ranks = {m: rs for m, rs in ranks.items() if rs and 0 in rs}
         if not ranks:
             return
-        keys = [GroupKeys.heartbeat(m) for m in ranks]
-        # one request while training; after a stop a member may be gone without a beat ever written, and a read of
-        # its key must not wait for it (an absent beat is a silent one)
-        raw = self.store.multi_get(keys) if raise_flags else [v or b"" for v in read_keys(self.store, keys)]
+        raw = self._read_beats([GroupKeys.heartbeat(m) for m in ranks], every_key_may_be_absent=not raise_flags)
         now = time.monotonic()  # after the read: what it returned is the store's state at about this time
         beats = group_beats(dict(zip(ranks, raw)), ranks, self.incarnation)
         self.watch.look(now, beats)
