@@ -161,3 +161,17 @@ def test_the_agent_of_a_job_without_replica_groups_writes_the_nodes_notice_for_i
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def test_a_new_notice_file_clears_those_left_by_launchers_killed_before_they_could(tmp_path, monkeypatch):
+    import tempfile
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / f"titan_recover_notice.{dead.pid}.abc").mkdir()
+    (tmp_path / f"titan_recover_notice.{os.getpid()}.def").mkdir()  # a live launcher's stays
+    notice = NoticeFile.create()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"titan_recover_notice.{os.getpid()}.def"]
+    notice.mark(NOTICE)
+    assert os.path.dirname(notice.path).startswith(str(tmp_path / f"titan_recover_notice.{os.getpid()}."))

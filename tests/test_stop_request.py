@@ -166,7 +166,7 @@ def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_ch
 def test_an_agent_removes_the_stop_folders_of_agents_killed_before_they_could(tmp_path):
     """An agent killed by SIGKILL cannot remove its folder; the next agent on the node removes it, and never the
     folder of an agent still running (the pid in the name) or anything else in the temp dir."""
-    from titan_recover.torchrun import _remove_folders_of_dead_agents
+    from titan_recover.process_exit import remove_folders_of_dead_processes
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -174,7 +174,7 @@ def test_an_agent_removes_the_stop_folders_of_agents_killed_before_they_could(tm
                  "titan_recover_stop.notapid", f"other.{dead.pid}.x"):
         (tmp_path / name).mkdir()
     (tmp_path / f"titan_recover_stop.{dead.pid}.abc" / "requested").touch()
-    assert _remove_folders_of_dead_agents(str(tmp_path)) == [f"titan_recover_stop.{dead.pid}.abc"]
+    assert remove_folders_of_dead_processes(str(tmp_path), "titan_recover_stop.") == [f"titan_recover_stop.{dead.pid}.abc"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"titan_recover_stop.{os.getpid()}.def", "titan_recover_stop.notapid", f"other.{dead.pid}.x"])
 

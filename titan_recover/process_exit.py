@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import sys
 from typing import Callable, NoReturn
 
@@ -29,6 +30,19 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # another user's process
     return True
+
+
+def remove_folders_of_dead_processes(temp_dir: str, prefix: str) -> list[str]:
+    """Remove the folders ``<prefix><pid>.<anything>`` in ``temp_dir`` whose process is gone without removing its own
+    (SIGKILL): a folder is removed only when the pid in its name runs no process, so a live one's stays. Returns
+    what was removed."""
+    removed = []
+    for name in os.listdir(temp_dir):
+        pid = name.removeprefix(prefix).split(".")[0]
+        if name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(temp_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 def leave(code: int) -> NoReturn:

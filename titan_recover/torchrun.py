@@ -47,7 +47,7 @@ import time
 import traceback
 from typing import NoReturn
 
-from titan_recover.process_exit import leave, pid_alive
+from titan_recover.process_exit import leave, remove_folders_of_dead_processes
 from titan_recover.recover.notice import ENDING, NOTICE, NOTICE_FILE_ENV, NoticeFile, SigtermTriage
 from titan_recover.recover.stop_request import (CHECKPOINT_SIGNAL, PREEMPTION_SIGNAL, PreemptionNotice,
                                                 STOP_FILE_ENV, STOP_SIGNAL)
@@ -57,24 +57,12 @@ _STOP_FOLDER_PREFIX = "titan_recover_stop."
 """Each agent's folder in the temp dir: ``<prefix><agent pid>.<random>``."""
 
 
-def _remove_folders_of_dead_agents(temp_dir: str) -> list[str]:
-    """Remove the stop folders of agents that are gone without removing them (SIGKILL): a folder is removed only
-    when the pid in its name runs no process, so a live agent's folder stays. Returns what was removed."""
-    removed = []
-    for name in os.listdir(temp_dir):
-        pid = name.removeprefix(_STOP_FOLDER_PREFIX).split(".")[0]
-        if name.startswith(_STOP_FOLDER_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(os.path.join(temp_dir, name), ignore_errors=True)
-            removed.append(name)
-    return removed
-
-
 class _StopFile:
     """The node-local file the workers look for, created when ``STOP_SIGNAL`` (or, with a grace,
     ``PREEMPTION_SIGNAL``) comes to this process; it holds the name of the first signal that asked."""
 
     def __init__(self, grace_s: float = 0.0):
-        _remove_folders_of_dead_agents(tempfile.gettempdir())
+        remove_folders_of_dead_processes(tempfile.gettempdir(), _STOP_FOLDER_PREFIX)
         self.folder = tempfile.mkdtemp(prefix=f"{_STOP_FOLDER_PREFIX}{os.getpid()}.")
         self.file = os.path.join(self.folder, "requested")
         os.environ[STOP_FILE_ENV] = self.file  # the workers torchrun starts inherit it

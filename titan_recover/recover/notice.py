@@ -39,6 +39,8 @@ import time
 import uuid
 from typing import Callable
 
+from titan_recover.process_exit import remove_folders_of_dead_processes
+
 NOTICE_FILE_ENV = "TITAN_RECOVER_NOTICE_FILE"
 NOTICE, ENDING = "notice", "ending"
 NOTICE_WAIT_S = 1.0
@@ -46,6 +48,8 @@ NOTICE_WAIT_S = 1.0
 signals every process at once, and the first process writes the file when its own handler runs (a few ms on an idle
 node)."""
 _POLL_S = 0.02
+_FOLDER_PREFIX = "titan_recover_notice."
+"""A notice file's folder in the temp dir: ``<prefix><pid of its first process>.<random>``."""
 
 
 class NoticeFile:
@@ -58,7 +62,8 @@ class NoticeFile:
     def create(cls) -> "NoticeFile":
         """A new file, in a folder of its own in the node's temp dir that the first :meth:`mark` makes (a process
         that never writes leaves nothing behind) and :meth:`remove` removes."""
-        folder = f"titan_recover_notice.{os.getpid()}.{uuid.uuid4().hex[:12]}"
+        remove_folders_of_dead_processes(tempfile.gettempdir(), _FOLDER_PREFIX)  # left by a launcher SIGKILLed
+        folder = f"{_FOLDER_PREFIX}{os.getpid()}.{uuid.uuid4().hex[:12]}"
         return cls(os.path.join(tempfile.gettempdir(), folder, "notice"))
 
     @classmethod
