@@ -45,9 +45,9 @@ from titan_recover.recover.job_store import (agree_config, announce_job, announc
                                              run_segment)
 from titan_recover.recover.nodes import (address_towards, agreed_text, groups_outside, is_loopback, node_address,
                                         node_groups, NodeKeys, NodePlan, single_node, unreachable)
+from titan_recover.recover.notice import ENDING, NOTICE, NOTICE_FILE_ENV, NoticeFile
 from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.standby import LEADER_TTL_S
-from titan_recover.recover.notice import ENDING, NOTICE, NOTICE_FILE_ENV, NoticeFile
 from titan_recover.recover.stop_request import CHECKPOINT_SIGNAL, PREEMPTION_SIGNAL, PreemptionNotice
 from titan_recover.recover.stores import connect, job_url, parse_store_url, read_keys
 
