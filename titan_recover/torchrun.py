@@ -78,16 +78,15 @@ class _StopFile:
         self.node_notice = NoticeFile.inherited()
         """The notice file of the node's first process: a replica-group launcher's when it names one, else this
         process's own with a grace (it is the first process), else None (recover/notice.py)."""
+        self._own_notice = grace_s > 0 and self.node_notice is None
+        """This process writes the node's notice file (only the first process does)."""
         if grace_s > 0:
-            if self.node_notice is None:  # in this agent's folder: removed with it, even after a SIGKILL
+            if self._own_notice:  # in this agent's folder: removed with it, even after a SIGKILL
                 self.node_notice = NoticeFile(os.path.join(self.folder, "notice"))
-                self._own_notice = True
                 os.environ[NOTICE_FILE_ENV] = self.node_notice.path  # the workers inherit it
             signal.signal(PREEMPTION_SIGNAL, self._preempted)
         elif self.node_notice is not None:  # an agent of a replica group: the node's notice is not its end
             signal.signal(PREEMPTION_SIGNAL, SigtermTriage(self.node_notice, self._ended, "titan_recover.torchrun"))
-
-    _own_notice = False
 
     @staticmethod
     def _ended(signum, _frame) -> NoReturn:
@@ -111,8 +110,6 @@ class _StopFile:
     def _preempted(self, signum, _frame) -> None:
         """``PREEMPTION_SIGNAL``: the first asks the workers to stop, and comes again from a timer when the grace
         is over; that one, or a second from outside, ends them (torchrun's ``SignalException``)."""
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
         now, grace = time.monotonic(), self.notice.grace_s
         if self._over or self.notice.repeats(now):  # a repeat: the notice taken a moment ago, come by another path
             return

@@ -45,8 +45,7 @@ NOTICE_FILE_ENV = "TITAN_RECOVER_NOTICE_FILE"
 NOTICE, ENDING = "notice", "ending"
 NOTICE_WAIT_S = 1.0
 """How long a process that got ``SIGTERM`` waits for the node's first process to write ``notice``: the scheduler
-signals every process at once, and the first process writes the file when its own handler runs (a few ms on an idle
-node)."""
+signals every process at once, and the first process writes the file when its own handler runs."""
 _POLL_S = 0.02
 _FOLDER_PREFIX = "titan_recover_notice."
 """A notice file's folder in the temp dir: ``<prefix><pid of its first process>.<random>``."""
@@ -114,15 +113,14 @@ class SigtermTriage:
     """A ``SIGTERM`` handler for a process whose main thread returns to Python promptly (a coordinator, an agent):
     the node's notice is noted once and the process carries on; any other ``SIGTERM`` goes to ``on_end``."""
 
-    def __init__(self, notice: NoticeFile, on_end: Callable, who: str):
-        self.notice, self.on_end, self.who = notice, on_end, who
+    def __init__(self, notice: NoticeFile, on_end: Callable, who: str, then: str = "carrying on until the job stops"):
+        self.notice, self.on_end, self.who, self.then = notice, on_end, who, then
         self.taken = False
 
     def __call__(self, signum, frame):
         first, self.taken = not self.taken, True
         if is_notice(self.notice.read, first):
-            print(f"{self.who}: SIGTERM, the node's preemption notice: carrying on until the job stops",
-                  file=sys.stderr, flush=True)
+            print(f"{self.who}: SIGTERM, the node's preemption notice: {self.then}", file=sys.stderr, flush=True)
             return None
         return self.on_end(signum, frame)
 
@@ -144,19 +142,16 @@ def guard_rank(notice: NoticeFile | None, who: str = "titan_recover") -> bool:
         return False
     signal.signal(signal.SIGTERM, lambda *_: None)  # decided on the thread below, not on the main thread
 
+    def end(signum, _frame) -> None:
+        print(f"{who}: SIGTERM: ending this rank now (exit {128 + signum})", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    triage = SigtermTriage(notice, end, who, then="this rank stops with the job")
+
     def decide() -> None:
-        first = True
         while True:
-            received = os.read(read_end, 64)
-            if signal.SIGTERM not in received:
-                continue
-            if is_notice(notice.read, first):
-                print(f"{who}: SIGTERM, the node's preemption notice: this rank stops with the job",
-                      file=sys.stderr, flush=True)
-                first = False
-                continue
-            print(f"{who}: SIGTERM: ending this rank now (exit {128 + signal.SIGTERM})", file=sys.stderr, flush=True)
-            os._exit(128 + signal.SIGTERM)
+            if signal.SIGTERM in os.read(read_end, 64):
+                triage(signal.SIGTERM, None)
 
     threading.Thread(target=decide, daemon=True, name="titan-recover-sigterm").start()
     return True
