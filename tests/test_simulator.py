@@ -288,3 +288,13 @@ def test_the_same_jobs_step_and_start_up_are_read_from_its_failure_free_and_tita
     assert frozen["recover"].startup_s == pytest.approx(21.2)
     assert frozen["recover"].detect_s == pytest.approx(1.5)
     assert frozen["ckpt_restart"].step_s == pytest.approx(2.5)
+
+
+def test_the_error_against_a_modes_typical_run_is_the_median_of_its_rounds_signed_errors():
+    from titan_recover.sim.calibration import round_median_errors
+
+    errors = {"recover": [-0.087, 0.084, 0.208], "recover_spares": [0.30, 0.02, -0.01, 0.04, 0.01], "none": []}
+    out = round_median_errors(errors)
+    assert out == {"recover": 0.084, "recover_spares": 0.02}  # one slow run moves the median by one rank only
+    # signs do not cancel into a small figure: a prediction too high in every round keeps its error
+    assert round_median_errors({"ckpt_restart": [0.2, 0.25, 0.3]}) == {"ckpt_restart": 0.25}

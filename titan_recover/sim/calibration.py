@@ -171,6 +171,14 @@ def medians(per_round: list[dict[str, Costs]]) -> dict[str, Costs]:
     return out
 
 
+def round_median_errors(errors: dict[str, list[float]]) -> dict[str, float]:
+    """The error of a prediction against a mode's typical run: ``errors`` holds each mode's signed relative errors
+    (predicted / measured - 1), one per round, each run predicted from its own failures; the result, each mode's
+    median of them. The simulator has no model of the host's noise, so it predicts the typical run; the largest
+    single-run error also grows with the number of rounds (the worst of more noisy draws), the median does not."""
+    return {mode: statistics.median(signed) for mode, signed in errors.items() if signed}
+
+
 def combined(costs: dict[str, Costs]) -> dict[str, float]:
     """One set of mechanism costs for the simulator at scale: the failure-free run's step, checkpointing and the
     whole-job restart from checkpoint-restart, the stall and the group's repair from recover, and what a spare's
