@@ -243,11 +243,12 @@ class Coordinator:
             time.sleep(TICK_S)
         return False
 
-    def _read_beats(self, keys: list[str], every_key_may_be_absent: bool) -> list[bytes]:
-        """The groups' beats (``b""`` for one never written): the keys already seen in one request, the others each
-        only if present. A read must never wait for a key: a group may die between its registration and its first
-        beat, and after a stop a member may be gone without one (an absent beat is a silent one)."""
-        seen = [] if every_key_may_be_absent else [k for k in keys if k in self._beats_seen]
+    def _read_beats(self, keys: list[str]) -> list[bytes]:
+        """The groups' beats (``b""`` for one never written): the keys already seen in one request (a beat key is
+        never deleted during a job), the others each only if present. A read must never wait for a key: a group may
+        die between its registration and its first beat, and after a stop a member may be gone without one (an
+        absent beat is a silent one)."""
+        seen = [k for k in keys if k in self._beats_seen]
         values = dict(zip(seen, self.store.multi_get(seen) if seen else []))
         unseen = [k for k in keys if k not in values]
         values.update(zip(unseen, (v or b"" for v in read_keys(self.store, unseen))))
@@ -265,7 +266,7 @@ class Coordinator:
         ranks = {m: rs for m, rs in ranks.items() if rs and 0 in rs}
         if not ranks:
             return
-        raw = self._read_beats([GroupKeys.heartbeat(m) for m in ranks], every_key_may_be_absent=not raise_flags)
+        raw = self._read_beats([GroupKeys.heartbeat(m) for m in ranks])
         now = time.monotonic()  # after the read: what it returned is the store's state at about this time
         beats = group_beats(dict(zip(ranks, raw)), ranks, self.incarnation)
         self.watch.look(now, beats)
