@@ -9,11 +9,13 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
 from conftest import ROOT
-from titan_recover.recover.notice import ENDING, is_notice, NOTICE, NOTICE_FILE_ENV, NOTICE_WAIT_S, NoticeFile
+from titan_recover.recover.notice import (ENDING, is_notice, NOTICE, NOTICE_FILE_ENV, NOTICE_WAIT_S, NoticeFile, REPEAT_S,
+                                         SigtermTriage)
 
 
 class Clock:
@@ -28,15 +30,55 @@ class Clock:
 
 
 def test_only_a_processs_first_sigterm_can_be_the_notice_and_only_once_the_first_process_wrote_it():
-    def judge(states: list, first: bool = True, wait_s: float = 1.0) -> tuple[bool, float]:
+    def judge(states: list, early: bool = True, wait_s: float = 1.0) -> tuple[bool, float]:
         clock, seen = Clock(), iter(states)
-        return is_notice(lambda: next(seen, states[-1]), first, wait_s, clock, clock.sleep), clock.now
+        return is_notice(lambda: next(seen, states[-1]), early, wait_s, clock, clock.sleep), clock.now
 
     assert judge([NOTICE]) == (True, 0.0)
     assert judge([None, None, NOTICE]) == (True, pytest.approx(0.04))  # the first process wrote it a little later
     assert judge([ENDING]) == (False, 0.0)  # the first process ends the node's processes
     assert judge([None]) == (False, pytest.approx(1.0, abs=0.03))  # nobody took a notice: a SIGTERM of its own
-    assert judge([NOTICE], first=False) == (False, 0.0)  # a second SIGTERM always ends the process
+    assert judge([NOTICE], early=False) == (False, 0.0)  # a second SIGTERM, not the first come again, ends it
+
+
+def test_a_sigterm_within_a_second_of_the_first_is_the_same_notice_and_a_later_one_ends_the_process():
+    """What SLURM may deliver at a preemption: its SIGTERM to every process of the step, then the same signal again
+    when the job's srun forwards it (delivered to the whole step once more). A repeat within REPEAT_S carries on
+    while the file says ``notice``, even one that comes while the first is still waiting for the file; a later one,
+    or one after the first process wrote ``ending``, ends the process."""
+    clock, states, ended = Clock(), {"now": NOTICE}, []
+
+    def triage(read=lambda: states["now"]) -> SigtermTriage:
+        return SigtermTriage(types.SimpleNamespace(read=read), lambda *_: ended.append(clock.now), "test", clock=clock)
+
+    repeated = triage()
+    assert repeated(signal.SIGTERM, None) is None and repeated.first_at == 0.0
+    clock.now = REPEAT_S / 2
+    assert repeated(signal.SIGTERM, None) is None and not ended
+    clock.now = REPEAT_S
+    repeated(signal.SIGTERM, None)
+    assert ended == [REPEAT_S]
+
+    ended.clear()
+    ending = triage()
+    ending(signal.SIGTERM, None)
+    states["now"] = ENDING
+    ending(signal.SIGTERM, None)  # the first process ends the node's processes, a moment after the notice
+    assert ended == [clock.now]
+
+    # the repeat comes while the first waits for the first process to write the file (a handler run inside another)
+    ended.clear()
+    states["now"], reads = None, []
+
+    def read() -> str | None:
+        reads.append(states["now"])
+        if len(reads) == 2:
+            states["now"] = NOTICE
+            assert nested(signal.SIGTERM, None) is None
+        return states["now"]
+
+    nested = triage(read)
+    assert nested(signal.SIGTERM, None) is None and not ended and len(reads) == 3  # the inner judged on read 3
 
 
 def test_a_notice_file_holds_one_word_whole_and_its_folder_goes_with_it(tmp_path, monkeypatch):
@@ -83,6 +125,8 @@ def test_a_stuck_rank_carries_on_at_the_nodes_notice_and_ends_at_any_other_sigte
     rank = guarded_rank(notice.path)
     try:
         rank.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        rank.send_signal(signal.SIGTERM)  # the same notice again, as srun's forward of it would come
         time.sleep(0.5)
         assert rank.poll() is None
         notice.mark(ENDING)
@@ -120,7 +164,9 @@ def test_a_group_agent_ends_its_workers_at_a_sigterm_that_is_not_the_nodes_notic
         agent = _StopFile(grace_s=0.0)
         handler = signal.getsignal(signal.SIGTERM)
         handler(signal.SIGTERM, None)  # the notice: nothing happens here
+        handler(signal.SIGTERM, None)  # and again at once: the same notice by another path
         assert agent.requested_by is None
+        handler.first_at -= REPEAT_S
         with pytest.raises(SignalException) as ended:
             handler(signal.SIGTERM, None)  # a second
         assert ended.value.sigval == signal.SIGTERM

@@ -118,7 +118,8 @@ def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_ch
     """FSDP2 over 2 ranks, 400 steps asked for, checkpoints every 1000 (none would be written): once a step was
     logged, SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends), or SIGTERM with
     ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process), or that SIGTERM to every
-    process of the job at once (what SLURM sends at a preemption: the agent and both ranks). Both ranks stop after
+    process of the job at once, twice (what SLURM sends at a preemption: the agent and both ranks, and again if the
+    job's srun forwards it). Both ranks stop after
     the same step, a checkpoint of its full training state is written, and the launcher exits 128 + the signal."""
     args = ["train_configs/debug_model.toml", "--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps",
             "400", "--checkpoint.enable", "--checkpoint.interval", "1000", "--dump_folder", str(tmp_path)]
@@ -134,9 +135,12 @@ def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_ch
         while not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path):
             assert job.poll() is None and time.monotonic() < deadline, "the job logged no step"
             time.sleep(0.2)
-        for pid in (descendants(job.pid) if to_every_process else [])[::-1]:  # the ranks first, then the agent's
+        others = descendants(job.pid)[::-1] if to_every_process else []  # the ranks first, then the agent's
+        for pid in others:
             os.kill(pid, sig)
         job.send_signal(sig)
+        for pid in [*others, job.pid] if to_every_process else []:  # all again, as srun's forward of it would come
+            os.kill(pid, sig)
         output, _ = job.communicate(timeout=120)
     finally:
         if job.poll() is None:
@@ -154,6 +158,8 @@ def test_a_stop_signal_to_the_launcher_stops_every_rank_after_one_step_with_a_ch
         assert f"titan_recover rank 0: {took}" in output, output[-4000:]  # rank 1 writes to its file
         [rank_1] = (tmp_path / "logs" / "ranks").rglob("1/stderr.log")
         assert f"titan_recover rank 1: {took}" in rank_1.read_text()
+        # and none ended at the repeat (two signals that come before a process runs may reach it as one)
+        assert "ending this rank now" not in output + rank_1.read_text(), output[-4000:]
 
     # the full training state a later start resumes from (TorchTitan loads it whole for any step but 0), not a
     # model-only export; resuming from it is TorchTitan's load, tested in tests/test_checkpoint_restart.py

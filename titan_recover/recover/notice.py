@@ -10,16 +10,19 @@ So the first process writes the node's **notice file**, whose path every process
 (:data:`NOTICE_FILE_ENV`), set only when a grace is. The file holds one word:
 
 - ``notice`` (:data:`NOTICE`): the first process took a preemption notice. A ``SIGTERM`` that reaches another
-  process now is that notice, reaching it as well: the process carries on, once, and the stop comes to it the way
+  process now is that notice, reaching it as well: the process carries on, and the stop comes to it the way
   every stop does (the job's store, or its agent's stop file).
 - ``ending`` (:data:`ENDING`): the first process ends the node's processes (the grace ran out, a second ``SIGTERM``,
   Ctrl-C). It writes this before it signals them, so that none takes that ``SIGTERM`` for the notice.
 
 A process that gets ``SIGTERM`` while the file does not say ``notice`` waits for it up to :data:`NOTICE_WAIT_S`
-(the signal may reach it before the first process wrote the file), then ends as ``SIGTERM`` ends it. The same
-process's second ``SIGTERM`` always ends it. Only the first process writes the file; so a ``SIGTERM`` that a torchrun
-agent sends its workers after one of them failed (the file absent) ends them :data:`NOTICE_WAIT_S` later than it
-would without a grace.
+(the signal may reach it before the first process wrote the file), then ends as ``SIGTERM`` ends it. Only its first
+``SIGTERM``, and one less than :data:`REPEAT_S` after it, can be the notice: a scheduler that signals every process
+of a job may also have the job's ``srun`` forward the same signal, which SLURM delivers to every process of the
+step again, moments later. A later one always ends the process. Only the first process writes the file; so a
+``SIGTERM`` that a torchrun agent sends its workers after one of them failed (the file absent) ends them
+:data:`NOTICE_WAIT_S` later than it would without a grace (and, within :data:`REPEAT_S` of a notice, not at all:
+the agent's SIGKILL after its shutdown timeout does).
 
 A rank cannot decide on its main thread: Python runs a signal's handler there only between bytecodes, and a rank
 blocked in a collective whose peer died would then never end (torchrun's agent would have to wait for its SIGKILL,
@@ -44,6 +47,9 @@ from titan_recover.process_exit import remove_folders_of_dead_processes
 NOTICE_FILE_ENV = "TITAN_RECOVER_NOTICE_FILE"
 NOTICE, ENDING = "notice", "ending"
 NOTICE_WAIT_S = 1.0
+REPEAT_S = 1.0
+"""A ``SIGTERM`` this soon after a process's first is that one come again by another path, not a second one (the
+first process's :class:`~titan_recover.recover.stop_request.PreemptionNotice` applies the same window)."""
 """How long a process that got ``SIGTERM`` waits for the node's first process to write ``notice``: the scheduler
 signals every process at once, and the first process writes the file when its own handler runs."""
 _POLL_S = 0.02
@@ -92,12 +98,13 @@ class NoticeFile:
         shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
 
-def is_notice(read: Callable[[], str | None], first: bool, wait_s: float = NOTICE_WAIT_S,
+def is_notice(read: Callable[[], str | None], early: bool, wait_s: float = NOTICE_WAIT_S,
               clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
     """A ``SIGTERM`` came to a process that is not the node's first: True if it is the node's preemption notice
-    (carry on), False if it ends the process. Only a process's ``first`` ``SIGTERM`` can be the notice; it is when
-    the file says ``notice`` within ``wait_s``, and not when it says ``ending`` or still nothing by then."""
-    if not first:
+    (carry on), False if it ends the process. Only an ``early`` one (the process's first ``SIGTERM``, or one within
+    :data:`REPEAT_S` of it) can be the notice; it is when the file says ``notice`` within ``wait_s``, and not when
+    it says ``ending`` or still nothing by then."""
+    if not early:
         return False
     deadline = clock() + wait_s
     while True:
@@ -111,18 +118,29 @@ def is_notice(read: Callable[[], str | None], first: bool, wait_s: float = NOTIC
 
 class SigtermTriage:
     """A ``SIGTERM`` handler for a process whose main thread returns to Python promptly (a coordinator, an agent):
-    the node's notice is noted once and the process carries on; any other ``SIGTERM`` goes to ``on_end``."""
+    the node's notice (its first ``SIGTERM``, and one within :data:`REPEAT_S` of it, while the file says
+    ``notice``) is noted and the process carries on; any other ``SIGTERM`` goes to ``on_end``."""
 
-    def __init__(self, notice: NoticeFile, on_end: Callable, who: str, then: str = "carrying on until the job stops"):
-        self.notice, self.on_end, self.who, self.then = notice, on_end, who, then
-        self.taken = False
+    def __init__(self, notice: NoticeFile, on_end: Callable, who: str, then: str = "carrying on until the job stops",
+                 clock: Callable[[], float] = time.monotonic):
+        self.notice, self.on_end, self.who, self.then, self.clock = notice, on_end, who, then, clock
+        self.first_at: float | None = None
+        """When this process's first ``SIGTERM`` came (``clock`` seconds)."""
 
     def __call__(self, signum, frame):
-        first, self.taken = not self.taken, True
-        if is_notice(self.notice.read, first):
+        # A second SIGTERM may come while the first is still being judged: Python runs this handler again inside
+        # the first's wait, and on a rank's thread it waits in the pipe. Judged alike, they end alike.
+        now, first = self.clock(), self.first_at is None
+        if first:
+            self.first_at = now
+        if not is_notice(self.notice.read, now - self.first_at < REPEAT_S):
+            return self.on_end(signum, frame)
+        if first:
             print(f"{self.who}: SIGTERM, the node's preemption notice: {self.then}", file=sys.stderr, flush=True)
-            return None
-        return self.on_end(signum, frame)
+        else:
+            print(f"{self.who}: SIGTERM again, {now - self.first_at:.2f} s after the first: the same notice come by "
+                  "another path", file=sys.stderr, flush=True)
+        return None
 
 
 def guard_rank(notice: NoticeFile | None, who: str = "titan_recover") -> bool:

@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from titan_recover.recover.notice import REPEAT_S
+
 STOP_SIGNAL = signal.SIGUSR1
 PREEMPTION_SIGNAL = signal.SIGTERM
 CHECKPOINT_SIGNAL = signal.SIGUSR2
@@ -54,11 +56,11 @@ class PreemptionNotice:
     grace_s: float
     since: float | None = None
     """When the first came (monotonic seconds), None before."""
-    repeat_s: float = 1.0
+    repeat_s: float = REPEAT_S
     """A ``SIGTERM`` this soon after the first is the same notice come by a second path, not a second one: a
     scheduler that signals every process of a job may also have the job's own ``srun`` forward it to the process it
-    started, moments later. An operator who means "end it now" a second after the notice sends it again later, or
-    SIGKILL."""
+    started, moments later (every other process of the node applies the same window: recover/notice.py). An
+    operator who means "end it now" a second after the notice sends it again later, or SIGKILL."""
 
     def take(self, now: float) -> bool:
         """A ``SIGTERM`` came at ``now``: True if it asks for a stop with a checkpoint, False if it ends the job
