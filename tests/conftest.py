@@ -172,7 +172,7 @@ def launch(config: str, *overrides: str, timeout: float = 240, cwd: pathlib.Path
             proc.kill()
             stdout, stderr = proc.communicate()
         if "--dump_folder" in overrides:
-            from titan_recover.recover.launcher import processes_of_run
+            from titan_recover.recover.children import processes_of_run
 
             run_dir = os.path.abspath(overrides[list(overrides).index("--dump_folder") + 1])
             for pid in processes_of_run(run_dir):

@@ -16,7 +16,7 @@ import torch
 
 from conftest import launch, launcher_command, read_metrics, ROOT
 from titan_recover.recover.events import read_events
-from titan_recover.recover.launcher import processes_of_run
+from titan_recover.recover.children import processes_of_run
 
 # join window short to keep tests fast; heartbeat timeout at its default (2 s): shorter ones can misjudge a live
 # process that the 2-core machine did not schedule for a second while 5+ processes compete.

@@ -288,13 +288,13 @@ def test_a_sigterm_to_a_replica_launcher_with_a_grace_is_a_stop_request_until_th
     """With ``preemption_grace_s``, the first SIGTERM once the job started asks for a stop with a checkpoint (the
     children run on); once the grace is over, or at a second SIGTERM, the children get SIGTERM. Before anything
     started, or without a grace, SIGTERM ends the job at once."""
-    from titan_recover.recover import launcher as launcher_module
+    from titan_recover.recover import launcher_stop
     from titan_recover.recover.launcher import ReplicaJob
 
     now = [100.0]
-    monkeypatch.setattr(launcher_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(launcher_stop.time, "monotonic", lambda: now[0])
     signalled = []
-    monkeypatch.setattr(launcher_module, "_signal_group", lambda child, sig: signalled.append((child, sig)))
+    monkeypatch.setattr(launcher_stop, "signal_group", lambda child, sig: signalled.append((child, sig)))
 
     def job(*extra):
         config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path), *extra])
@@ -549,7 +549,8 @@ def test_the_nccl_backend_on_a_cpu_job_is_refused_before_launch(launcher):
 
 
 def test_a_replica_group_is_started_on_its_own_gpus(tmp_path):
-    from titan_recover.recover.launcher import ReplicaJob, ReplicaSlot
+    from titan_recover.recover.children import ReplicaSlot
+    from titan_recover.recover.launcher import ReplicaJob
 
     config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path)])
     started = []
@@ -713,7 +714,8 @@ def test_a_cold_restart_is_published_with_its_step_and_every_group_is_started_to
     from titan_recover.recover.groups.keys import GroupKeys
     from titan_recover.recover.groups.member import FOUNDING_STEP_ENV
     from titan_recover.recover.groups.protocol import CoordinatorState
-    from titan_recover.recover.launcher import ReplicaJob, ReplicaSlot
+    from titan_recover.recover.children import ReplicaSlot
+    from titan_recover.recover.launcher import ReplicaJob
 
     class Order(HashStore):
         written = []

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import EXACT_REFERENCE
 from replica_runs import assert_all_equal_reference, metrics_by_replica, of, run_replicas
-from titan_recover.recover.launcher import processes_of_run
+from titan_recover.recover.children import processes_of_run
 
 pytestmark = pytest.mark.multiprocess
 

@@ -17,7 +17,7 @@ from replica_runs import launch_nodes, node_options
 from wandb_offline import read_run
 from titan_recover.recover.diloco.rules import decode_versions, DilocoKeys, token_weights
 from titan_recover.recover.events import read_events
-from titan_recover.recover.launcher import processes_of_run
+from titan_recover.recover.children import processes_of_run
 from titan_recover.recover.groups.keys import GroupKeys, read_dropped
 from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
 
@@ -167,7 +167,8 @@ def test_a_launcher_ends_a_hung_syncer_only_while_it_leads_and_restarts_a_dead_o
     import signal
     import subprocess
 
-    from titan_recover.recover.launcher import ReplicaJob, ReplicaSlot
+    from titan_recover.recover.children import ReplicaSlot
+    from titan_recover.recover.launcher import ReplicaJob
 
     etcd = ("--recover.store", "etcd://127.0.0.1:2379") if store == "etcd" else ()
     config = _config("--recover.startup_timeout_s", "0.3", "--recover.diloco.syncer_timeout_s", "0.3",
@@ -237,7 +238,7 @@ def test_a_syncers_first_evaluation_is_held_to_the_start_bound_until_its_first_m
     tiny model on CPU, docs/diloco.md), which may outlast ``syncer_timeout_s``. The syncer announces it in its
     beat; the launcher's watch holds that beat to ``startup_timeout_s``; the beat after the microbatch, written at
     once, is held to ``syncer_timeout_s`` again, and a later evaluation announces nothing."""
-    from titan_recover.recover.launcher import BeatWatch
+    from titan_recover.recover.children import BeatWatch
     from titan_recover.recover.diloco.syncer.service import Syncer
 
     config = _config("--recover.diloco.syncer_timeout_s", "10", "--recover.startup_timeout_s", "300")

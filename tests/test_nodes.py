@@ -13,7 +13,7 @@ from conftest import EXACT_REFERENCE, free_port
 from replica_runs import (assert_all_equal_reference, launch_nodes, metrics_by_replica, node_options, of,
                           replica_job_args)
 from titan_recover.recover.events import read_events
-from titan_recover.recover.launcher import processes_of_run
+from titan_recover.recover.children import processes_of_run
 
 pytestmark = pytest.mark.multiprocess
 

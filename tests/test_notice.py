@@ -14,8 +14,8 @@ import types
 import pytest
 
 from conftest import ROOT
-from titan_recover.recover.notice import (ENDING, is_notice, NOTICE, NOTICE_FILE_ENV, NOTICE_WAIT_S, NoticeFile, REPEAT_S,
-                                         SigtermTriage)
+from titan_recover.recover.notice import (ENDING, is_notice, NOTICE, NOTICE_FILE_ENV, NOTICE_WAIT_S, NoticeFile,
+                                         REPEAT_S, SigtermTriage)
 
 
 class Clock:

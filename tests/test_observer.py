@@ -11,7 +11,7 @@ import pytest
 from replica_runs import metrics_by_replica, of, run_replicas
 from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.scout.beacon import Beacon, beacon_path, BeaconRecord, collective_fingerprint, read_beacon
-from titan_recover.recover.launcher import processes_of_run
+from titan_recover.recover.children import processes_of_run
 from titan_recover.recover.scout.observer import diagnose
 
 

@@ -514,7 +514,7 @@ def test_a_restarted_coordinator_resumes_the_epoch_it_was_publishing(tmp_path, k
 
 
 def test_a_coordinator_is_held_to_its_start_bound_until_it_beats_then_to_its_timeout():
-    from titan_recover.recover.launcher import BeatWatch
+    from titan_recover.recover.children import BeatWatch
 
     watch = BeatWatch(b"0:1.0", timeout_s=10.0, start_s=300.0)  # a previous start's last beat
     assert watch.quiet_s(b"0:1.0", now=100.0) == (0.0, 300.0)

@@ -22,7 +22,7 @@ from titan_recover.recover.config import RecoverConfig
 from titan_recover.recover.groups.coordinator import MAX_LOOK_GAP_S
 from titan_recover.recover.groups.keys import fault_time_and_reason
 from titan_recover.recover.events import read_events
-from titan_recover.recover.launcher import processes_of_run
+from titan_recover.recover.children import processes_of_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -95,9 +95,9 @@ def test_a_stop_request_to_the_launcher_ends_the_job_with_a_checkpoint_of_the_la
     """SIGUSR1 to the launcher (what SLURM's ``--signal=B:USR1@SECONDS`` sends before the time limit), or SIGTERM
     with ``[recover] preemption_grace_s`` (what Kubernetes sends a container's first process), or that SIGTERM to
     every process of the job at once, the launcher last, and then all of them again (what SLURM sends at a
-    preemption: the coordinator, both groups' agents and ranks too, and srun may forward it to the step): the job stops at once with a durable checkpoint of its last committed step,
-    written once, and the launcher exits 128 + the signal (stopped, not trained), naming the request; nothing is
-    left running. Before that (the time-limit case), SIGUSR2 asks for a checkpoint while the job trains on: the next
+    preemption: the coordinator, both groups' agents and ranks too, and srun may forward it to the step): the job
+    stops at once with a durable checkpoint of its last committed step, written once, and the launcher exits 128 +
+    the signal (stopped, not trained), naming the request; nothing is left running. Before that (the time-limit case), SIGUSR2 asks for a checkpoint while the job trains on: the next
     committed step's is written, whatever the interval."""
     from replica_runs import replica_job_args
 

@@ -25,31 +25,30 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from torch.distributed import DistError, Store
 
-from titan_recover.process_exit import die_with_parent
+from titan_recover.recover.children import (BeatWatch, cpu_threads_per_process, kill_all, processes_of_run,
+                                            ReplicaSlot, signal_group, spawn)
 from titan_recover.recover.groups.member import (COORDINATOR_ENV, FOUNDING_STEP_ENV, INCARNATION_ENV, REPLICA_ENV,
                                                  RUN_DIR_ENV)
 from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys, warming
 from titan_recover.recover.events import NODE_ENV
-from titan_recover.recover.groups.keys import (GroupKeys, newest_published, parse_dropped, raise_fault_flag,
-                                             request_checkpoint)
-from titan_recover.recover.groups.protocol import CoordinatorState, decode_members, encode_members
+from titan_recover.recover.groups.keys import GroupKeys, parse_dropped
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
                                              host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
                                              run_segment)
-from titan_recover.recover.nodes import (address_towards, agreed_text, groups_outside, is_loopback, node_address,
-                                        node_groups, NodeKeys, NodePlan, single_node, unreachable)
-from titan_recover.recover.notice import ENDING, NOTICE, NOTICE_FILE_ENV, NoticeFile
+from titan_recover.recover.launcher_stop import StopControl
+from titan_recover.recover.launcher_syncer import SyncerSupervision
+from titan_recover.recover.nodes import agreed_text, NodeKeys, NodePlan, single_node
+from titan_recover.recover.notice import ENDING, NOTICE_FILE_ENV, NoticeFile
 from titan_recover.recover.placement import VISIBLE_ENV
 from titan_recover.recover.standby import LEADER_TTL_S
-from titan_recover.recover.stop_request import CHECKPOINT_SIGNAL, PREEMPTION_SIGNAL, PreemptionNotice
-from titan_recover.recover.stores import connect, job_url, parse_store_url, read_keys
+from titan_recover.recover.stop_request import CHECKPOINT_SIGNAL
+from titan_recover.recover.stores import connect, job_url, read_keys
 
 GRACE_S = 10.0
 NCCL_MONITORING_ENV = "TORCH_NCCL_ENABLE_MONITORING"
@@ -60,111 +59,19 @@ of a replica-group job unless the user set it. torch reads it once per process, 
 any communicator, so it is set before the process starts."""
 
 
-def _pump(stream, prefix: str, sink) -> None:
-    for line in iter(stream.readline, b""):
-        sink.write(prefix + line.decode(errors="replace"))
-        sink.flush()
-    if sink is not sys.stdout:
-        sink.close()
-
-
-def _spawn(cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIGKILL,
-           log: str | None = None) -> subprocess.Popen:
-    """Start a child; its output goes to the console with ``prefix``, or appended to the file ``log``."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=die_with_parent(death_signal))
-    sink = sys.stdout
-    if log is not None:
-        sink = open(log, "a", encoding="utf-8")
-        sink.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {proc.pid}: {' '.join(cmd[:6])} ...\n")
-        prefix = ""
-    threading.Thread(target=_pump, args=(proc.stdout, prefix, sink), daemon=True).start()
-    return proc
-
-
-def processes_of_run(run_dir: str, replica: int | None = None, incarnation: int | None = None,
-                     node: int | None = None) -> list[int]:
-    """PIDs whose environment carries this run's marker (and the replica's, incarnation's and node's, if given);
-    Linux /proc."""
-    markers = {f"{RUN_DIR_ENV}={run_dir}".encode()}
-    if node is not None:
-        markers.add(f"{NODE_ENV}={node}".encode())
-    if replica is not None:
-        markers.add(f"{REPLICA_ENV}={replica}".encode())
-    if incarnation is not None:
-        markers.add(f"{INCARNATION_ENV}={incarnation}".encode())
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if markers <= set(fh.read().split(b"\0")):
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-@dataclass
-class ReplicaSlot:
-    """One process the launcher starts and restarts (a replica group, the syncer, the coordinator) and its current
-    start (incarnation)."""
-
-    index: int
-    restarts_left: int
-    incarnation: int = 0
-    proc: subprocess.Popen | None = None
-    ended_incarnation: int = -1  # the incarnation this launcher already ended after it was dropped
-    observer: subprocess.Popen | None = None  # its hang observer ([recover.localize] hang_threshold_s)
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def count_restart(self) -> None:
-        """The next start: one restart fewer left, one incarnation more (the caller starts it)."""
-        self.restarts_left -= 1
-        self.incarnation += 1
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Signal ``proc``'s process group, unless ``proc`` was reaped: its pid, and so its group id, may belong to
-    another process by now."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def cpu_threads_per_process(processes: int) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, processes))
-
-
 DEPOSED_GRACE_S = 2 * LEADER_TTL_S
 """A candidate that led a role and lost it exits at once (its keepalive's loss of the lease, or a refused write);
 one that still runs this long after another took the role (or the lease lapsed) is stopped or stuck, and its
 launcher ends it: nothing keeps waiting on it (learners still sending to a stopped syncer's store)."""
 
 
-class ReplicaJob:
+class ReplicaJob(StopControl, SyncerSupervision):
     """The running job of one node: the coordinator (node 0, or a standby on every node with etcd), a slot per
-    replica group of this node (and the diloco syncer), their starts and restarts, and the cleanup that leaves no
-    process of the run behind."""
+    replica group of this node (and the diloco syncer: :class:`SyncerSupervision`), their starts and restarts, the
+    stops the signals ask for (:class:`StopControl`), the job's verdict, and the cleanup that leaves no process of
+    the run behind."""
 
     deposed_grace_s = DEPOSED_GRACE_S
-    checkpoints_asked = checkpoints_passed_on = 0
-    """SIGUSR2s this launcher received, and those it passed on to the job's store (:meth:`on_checkpoint_request`)."""
 
     def __init__(self, config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
                  metrics_rank: int, devices: list[list[str]] | None = None, plan: NodePlan | None = None,
@@ -200,12 +107,7 @@ class ReplicaJob:
         self.base_env = self._base_env()
         self.children: list[subprocess.Popen] = []
         """Every process started, for the signal forwarding and the cleanup."""
-        self.stopped_by: int | None = None
-        """The signal (Ctrl-C / SIGTERM / SIGHUP) that stops the job, once one came."""
-        self.stop_requested: int | None = None
-        """The signal (SIGUSR1; SIGTERM with a grace) that asked for a stop with a checkpoint, once one came."""
-        self.stop_honoured, self.preemption = False, PreemptionNotice(self.recover.preemption_grace_s)
-        self.left_on_notice, self.leaving = False, frozenset()  # (:meth:`leaves_on_notice`)
+        self.init_stops()
         self.store: Store | None = None
         """The job's store (:meth:`open_job_store`)."""
         self.address = ""
@@ -222,8 +124,7 @@ class ReplicaJob:
         self.coordinator = ReplicaSlot(-1, self.recover.coordinator_restarts)
         self.coordinator_beat = BeatWatch(b"", self.recover.coordinator_timeout_s, self.recover.startup_timeout_s)
         self.slots: list[ReplicaSlot] = []
-        self.syncer: ReplicaSlot | None = None
-        self.syncer_beat = BeatWatch(b"", self.recover.diloco.syncer_timeout_s, self.recover.startup_timeout_s)
+        self.init_syncer()
         self.cold_restarted = -1
         """The latest cold restart (its empty epoch) this launcher restarted its groups for."""
 
@@ -246,10 +147,10 @@ class ReplicaJob:
     def _start(self, cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIGKILL,
                log: str = "") -> subprocess.Popen:
         """Start a child; ``log``: the name of its output file under ``<run>/logs/`` (unless verbose)."""
-        proc = _spawn(cmd, env, prefix, death_signal, log=self.log_path(log) if self.logs and log else None)
+        proc = spawn(cmd, env, prefix, death_signal, log=self.log_path(log) if self.logs and log else None)
         self.children.append(proc)
         if self.stopped_by is not None:  # a signal came while it was being started: it ends with the others
-            _signal_group(proc, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
         return proc
 
     def _node_log(self, name: str) -> str:
@@ -296,29 +197,6 @@ class ReplicaJob:
         if self.job_log is not None:
             self.job_log.close()
             self.job_log = None
-
-    def on_signal(self, signum, frame) -> None:
-        """Ctrl-C / SIGTERM / SIGHUP: remember it (no restarts from now on) and forward SIGTERM to every child. With a
-        preemption grace, the first SIGTERM once the job started is a stop request instead (:meth:`on_stop_request`),
-        bounded by :meth:`end_after_grace`."""
-        if signum == PREEMPTION_SIGNAL and self.preemption.repeats(time.monotonic()):
-            return  # the notice taken a moment ago, come again by another path (srun forwarding it)
-        if signum == PREEMPTION_SIGNAL and self.children and self.preemption.take(time.monotonic()):
-            self._mark_notice(NOTICE)  # the same SIGTERM, if it reached the children too, is this notice
-            self.on_stop_request(signum, frame)  # the loop decides: the whole job stops, or this node leaves
-            return
-        self.end_children(signum)
-
-    def end_children(self, signum: int) -> None:
-        """Remember ``signum`` as the job's end (no restarts from now on) and send every child SIGTERM."""
-        self.stopped_by = signum
-        self._mark_notice(ENDING)  # the SIGTERM below ends them, even if one took an earlier one for the notice
-        for child in self.children:
-            _signal_group(child, signal.SIGTERM)
-
-    def _mark_notice(self, state: str) -> None:
-        if self.notice is not None:
-            self.notice.mark(state)
 
     # ---- the job's store --------------------------------------------------------------------------------
     def open_job_store(self) -> None:
@@ -435,7 +313,7 @@ class ReplicaJob:
         compiling = " while it compiled (its first evaluation)" if warming(beat) else ""
         print(f"[titan_recover] the {what} made no progress for {quiet:.1f} s{compiling} ({named} = {bound}): "
               "ending it", file=sys.stderr, flush=True)
-        _signal_group(proc, signal.SIGKILL)
+        signal_group(proc, signal.SIGKILL)
         proc.wait()
         return True
 
@@ -459,7 +337,7 @@ class ReplicaJob:
             return False
         print(f"[titan_recover] this node's {what} lost the leadership {time.monotonic() - since:.1f} s ago and still "
               "runs (stopped or stuck): ending it", file=sys.stderr, flush=True)
-        _signal_group(proc, signal.SIGKILL)
+        signal_group(proc, signal.SIGKILL)
         proc.wait()
         return True
 
@@ -473,16 +351,6 @@ class ReplicaJob:
             self.coordinator_beat = BeatWatch(self._coordinator_beat(), self.recover.coordinator_timeout_s,
                                               self.recover.startup_timeout_s)
         return leader == self.coordinator_identity
-
-    def syncer_leads(self) -> bool:
-        """Whether this node's syncer is the one serving (always, without standbys); as :meth:`coordinator_leads`."""
-        if not self.recover.store:
-            return True
-        leader, changed = self._leader(DilocoKeys.SYNCER_LEADER, self.syncer_identity)
-        if changed:
-            self.syncer_beat = BeatWatch(self._syncer_beat(), self.recover.diloco.syncer_timeout_s,
-                                         self.recover.startup_timeout_s)
-        return leader == self.syncer_identity
 
     def start_replicas(self) -> None:
         """The syncer (diloco mode: docs/diloco.md), then one torchrun per replica group of this node."""
@@ -512,109 +380,22 @@ class ReplicaJob:
         threshold = recover.localize.hang_threshold_s
         if threshold > 0:  # the replica's hang observer, a process of its own (docs/scout.md)
             if slot.observer is not None and slot.observer.poll() is None:
-                _signal_group(slot.observer, signal.SIGTERM)
+                signal_group(slot.observer, signal.SIGTERM)
             slot.observer = self._start(
                 [sys.executable, "-m", "titan_recover.recover.scout.observer", "--run-dir", run_dir, "--replica",
                  str(slot.index), "--incarnation", str(slot.incarnation), "--ranks", str(ranks_per_replica),
                  "--threshold-s", str(threshold), *(["--end-hung"] if recover.localize.end_hung else [])],
                 self.base_env, f"[observer {slot.index}] ", log=f"observer_{slot.index}")
 
-    @property
-    def runs_syncer(self) -> bool:
-        """In diloco mode node 0 runs the syncer; with an etcd store every node runs one, as a standby."""
-        return self.recover.diloco_mode and (self.plan.rank == 0 or bool(self.recover.store))
-
-    @property
-    def syncer_identity(self) -> str:
-        """How this node's current syncer start names itself in the leader election (etcd)."""
-        return f"{socket.gethostname()}/node{self.plan.rank}/syncer{self.syncer.incarnation}"
-
-    def syncer_host(self) -> str:
-        """The address the learners reach this node's syncer at: on many nodes with the embedded store node 0's,
-        the host part of ``--rdzv-endpoint`` (every node reaches it); with etcd this node's address on its route to
-        the etcd cluster (``nodes.address_towards``; the host's name where no route is known or the route is a
-        loopback one; ``TITAN_RECOVER_NODE_ADDRESS`` wins), since a standby on
-        any node may serve."""
-        if self.recover.store:
-            def towards_the_store() -> str:
-                try:
-                    found = address_towards(*parse_store_url(self.recover.store).endpoints[0])
-                except OSError:
-                    return socket.getfqdn()
-                return socket.getfqdn() if is_loopback(found) else found  # an etcd on this node, or its gateway
-
-            host = node_address(towards_the_store)
-            warning = unreachable("this node's syncer", host) if self.plan.many else None
-            if warning:
-                print(f"[titan_recover] warning: {warning}", file=sys.stderr, flush=True)
-            return host
-        return self.plan.endpoint[0] if self.plan.endpoint else "127.0.0.1"
-
-    def start_syncer(self) -> None:
-        """The syncer's current start; a restart resumes from its checkpoint. It serves on every interface; its
-        port is ``syncer_port`` for node 0's first start, else a free one. With an etcd store it is a standby until
-        it leads (``--standby``)."""
-        syncer, address, run_dir, ranks_per_replica = self.syncer, self.address, self.run_dir, self.ranks
-        toml_path, overrides = self.toml_path, self.overrides
-        port = self.recover.diloco.syncer_port if self.plan.rank == 0 and syncer.incarnation == 0 else 0
-        standby = ["--standby", "--identity", self.syncer_identity] if self.recover.store else []
-        # held to startup_timeout_s until this start beats: a previous start's last beat is no evidence of it
-        self.syncer_beat = BeatWatch(self._syncer_beat(), self.recover.diloco.syncer_timeout_s,
-                                     self.recover.startup_timeout_s)
-        syncer.proc = self._start(
-            [sys.executable, "-m", "titan_recover.recover.diloco.syncer", "--coordinator", address, "--run-dir",
-             run_dir, "--ranks", str(ranks_per_replica), "--start", str(syncer.incarnation), "--host",
-             self.syncer_host(), "--port", str(port), "--nodes", str(self.plan.nnodes), *standby,
-             *([toml_path] if toml_path else []), *overrides],
-            dict(self.base_env, OMP_NUM_THREADS="1"),
-            "[syncer] " if not self.plan.many else f"[syncer node {self.plan.rank}] ", log=self._node_log("syncer"))
-
-    def _syncer_beat(self) -> bytes:
-        return self._beat_of(DilocoKeys.SYNCER_BEAT)
-
     # ---- restarts ----------------------------------------------------------------------------------------
-    def supervise_syncer(self) -> None:
-        """A syncer whose beat stayed unchanged for ``syncer_timeout_s`` (``startup_timeout_s`` before its first)
-        is hung: it is killed, and restarted from its checkpoint while it has restarts left. A standby's beat is
-        watched only while it leads (the leading syncer's launcher watches it); one that led, lost the role and
-        still runs is ended (it would keep learners that still send to it waiting)."""
-        proc = self.syncer.proc
-        if proc.poll() is None and self.stopped_by is None:
-            if self.syncer_leads():
-                self._end_if_hung("syncer", proc, self.syncer_beat, self._syncer_beat(),
-                                  "recover.diloco.syncer_timeout_s")
-            else:
-                self._end_if_deposed("syncer", proc, DilocoKeys.SYNCER_LEADER, self.syncer_identity)
-        self.restart_syncer_if_crashed()
-
-    def restart_syncer_if_crashed(self) -> None:
-        syncer = self.syncer
-        given_up = syncer.ended_incarnation == syncer.incarnation
-        if syncer.proc.poll() in (None, 0) or self.stopped_by is not None or given_up:
-            return
-        if self._read(GroupKeys.FINISHED) is not None:
-            return  # the job's end is recorded: nothing left to lead
-        if syncer.restarts_left > 0:
-            syncer.count_restart()
-            again = "as a standby" if self.recover.store else "from its checkpoint"
-            print(f"[titan_recover] the syncer exited with {syncer.proc.returncode}: restarting it {again} "
-                  f"(start {syncer.incarnation}, {syncer.restarts_left} restart(s) left)", file=sys.stderr, flush=True)
-            self.start_syncer()
-            return
-        syncer.ended_incarnation = syncer.incarnation
-        others = "; the other nodes' standby syncers remain" if self.recover.store and self.plan.many else ""
-        print(f"[titan_recover] this node's syncer exited with {syncer.proc.returncode} and has no restarts left "
-              f"(recover.diloco.syncer_max_restarts = {self.recover.diloco.syncer_max_restarts}){others}",
-              file=sys.stderr, flush=True)
-
     def end_if_dropped(self, slot: ReplicaSlot, dropped: dict[int, int | None]) -> None:
         """A replica dropped from the job is ended, even if stopped or hung."""
         if slot.running and dropped.get(slot.index) == slot.incarnation != slot.ended_incarnation:
             slot.ended_incarnation = slot.incarnation
             print(f"[titan_recover] replica {slot.index} (start {slot.incarnation}) was dropped from the "
                   "job: ending its processes", file=sys.stderr, flush=True)
-            _signal_group(slot.proc, signal.SIGKILL)
-            _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
+            signal_group(slot.proc, signal.SIGKILL)
+            kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
 
     def restartable(self, slot: ReplicaSlot, over: bool) -> bool:
         """A replica group that exited with an error, with restarts left, in a job neither over nor stopping."""
@@ -630,7 +411,7 @@ class ReplicaJob:
         """A replica group that exited with an error is started again while it has restarts left and the job is
         neither over nor stopping; what is left of its previous start is killed first."""
         if self.restartable(slot, over):
-            _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
+            kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
             slot.count_restart()
             where = f"; its output: {self.log_path(f'replica_{slot.index}')}" if self.logs else ""
             print(f"[titan_recover] replica {slot.index} exited with {slot.proc.returncode}: restarting it "
@@ -676,111 +457,6 @@ class ReplicaJob:
         print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
         self.stop_job(reason)
 
-    def stop_job(self, reason: str, leaving: frozenset[int] = frozenset()) -> None:
-        """Stop the job at once with a durable checkpoint of the last committed step (written by the lowest replica
-        that committed it), as a coordinator's stop does, whether or not a coordinator runs. Left out of the stop's
-        epoch, so that none is chosen to write the checkpoint: the members the coordinator has judged failed (its
-        stored state's ``excluded``) and ``leaving``, groups known to be ending (those of other preempted nodes)."""
-        self.store.set(GroupKeys.STOP, reason)  # before anything a rank wakes by: it reads the stop with it
-        self._seen = None  # the rest of the pass reads the stop
-        epoch = newest_published(self.store, int(self.store.get(GroupKeys.EPOCH))
-                                 if self.store.check([GroupKeys.EPOCH]) else -1)
-        if epoch >= 0:  # members in a collective or a barrier abort it and read the stop
-            raise_fault_flag(self.store, epoch, reason)
-        # ranks blocked on the next epoch wake by its members and read the stop: a coordinator that runs publishes
-        # no epoch after a stop, so this launcher does, with the same members; an epoch a coordinator published
-        # meanwhile stays as it was (its ranks read the stop written before it)
-        members = decode_members(self.store.get(GroupKeys.members(epoch)))[0] if epoch >= 0 else ()
-        state = read_keys(self.store, [GroupKeys.COORDINATOR_STATE])[0]
-        failed = set(CoordinatorState.decode(state).excluded) if state is not None else set()
-        members = tuple(m for m in members if m not in leaving and m not in failed)
-        self.store.compare_set(GroupKeys.members(epoch + 1), "", encode_members(members, reason))
-
-    def on_checkpoint_request(self, _signum, _frame) -> None:
-        """SIGUSR2: a durable checkpoint of the next committed step, and the job trains on. Only counted here;
-        :meth:`honour_checkpoint_requests` acts from the loop."""
-        self.checkpoints_asked += 1
-
-    def honour_checkpoint_requests(self) -> None:
-        if self.checkpoints_asked == self.checkpoints_passed_on:
-            return
-        self.checkpoints_passed_on = self.checkpoints_asked
-        name = signal.Signals(CHECKPOINT_SIGNAL).name
-        if self.recover.diloco_mode or not self.checkpoint_folder:
-            why = ("a diloco job's state is its syncer's checkpoint (recover.diloco.checkpoint_interval_s)"
-                   if self.recover.diloco_mode else "[checkpoint] enable = false: there is nowhere to write it")
-            print(f"[titan_recover] {name}: {why}; ignored", file=sys.stderr, flush=True)
-            return
-        if self.job_over():
-            return
-        request_checkpoint(self.store)
-        print(f"[titan_recover] {name} to the launcher of node {self.plan.rank}: a durable checkpoint of the next "
-              "committed step asked for; the job trains on", file=sys.stderr, flush=True)
-
-    def on_stop_request(self, signum, _frame) -> None:
-        """SIGUSR1 (e.g. SLURM's ``--signal=B:USR1@SECONDS`` before the time limit): stop the job with a durable
-        checkpoint of the last committed step. Only remembered here; :meth:`honour_stop_request` acts from the
-        loop (a signal handler must not use the store's client, which the loop may be using)."""
-        self.stop_requested = signum
-
-    @property
-    def holds_the_job(self) -> bool:
-        """This node's loss ends the job: it is the only node, or node 0, whose launcher hosts the embedded store."""
-        return not self.recover.store and self.plan.rank == 0
-
-    def leaves_on_notice(self) -> bool:
-        """At a preemption notice: True if this node's groups leave as a lost node's do and the job trains on
-        without them, False if the whole job stops with a checkpoint of its last committed step. The job stops
-        where it cannot survive this node's loss (:attr:`holds_the_job`), or where the nodes not preempted (each
-        notified node marks itself in the job's store first) run fewer than ``min_replicas`` groups: in a preemption
-        of every node, the last to read the marks keeps its groups to write the checkpoint."""
-        if self.holds_the_job:
-            return False
-        self.store.set(GroupKeys.PREEMPTED_PREFIX + str(self.plan.rank), "1")
-        nodes = range(self.plan.nnodes)
-        marks = read_keys(self.store, [GroupKeys.PREEMPTED_PREFIX + str(n) for n in nodes])
-        preempted = {n for n, mark in zip(nodes, marks) if mark is not None}
-        self.leaving = frozenset(g for n in preempted - {self.plan.rank}
-                                 for g in node_groups(self.recover.groups, self.plan.nnodes, n))
-        return groups_outside(preempted, self.recover.groups, self.plan.nnodes) >= self.recover.min_replicas
-
-    def end_after_grace(self) -> None:
-        """A preemption notice whose grace is over while the job still runs: end it as SIGTERM does."""
-        if self.stopped_by is None and self.preemption.expired(time.monotonic()):
-            print(f"[titan_recover] the job did not stop within recover.preemption_grace_s = "
-                  f"{self.preemption.grace_s} s of SIGTERM: ending this node's processes without waiting for the "
-                  "checkpoint", file=sys.stderr, flush=True)
-            self.end_children(PREEMPTION_SIGNAL)
-
-    def honour_stop_request(self) -> None:
-        if self.stop_requested is None or self.stop_honoured:
-            return
-        self.stop_honoured = True
-        if self.stop_requested == PREEMPTION_SIGNAL and not self.job_over() and self.leaves_on_notice():
-            self.left_on_notice = True  # this node's groups leave as a lost node's do; the others train on
-            # with fewer groups and nodes being taken, a durable checkpoint of the next committed step
-            request_checkpoint(self.store)
-            self.end_children(PREEMPTION_SIGNAL)
-            return
-        name = signal.Signals(self.stop_requested).name
-        if self.recover.diloco_mode:
-            print(f"[titan_recover] {name}: a stop with a checkpoint is for the synchronous mode; a diloco job's "
-                  "state is its syncer's checkpoint (recover.diloco.checkpoint_interval_s): ignored",
-                  file=sys.stderr, flush=True)
-            return
-        if self.job_over():
-            return  # over or stopping already
-        to = f"{name} to the launcher of node {self.plan.rank}"
-        why = (f"{to}: a preemption notice, recover.preemption_grace_s = {self.preemption.grace_s} s"
-               if self.stop_requested == PREEMPTION_SIGNAL else
-               f"{to}, e.g. a scheduler's warning before the job's time limit")
-        if self.stop_requested == PREEMPTION_SIGNAL and not self.holds_the_job:
-            why += "; the nodes not preempted run fewer than recover.min_replicas groups"
-        reason = f"stop requested ({why}): stopping the job with a durable checkpoint of the last committed step"
-        print(f"[titan_recover] {reason}", file=sys.stderr, flush=True)
-        self.store.set(GroupKeys.STOP_SIGNAL, str(self.stop_requested))  # every node exits 128 + it
-        self.stop_job(reason, leaving=self.leaving)
-
     def cold_restart_due(self) -> int | None:
         """The empty epoch of a cold restart this launcher has not yet restarted its groups for, or None."""
         value = self._read(GroupKeys.COLD_RESTART)
@@ -803,8 +479,8 @@ class ReplicaJob:
         step, started = int(step), False
         for slot in self.slots:
             if slot.proc is not None:
-                _signal_group(slot.proc, signal.SIGKILL)
-                _kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
+                signal_group(slot.proc, signal.SIGKILL)
+                kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
             if slot.restarts_left == 0:
                 self.store.set(GroupKeys.founding(cold, slot.index), "-1")
                 continue
@@ -946,16 +622,6 @@ class ReplicaJob:
         requested = self.stop_requested or int(self._read(GroupKeys.STOP_SIGNAL) or 0)  # this node's, or another's
         return 128 + requested if requested else 1
 
-    def _stopped_by_signal(self) -> str:
-        name = signal.Signals(self.stopped_by).name
-        if self.left_on_notice:
-            return (f"stopped by {name}, a preemption notice to node {self.plan.rank}, whose loss the job survives: "
-                    "its replica groups left the job as a lost node's do, and the other nodes train on")
-        hint = (": the terminal or SSH session that ran the launcher closed (run it under nohup, tmux or a "
-                "scheduler)" if self.stopped_by == signal.SIGHUP else "")
-        return (f"stopped by {name}{hint}; this node's processes were ended without a checkpoint (the job resumes "
-                "from its newest one)")
-
     def _verdict(self) -> str:
         """The job's verdict in its store (``trained``, ``stopped``, ...; empty while none is recorded)."""
         try:
@@ -982,89 +648,23 @@ class ReplicaJob:
                   f"within {self.recover.agree_timeout_s} s (recover.agree_timeout_s); the job's store closes now",
                   file=sys.stderr, flush=True)
 
-    def finish_syncer(self) -> bool:
-        """This node's learners are over: once every node's are, the syncer merges what is left and saves the global
-        model (restarted if it crashes, within ``agree_timeout_s``); until then learners of other nodes may still
-        train, and the syncer ends the job itself if none is alive for ``startup_timeout_s``. True if it did: this
-        node's syncer ended with 0, or, with standby syncers, whichever led recorded the job's end (a syncer
-        records it after it saved the global model). With standbys this node keeps its candidate running until
-        then, however its own ended, as long as some syncer beats (``agree_timeout_s``)."""
-        syncer, nodes, standbys = self.syncer, self.plan.nnodes, bool(self.recover.store)
-        if not self.syncer_done():
-            self.store.set(DilocoKeys.learners_over(self.plan.rank), "1")
-        agree_s = self.recover.agree_timeout_s
-        deadline, beats = None, BeatWatch(b"", agree_s, agree_s, warming_s=self.recover.startup_timeout_s)
-        over_keys = [DilocoKeys.learners_over(n) for n in range(nodes)]
-        try:
-            while True:
-                self._pass()
-                if self.syncer_done() or self.stopped_by is not None:
-                    break
-                self.supervise_coordinator()
-                if deadline is None and None not in read_keys(self.store, over_keys):
-                    deadline = time.monotonic() + self.recover.agree_timeout_s
-                if deadline is not None and time.monotonic() > deadline:
-                    break
-                self.supervise_syncer()
-                if syncer.proc.poll() not in (None, 0) and syncer.restarts_left == 0 and not standbys:
-                    break
-                quiet, bound = beats.quiet_s(self._syncer_beat(), time.monotonic()) if standbys else (0.0, 0.0)
-                if quiet > bound:
-                    named = "agree_timeout_s" if bound == agree_s else "startup_timeout_s: it was compiling"
-                    print(f"[titan_recover] no syncer made progress for {bound} s (recover.{named}) while this node "
-                          "waited for the job's end", file=sys.stderr, flush=True)
-                    break
-                time.sleep(0.1)
-        finally:
-            self._seen = None
-        print(f"[titan_recover] syncer exit code {syncer.proc.poll()}", file=sys.stderr, flush=True)
-        return self.syncer_done()
-
-    def syncer_done(self) -> bool:
-        """This node's syncer ended the job (exit 0), or, with standbys (etcd), any syncer recorded its end."""
-        return self.syncer.proc.poll() == 0 or (bool(self.recover.store) and self._read(GroupKeys.FINISHED) is not None)
-
     def cleanup(self) -> None:
         """SIGTERM to every child still running, SIGKILL after GRACE_S, then any process carrying the run's
         marker."""
         self._mark_notice(ENDING)
         for child in self.children:
             if child.poll() is None:
-                _signal_group(child, signal.SIGTERM)
+                signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
         while any(c.poll() is None for c in self.children) and time.monotonic() < deadline:
             time.sleep(0.05)
         for child in self.children:
-            _signal_group(child, signal.SIGKILL)
-        _kill_all(processes_of_run(self.run_dir, node=self.plan.rank))
+            signal_group(child, signal.SIGKILL)
+        kill_all(processes_of_run(self.run_dir, node=self.plan.rank))
         if self.notice is not None:
             self.notice.remove()
         if self.announcement is not None:
             self.announcement.resign()
-
-
-class BeatWatch:
-    """How long a process's beat in the store (a value it rewrites while it makes progress) has stayed unchanged,
-    on this process's clock, and the bound it is held to: ``timeout_s`` once the process beat, ``start_s`` before
-    its first beat (a process start, with its imports, can take much longer than a beat on a loaded node), and
-    ``warming_s`` (default ``start_s``) while its beat ends in :data:`~titan_recover.recover.diloco.rules.WARMING`
-    (a first compile follows it)."""
-
-    def __init__(self, before_start: bytes, timeout_s: float, start_s: float, warming_s: float | None = None):
-        self._first = before_start
-        """The beat's value when the process was started (a previous start's): no evidence of this one."""
-        self._value: bytes | None = None
-        self._since = 0.0
-        self.timeout_s, self.start_s = timeout_s, start_s
-        self.warming_s = start_s if warming_s is None else warming_s
-
-    def quiet_s(self, value: bytes, now: float) -> tuple[float, float]:
-        """(seconds ``value`` has stayed unchanged, the bound that applies now)."""
-        if value != self._value:
-            self._value, self._since = value, now
-        if value == self._first:
-            return now - self._since, self.start_s
-        return now - self._since, self.warming_s if warming(value) else self.timeout_s
 
 
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,
