@@ -175,63 +175,6 @@ def test_a_raised_fault_flag_abandons_a_gloo_collective(monkeypatch):
     assert not fault.value.raised_here and len(polls) == 1
 
 
-def _gloo_event_loops() -> set[str]:
-    """Threads of this process running a gloo device's event loop (every gloo group has one), by thread id."""
-    loops = set()
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                if comm.read().strip() == "gloo_tcp_loop":
-                    loops.add(task)
-        except OSError:  # the thread ended meanwhile
-            continue
-    return loops
-
-
-def test_a_gloo_group_that_is_over_or_failed_is_destroyed_off_the_training_thread(monkeypatch):
-    """Kept alive, a failed group's connections may hold a piece that a live peer sent and this member abandoned,
-    which gloo's event loop then polls without pause (ftpg/gloo.py). A group the next epoch's replaced (``close``)
-    is destroyed at once, and a failed one as soon as gloo's own timeout ends the operation queued on it, each on a
-    thread of its own: the collective that failed returned before that, and the group's event loop is gone after
-    it. A group that is kept leaves its event loop's thread running and fails this. (Each group's loop is told
-    apart by its thread id: groups of earlier tests may still be ending meanwhile.)"""
-    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")  # as the launcher sets it: the peer never connects
-
-    def built(**kwargs):
-        before = _gloo_event_loops()
-        group = build_group(FTPGConfig(), **kwargs)
-        deadline = time.monotonic() + 10  # the loop's thread names itself once it runs, a moment later
-        while not _gloo_event_loops() - before and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return group, _gloo_event_loops() - before
-
-    def gone(loops: set[str], within_s: float) -> bool:
-        deadline = time.monotonic() + within_s  # a hang guard: what ends the loop is the release, not the clock
-        while loops & _gloo_event_loops() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return not loops & _gloo_event_loops()
-
-    over, loops = built(store=HashStore(), epoch=0, members=(0,), replica=0, rank=0, timeout_s=5.0)
-    t = torch.ones(3)
-    over.allreduce_sum_(t)
-    assert t.tolist() == [1.0, 1.0, 1.0] and len(loops) == 1
-    over.close()
-    assert over.pg is None and gone(loops, within_s=30)
-    with pytest.raises(FaultDetected, match="failed group of epoch 0"):
-        over.allreduce_sum_(t)  # never used again
-
-    store, gloo_timeout_s = HashStore(), 1.0
-    failed, loops = built(store=store, epoch=1, members=(0, 1), replica=0, rank=0, timeout_s=gloo_timeout_s)
-    threading.Timer(0.05, lambda: raise_fault_flag(store, 1, "replica 1 lost")).start()
-    started = time.monotonic()
-    with pytest.raises(FaultDetected, match="replica 1 lost"):
-        failed.allreduce_sum_(torch.ones(2))  # replica 1 never joins: gloo holds the operation to its timeout
-    returned_s = time.monotonic() - started
-    assert failed.pg is None and len(loops) == 1
-    assert returned_s < gloo_timeout_s  # the training thread did not wait for the release
-    assert gone(loops, within_s=30)
-
-
 SURVIVOR_TIMEOUT_S = 20.0
 """The survivors' collective timeout: a release by the deadline (or gloo's own timeout) would take this long."""
 

@@ -98,8 +98,8 @@ def check_seed_checkpoint(config, world_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Train, then end the process with the run's exit code (:func:`~titan_recover.process_exit.leave`) while the
-    trainer is still referenced: freeing it would run the destructors of the groups it keeps (ftpg), and those of
-    torch's and TorchTitan's own objects, for nothing the run needs."""
+    trainer is still referenced: freeing it would run the destructors of past epochs' gloo groups, which wait for
+    gloo's timeout on a dead peer."""
     from titan_recover.recover.notice import guard_rank, NoticeFile
     from titan_recover.recover.stop_request import listen
 

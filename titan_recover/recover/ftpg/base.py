@@ -41,8 +41,8 @@ class FaultTolerantGroup(abc.ABC):
     :class:`FaultDetected` (never a hang) when a member fails, the collective stops making progress for the
     timeout, or the epoch's fault flag is up.
 
-    A group is never reused after a fault: the next epoch builds a new one. A backend releases a failed group
-    without blocking the caller (a gloo or NCCL group is destroyed on a thread of its own: ``polled.let_go``)."""
+    A group is never reused after a fault: the next epoch builds a new one. Its owner keeps a failed group alive
+    until the process exits (destroying one whose peer died may block)."""
 
     epoch: int
     """The membership epoch the group belongs to."""
@@ -55,7 +55,7 @@ class FaultTolerantGroup(abc.ABC):
 
     def close(self) -> None:
         """The owner is done with this group (the next epoch's replaces it): release what can be released without
-        blocking. Default: nothing."""
+        blocking. Default: nothing (a gloo group whose peer died may block in its destructor, so it is kept)."""
 
     @abc.abstractmethod
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:

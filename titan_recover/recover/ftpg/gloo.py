@@ -6,17 +6,9 @@ each piece completes, or it fails (gloo error, no progress for the timeout), or 
 coordinator's store appears. At most ``[recover.ftpg] in_flight`` pieces are issued at once; gloo's own timeout
 applies to one piece. Consecutive whole host tensors smaller than ``COALESCE_BELOW_BYTES`` are reduced together, as
 one coalesced operation (a model's many small gradients are not one round trip each; gloo copies a coalesced
-operation's tensors into one buffer and back, so larger tensors go on their own).
-
-A group is never reused after a fault: the next epoch builds a new one from a new store prefix. A failed group, and
-one the next epoch's replaced (:meth:`PolledGlooGroup.close`), is destroyed at once, off the training thread
-(:func:`~.polled.let_go`): gloo's destructor waits for the operations queued on it, which a dead peer holds to
-gloo's timeout (observed: a survivor stuck for minutes when it ran on the training thread). Kept alive, a failed
-group can cost a CPU core for the rest of the run: a live peer that had sent a piece this member abandoned leaves
-it unread on their connection, which gloo's event loop (level-triggered ``epoll``, no buffer to read it into) then
-polls without pause as long as both keep the connection (measured: ``benchmarks/effective_throughput.py`` runs
-with spares, a survivor's ``gloo_tcp_loop`` thread at 0.4-0.6 core, mostly in the kernel, 1 MB unread in its
-socket; those runs took 30 % longer; docs/replica_groups.md "Backends").
+operation's tensors into one buffer and back, so larger tensors go on their own). A group is never reused after a fault: the next epoch builds a new one from a new store
+prefix. A failed group is never destroyed during the run either: gloo's destructor joins threads that may still
+be blocked on a dead peer (observed: a survivor stuck for minutes), so the owner keeps it until the process exits.
 
 gloo reduces host memory. Tensors on a device are staged through a ring of pinned host chunks
 (:mod:`.staging`): device -> host copy, reduction and host -> device copy of consecutive pieces overlap.
@@ -39,14 +31,11 @@ from torch._C._distributed_c10d import (
 )
 
 from titan_recover.recover.ftpg.base import register_backend
-from titan_recover.recover.ftpg.polled import (batches_of, check_contiguous, let_go, Piece, pieces_of, PolledGroup,
-                                              Progress)
+from titan_recover.recover.ftpg.polled import batches_of, check_contiguous, Piece, pieces_of, PolledGroup, Progress
 from titan_recover.recover.ftpg.staging import discard_staging, HostStaging, staging_for
 from titan_recover.recover.groups.keys import GroupKeys
 
 
-RELEASE_THREAD = "titan-recover-gloo-release"
-"""Where a gloo group that is over or failed is destroyed (:func:`~.polled.let_go`)."""
 COALESCE_BELOW_BYTES = 1 << 20
 """Whole host tensors below this size share a coalesced operation (up to a piece in all). On this project's CPU host
 (``benchmarks/reduction_path.py``), coalescing 32 MiB gradients in pairs made the reduction of 512 MiB 2.3x slower
@@ -162,25 +151,15 @@ class PolledGlooGroup(PolledGroup):
         self._staging = staging_for(devices.pop(), self.config.chunk_bytes, self.config.in_flight + 1)
         return self._staging
 
-    def close(self) -> None:
-        """Destroy the gloo group of an epoch that is over (the next epoch's replaces it), off the caller's thread:
-        its connections and its event loop's thread go with it."""
-        if self.pg is not None and not self.failed:
-            self.failed = True
-            let_go(self, RELEASE_THREAD)
-
     # ---- PolledGroup ------------------------------------------------------------------------------------------
     def _wait_for(self, work: _Pending, seconds: float) -> bool:
         return work.done.wait(seconds)
 
     def _abort(self) -> None:
-        # gloo cannot cancel a pending operation: the staging ring it may still write into is dropped, and the group
-        # destroyed off this thread once what is queued on it has ended (module docstring)
+        # gloo cannot release a pending operation; the staging ring it may still write into is dropped
         if self._staging is not None:
             discard_staging(self._staging)
             self._staging = None
-        if self.pg is not None:
-            let_go(self, RELEASE_THREAD)
 
 
 class _Pending:

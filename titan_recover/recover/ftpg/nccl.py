@@ -9,8 +9,8 @@ completion (``work.is_completed()``, a query of its CUDA event) together with th
 progress deadline (:mod:`.polled`). On a fault the communicator is aborted (``ncclCommAbort``), which releases the
 kernels still waiting, and the group is never used again: the next epoch creates a new communicator, and the
 previous epoch's is aborted once the new group exists (:meth:`NcclGroup.close`). An aborted communicator is let go
-at once, off the training thread (:func:`~.polled.let_go`): what it holds (its device buffers, the inputs of pieces
-never waited for) is freed, where a failed group kept alive would keep up to a gradient on the device per fault.
+at once, off the training thread (:func:`_let_go`): what it holds (its device buffers, the inputs of pieces never
+waited for) is freed, where a failed group kept alive would keep up to a gradient on the device per fault.
 
 NCCL's own watchdog never decides for this group: the communicator is created with
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (read by each ``ProcessGroupNCCL`` when it is constructed; the process's
@@ -27,6 +27,7 @@ Why this and not ``torch.distributed.shrink_group`` or a communicator in a subpr
 from __future__ import annotations
 
 import os
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -37,7 +38,7 @@ from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, Reduc
 
 from titan_recover.platform import synchronize
 from titan_recover.recover.ftpg.base import register_backend
-from titan_recover.recover.ftpg.polled import check_contiguous, let_go, pieces_of, PolledGroup, Progress
+from titan_recover.recover.ftpg.polled import check_contiguous, pieces_of, PolledGroup, Progress
 from titan_recover.recover.groups.keys import GroupKeys
 
 _QUERY_S = 0.0005
@@ -45,12 +46,6 @@ _QUERY_S = 0.0005
 on that completes on the host)."""
 
 
-RELEASE_THREAD = "titan-recover-nccl-release"
-"""Where a communicator is aborted and destroyed (:func:`~.polled.let_go`). Until it is destroyed it holds the inputs
-of every piece no one waited for (with torch's default of no ``recordStream``, NCCL keeps them alive until a wait,
-or until a later call on the training thread that a failed group never gets): gradient views that would keep a
-whole gradient on the device per fault. Its destructor joins NCCL's watchdog thread, which may still be writing
-its debug dump."""
 WATCHDOG = timedelta(days=7)
 """NCCL's timeout for this group's pieces: NCCL counts it from each piece's issue, for every piece of a collective
 issued at once, so any finite bound would fail a big collective that still makes progress; the progress deadline
@@ -94,12 +89,12 @@ class NcclGroup(PolledGroup):
 
     def close(self) -> None:
         """Abort the communicator of a group that is done with (a new epoch's group replaces it), off the caller's
-        thread (:func:`~.polled.let_go`): ``ProcessGroupNCCL.abort`` of an idle communicator took 1.0 s on an H200
-        (torch 2.11, NCCL 2.28; docs/platform.md), time an epoch change would otherwise wait. Nothing is pending on
-        it: the group's collectives all completed, or it would have failed."""
+        thread (:func:`_let_go`): ``ProcessGroupNCCL.abort`` of an idle communicator took 1.0 s on an H200 (torch
+        2.11, NCCL 2.28; docs/platform.md), time an epoch change would otherwise wait. Nothing is pending on it: the
+        group's collectives all completed, or it would have failed."""
         if self.pg is not None and not self.failed:
             self.failed = True
-            let_go(self, RELEASE_THREAD, abort=True)
+            _let_go(self, abort=True)
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         self.allreduce_many_([tensor])
@@ -130,7 +125,7 @@ class NcclGroup(PolledGroup):
             if before_piece is not None:  # queued on the caller's stream, which NCCL's stream waits for
                 before_piece(*piece)
             # no local reference to the communicator: a fault's traceback keeps this frame, and the communicator
-            # must be let go off this thread (:func:`~.polled.let_go`)
+            # must be let go off this thread (:func:`_let_go`)
             works.append(self._issue(self.pg, piece[2], root))
         progress = Progress(self.timeout_s)
         last = {index: i for i, (index, _, _) in enumerate(pieces)}
@@ -169,7 +164,25 @@ class NcclGroup(PolledGroup):
     def _abort(self) -> None:
         if self.pg is not None:
             self.pg.abort()
-            let_go(self, RELEASE_THREAD)  # a failed group is never used again (its ``failed`` says so)
+            _let_go(self)  # a failed group is never used again (its ``failed`` says so)
+
+
+def _let_go(group: NcclGroup, abort: bool = False) -> None:
+    """Take ``group``'s communicator from it and drop the last reference on a thread of its own (no local variable
+    of this thread may hold it meanwhile), after aborting it there if ``abort``. Until it is destroyed it holds the
+    inputs of every piece no one waited for (with torch's default of no ``recordStream``, NCCL keeps them alive
+    until a wait, or until a later call on the training thread that a failed group never gets): gradient views that
+    would keep a whole gradient on the device per fault. Its destructor joins NCCL's watchdog thread, which may
+    still be writing its debug dump, so it must not run on the training thread."""
+    holder = [group.pg]
+    group.pg = None
+
+    def release() -> None:
+        if abort:
+            holder[0].abort()
+        holder.clear()
+
+    threading.Thread(target=release, daemon=True, name="titan-recover-nccl-release").start()
 
 
 @contextmanager

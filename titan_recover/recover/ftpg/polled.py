@@ -173,20 +173,3 @@ class PolledGroup(FaultTolerantGroup):
             self._fail()
         except BaseException as error:  # noqa: BLE001 (reported in the fault's reason by the caller)
             failures.append(error)
-
-
-def let_go(group: PolledGroup, thread: str, abort: bool = False) -> None:
-    """Take ``group``'s backend process group (``group.pg``) from it and drop the last reference on a thread of its
-    own, named ``thread`` (no local variable of the caller's thread may hold it meanwhile), after aborting it there
-    if ``abort``. A backend's destructor may block: gloo's waits for the operations queued on it (a dead peer holds
-    one to gloo's timeout), NCCL's joins its watchdog; neither may run on the training thread. The group must never
-    be used again (its ``failed`` says so)."""
-    holder = [group.pg]
-    group.pg = None
-
-    def release() -> None:
-        if abort:
-            holder[0].abort()
-        holder.clear()
-
-    threading.Thread(target=release, daemon=True, name=thread).start()

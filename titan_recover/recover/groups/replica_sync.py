@@ -63,7 +63,7 @@ class ReplicaSync:
         self.checkpoint_requested = False
         """The last decision asked for the committed step's durable checkpoint (a requested one, not the interval's)."""
         self.group: FaultTolerantGroup | None = None
-        self._retired: list[FaultTolerantGroup] = []  # every group built, kept (see build_group)
+        self._retired: list[FaultTolerantGroup] = []  # every group built (see build_group)
         self._moving: str | None = None
         """The current commit barrier's progress counter (:meth:`commit_barrier`), or None."""
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
@@ -117,10 +117,8 @@ class ReplicaSync:
                     host: bool = False) -> FaultTolerantGroup:
         """A fault-tolerant group of this rank in ``members`` of the current epoch (default: all of
         them, which becomes :attr:`group`), with the backend ``[recover.ftpg]`` names. ``host``: a group of host
-        tensors (gloo, whatever the configured backend), such as a state transfer's. A group that fails, and the
-        epoch's group once the next one replaces it, is destroyed by its backend off this thread (ftpg/polled.py
-        ``let_go``); any other (a state transfer's that completed) is kept until the process exits, so that no
-        destructor runs on the training thread."""
+        tensors (gloo, whatever the configured backend), such as a state transfer's. Groups are kept alive until
+        the process exits: destroying a gloo group whose peer died can block on its threads (see ftpg)."""
         config = self.config.ftpg
         if host and config.resolved_backend(torch.device("cpu")) != "gloo":
             config = dataclasses.replace(config, backend="gloo")
