@@ -17,12 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import signal
 import sys
 import time
 from collections import defaultdict
 
-RUN_DIR_ENV = "TITAN_RECOVER_RUN_DIR"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from titan_recover.recover.groups.member import RUN_DIR_ENV  # noqa: E402
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 

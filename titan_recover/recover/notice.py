@@ -47,11 +47,11 @@ from titan_recover.process_exit import remove_folders_of_dead_processes
 NOTICE_FILE_ENV = "TITAN_RECOVER_NOTICE_FILE"
 NOTICE, ENDING = "notice", "ending"
 NOTICE_WAIT_S = 1.0
+"""How long a process that got ``SIGTERM`` waits for the node's first process to write ``notice``: the scheduler
+signals every process at once, and the first process writes the file when its own handler runs."""
 REPEAT_S = 1.0
 """A ``SIGTERM`` this soon after a process's first is that one come again by another path, not a second one (the
 first process's :class:`~titan_recover.recover.stop_request.PreemptionNotice` applies the same window)."""
-"""How long a process that got ``SIGTERM`` waits for the node's first process to write ``notice``: the scheduler
-signals every process at once, and the first process writes the file when its own handler runs."""
 _POLL_S = 0.02
 _FOLDER_PREFIX = "titan_recover_notice."
 """A notice file's folder in the temp dir: ``<prefix><pid of its first process>.<random>``."""
