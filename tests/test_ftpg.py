@@ -24,7 +24,7 @@ from titan_recover.recover.ftpg.base import (
     FTPGConfig,
     register_backend,
 )
-from titan_recover.recover.ftpg.gloo import PolledGlooGroup
+from titan_recover.recover.ftpg.gloo import PolledGlooGroup, ring_first
 from titan_recover.recover.ftpg.nccl import NcclGroup
 from titan_recover.recover.ftpg.polled import batches_of, pieces_of, Progress
 from titan_recover.recover.ftpg.staging import HostStaging
@@ -348,6 +348,93 @@ def test_a_big_reduction_on_a_slow_link_outlasts_the_timeout_while_it_makes_prog
     assert results == {0: None, 1: None}, results
     assert elapsed > 2 * timeout_s  # far longer than the old bound, and it succeeded
     assert all(bool((t == 3.0).all()) for t in tensors)
+
+
+def _loop_threads() -> set[str]:
+    """The ids of this process's gloo event-loop threads (one per gloo group)."""
+    tasks = "/proc/self/task"
+    found = set()
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as comm:
+                if comm.read().strip() == "gloo_tcp_loop":
+                    found.add(tid)
+        except OSError:  # the thread ended meanwhile
+            pass
+    return found
+
+
+def _cpu_s(tids: set[str]) -> float:
+    """User and system CPU seconds the threads ``tids`` of this process have used."""
+    ticks = 0
+    for tid in tids:
+        with open(f"/proc/self/task/{tid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _connected_gloo_pair(monkeypatch) -> tuple[list[PolledGlooGroup], set[str]]:
+    """Two gloo members (threads of this process) after a healthy all-reduce, and their event loops' thread ids."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    before = _loop_threads()
+    groups = _gloo_pair(HashStore(), FTPGConfig(), timeout_s=30.0)
+    results, _ = run_both(lambda: groups[0].allreduce_sum_(torch.ones(4)),
+                          lambda: groups[1].allreduce_sum_(torch.ones(4)))
+    assert results == {0: None, 1: None}, results
+    return groups, _loop_threads() - before
+
+
+def test_a_failed_gloo_group_polls_no_data_left_for_a_receive_it_abandoned(monkeypatch):
+    """What a failed collective can leave behind, made on purpose: member 0 posts a receive and drops it (as an
+    operation that failed on another connection does), then member 1 sends. gloo has nowhere to put the data and
+    leaves it unread, and its event loop polls it without pause (measured here first, in the same run: the
+    precondition). Once member 0's group has failed and closed its connections, its loop is idle. A group that kept
+    its connections (the code before) spins on: the second measurement fails."""
+    groups, loops = _connected_gloo_pair(monkeypatch)
+    work = groups[0].pg.recv([torch.empty(1 << 16)], 1, 5)
+    del work  # the receive's buffer is gone; gloo's record of the posted receive remains
+    groups[1].pg.send([torch.ones(1 << 16)], 0, 5).wait(timedelta(seconds=30))
+    window_s = 0.5
+    start = _cpu_s(loops)
+    time.sleep(window_s)
+    spinning = _cpu_s(loops) - start
+    assert spinning > 0.2 * window_s, f"the precondition: gloo's loop did not spin ({spinning:.2f} s CPU)"
+
+    groups[0]._fail()
+    groups[0]._disconnect()
+    groups[0].closing.join(10)
+    assert not groups[0].closing.is_alive()
+    start = _cpu_s(loops)
+    time.sleep(window_s)
+    after = _cpu_s(loops) - start
+    assert after <= 0.03, f"gloo's loops used {after:.2f} s CPU in {window_s} s after the group closed"
+
+
+def test_closing_a_failed_gloo_group_fails_what_is_pending_on_it_at_once(monkeypatch):
+    """``ProcessGroupGloo.abort`` leaves a pending operation to gloo's timeout (here 30 s): closing the group's
+    connections fails it at once, and the member whose collective gets a closed connection after the epoch's flag
+    is up reports the flag's reason, not the closed connection as a fault of its own."""
+    groups, _ = _connected_gloo_pair(monkeypatch)
+    pending = groups[0].pg.allreduce([torch.ones(4)])  # member 1 never joins
+    start = time.monotonic()
+    raise_fault_flag(groups[0].store, 0, "replica 1: no heartbeat")
+    with pytest.raises(FaultDetected, match="abandoned: replica 1: no heartbeat"):
+        groups[0].allreduce_sum_(torch.ones(4))
+    with pytest.raises(RuntimeError, match="Application timeout caused pair closure"):
+        pending.wait()
+    assert time.monotonic() - start < 10.0  # not gloo's 30 s
+    with pytest.raises(FaultDetected, match=r"abandoned: replica 1: no heartbeat \(here: replica 1 rank 0: allreduce in epoch 0 failed"):
+        groups[1].allreduce_sum_(torch.ones(4))  # its connection to member 0 is closed
+
+
+def test_a_gloo_group_is_closed_through_its_ring_neighbours_first():
+    """The peers a ring all-reduce has connected come first: a receive from a peer gloo never connected (lazy
+    initialisation) waits for gloo's timeout."""
+    assert ring_first(0, 4) == [3, 1, 2]
+    assert ring_first(2, 4) == [1, 3, 0]
+    assert ring_first(1, 2) == [0]
+    assert ring_first(0, 1) == []
 
 
 class _StagedGloo(PolledGlooGroup):

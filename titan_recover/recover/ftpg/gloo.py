@@ -6,9 +6,12 @@ each piece completes, or it fails (gloo error, no progress for the timeout), or 
 coordinator's store appears. At most ``[recover.ftpg] in_flight`` pieces are issued at once; gloo's own timeout
 applies to one piece. Consecutive whole host tensors smaller than ``COALESCE_BELOW_BYTES`` are reduced together, as
 one coalesced operation (a model's many small gradients are not one round trip each; gloo copies a coalesced
-operation's tensors into one buffer and back, so larger tensors go on their own). A group is never reused after a fault: the next epoch builds a new one from a new store
-prefix. A failed group is never destroyed during the run either: gloo's destructor joins threads that may still
-be blocked on a dead peer (observed: a survivor stuck for minutes), so the owner keeps it until the process exits.
+operation's tensors into one buffer and back, so larger tensors go on their own).
+
+A group is never reused after a fault: the next epoch builds a new one from a new store prefix. A failed group has
+its connections closed at once (:func:`close_connections`): that fails whatever is still pending on it, and it stops
+gloo's event loop from polling, without pause, data a live peer sent for a receive this member abandoned (gloo leaves
+such data unread; docs/replica_groups.md "Backends"). The group object itself is kept until the process exits.
 
 gloo reduces host memory. Tensors on a device are staged through a ring of pinned host chunks
 (:mod:`.staging`): device -> host copy, reduction and host -> device copy of consecutive pieces overlap.
@@ -36,6 +39,13 @@ from titan_recover.recover.ftpg.staging import discard_staging, HostStaging, sta
 from titan_recover.recover.groups.keys import GroupKeys
 
 
+CLOSE_THREAD = "titan-recover-gloo-close"
+"""The thread that closes a failed group's connections (:func:`close_connections`), one per failed group; nobody
+waits for it (it may wait for gloo's timeout to connect to a peer)."""
+CLOSE_TAG = 0x7E5C0DE
+"""The send/receive tag of the receive :func:`close_connections` posts and lets time out; nothing ever sends on it."""
+CLOSE_WAIT = timedelta(milliseconds=1)
+"""How long that receive is waited on before it times out (any positive time does: nobody sends on its tag)."""
 COALESCE_BELOW_BYTES = 1 << 20
 """Whole host tensors below this size share a coalesced operation (up to a piece in all). On this project's CPU host
 (``benchmarks/reduction_path.py``), coalescing 32 MiB gradients in pairs made the reduction of 512 MiB 2.3x slower
@@ -56,6 +66,8 @@ class PolledGlooGroup(PolledGroup):
             timedelta(seconds=self.timeout_s),
         )
         self._staging: HostStaging | None = None
+        self.closing: threading.Thread | None = None
+        """Closing this group's connections after a failure (:func:`close_connections`), or None."""
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         self.allreduce_many_([tensor])
@@ -156,10 +168,53 @@ class PolledGlooGroup(PolledGroup):
         return work.done.wait(seconds)
 
     def _abort(self) -> None:
-        # gloo cannot release a pending operation; the staging ring it may still write into is dropped
+        # gloo cannot cancel one operation: the staging ring it may still write into is dropped (the next collective
+        # gets a new one); the group's connections are closed once the flag is up (_disconnect)
         if self._staging is not None:
             discard_staging(self._staging)
             self._staging = None
+
+    def _disconnect(self) -> None:
+        if self.closing is None:
+            self.closing = threading.Thread(target=close_connections, daemon=True, name=CLOSE_THREAD,
+                                            args=(self.pg, self.group_rank, len(self.members)))
+            self.closing.start()
+
+
+def close_connections(pg: ProcessGroupGloo, group_rank: int, size: int) -> int | None:
+    """Close every connection of a gloo group, failing its pending operations at once; the group rank of the peer
+    through which it did, or None if there was no open connection to do it through.
+
+    ``ProcessGroupGloo.abort`` does nothing for gloo (measured: a pending all-reduce ran on until its peer exited)
+    and an error on one connection leaves the others open. gloo's one path that closes them all is a receive timing
+    out ("Application timeout caused pair closure": every pending operation of the group fails). So a receive on a
+    tag nobody sends on is posted to a peer and waited on for ``CLOSE_WAIT``.
+
+    Which peer: gloo connects lazily (``TORCH_GLOO_LAZY_INIT``) and a receive from a peer never connected waits for
+    a connection until gloo's timeout, so the peers a ring all-reduce connects come first: the left neighbour (whose
+    data a failed receive leaves unread), then the right one, then the others. Posting to a peer whose connection an
+    error closed fails at once; a wait that fails for any reason but the timeout (that connection's own error) moves
+    on to the next peer. May block for gloo's timeout: call it off the training thread."""
+    probe = torch.empty(1)
+    for peer in ring_first(group_rank, size):
+        try:
+            work = pg.recv([probe], peer, CLOSE_TAG)
+        except RuntimeError:  # that connection is closed already
+            continue
+        try:
+            work.wait(CLOSE_WAIT)
+        except RuntimeError as error:
+            if "Timed out" in str(error):  # every connection of the group is closed now
+                return peer
+            continue
+        raise RuntimeError(f"a peer sent on the tag reserved for closing a gloo group ({CLOSE_TAG:#x})")
+    return None
+
+
+def ring_first(group_rank: int, size: int) -> list[int]:
+    """Every other group rank: the ring neighbours first (left, right), then the rest in order."""
+    near = [(group_rank - 1) % size, (group_rank + 1) % size]
+    return [peer for peer in dict.fromkeys(near + list(range(size))) if peer != group_rank]
 
 
 class _Pending:

@@ -115,6 +115,10 @@ class PolledGroup(FaultTolerantGroup):
     def _abort(self) -> None:
         """Release whatever this group has pending after a fault (a backend that cannot does nothing)."""
 
+    def _disconnect(self) -> None:
+        """After a fault, once the epoch's flag is up (a peer that sees its connection go reads why there): close
+        what the group still holds open to its peers (a backend whose abort did that does nothing)."""
+
     # ---- the shared wait --------------------------------------------------------------------------------------
     def _wait(self, name: str, work, progress: Progress) -> None:
         """Wait for one piece, watching the fault flag and the progress deadline; the piece counts as progress."""
@@ -140,6 +144,7 @@ class PolledGroup(FaultTolerantGroup):
             body()
         except FaultDetected:
             self._fail()
+            self._disconnect()
             raise
         except Exception as error:  # the backend's own error (peer reset, its timeout) or our deadline
             reason = (
@@ -154,13 +159,19 @@ class PolledGroup(FaultTolerantGroup):
             releasing = threading.Thread(target=self._fail_into, args=(failures,), daemon=True,
                                          name="titan-recover-ftpg-release")
             releasing.start()
+            first = True
             try:
-                raise_fault_flag(self.store, self.epoch, reason)
+                _, flagged = fault_time_and_reason(raise_fault_flag(self.store, self.epoch, reason))
+                first = flagged == reason
             except Exception as store_error:  # the store is lost too: the fault stands, with both reasons
                 reason += f"; raising the epoch's fault flag failed: {type(store_error).__name__}: {store_error}"
             releasing.join()
             if failures:
                 reason += f"; releasing the group failed: {type(failures[0]).__name__}: {failures[0]}"
+            self._disconnect()
+            if not first:  # another member's failure came first (this one may be its consequence: a closed peer)
+                raise FaultDetected(f"{name} in epoch {self.epoch} abandoned: {flagged} (here: {reason})",
+                                    raised_here=False) from error
             raise FaultDetected(reason, raised_here=True) from error
 
     def _fail(self) -> None:
