@@ -24,7 +24,7 @@ from titan_recover.recover.ftpg.base import (
     FTPGConfig,
     register_backend,
 )
-from titan_recover.recover.ftpg.gloo import PolledGlooGroup, ring_first
+from titan_recover.recover.ftpg.gloo import close_connections, PolledGlooGroup, ring_first
 from titan_recover.recover.ftpg.nccl import NcclGroup
 from titan_recover.recover.ftpg.polled import batches_of, pieces_of, Progress
 from titan_recover.recover.ftpg.staging import HostStaging
@@ -426,6 +426,14 @@ def test_closing_a_failed_gloo_group_fails_what_is_pending_on_it_at_once(monkeyp
     assert time.monotonic() - start < 10.0  # not gloo's 30 s
     with pytest.raises(FaultDetected, match=r"abandoned: replica 1: no heartbeat \(here: replica 1 rank 0: allreduce in epoch 0 failed"):
         groups[1].allreduce_sum_(torch.ones(4))  # its connection to member 0 is closed
+
+
+def test_closing_reads_gloos_timeout_and_leaves_nothing_open(monkeypatch):
+    """``close_connections`` stops at the receive gloo timed out, told by gloo's message (a torch whose gloo words
+    it differently fails here); a second call finds every connection closed."""
+    groups, _ = _connected_gloo_pair(monkeypatch)
+    assert close_connections(groups[0].pg, 0, 2) == 1
+    assert close_connections(groups[0].pg, 0, 2) is None
 
 
 def test_a_gloo_group_is_closed_through_its_ring_neighbours_first():
