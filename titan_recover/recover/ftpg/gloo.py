@@ -185,7 +185,7 @@ def close_connections(pg: ProcessGroupGloo, group_rank: int, size: int) -> int |
     """Close every connection of a gloo group, failing its pending operations at once; the group rank of the peer
     through which it did, or None if there was no open connection to do it through.
 
-    ``ProcessGroupGloo.abort`` does nothing for gloo (measured: a pending all-reduce ran on until its peer exited)
+    ``ProcessGroupGloo.abort`` does nothing for gloo (a pending all-reduce stays pending: tests/test_ftpg.py)
     and an error on one connection leaves the others open. gloo's one path that closes them all is a receive timing
     out ("Application timeout caused pair closure": every pending operation of the group fails). So a receive on a
     tag nobody sends on is posted to a peer and waited on for ``CLOSE_WAIT``.
