@@ -1217,6 +1217,44 @@ def test_each_epochs_group_closes_the_one_before_and_side_groups_close_nothing(m
     assert first.closed and not second.closed and not side.closed
 
 
+@pytest.mark.parametrize("outcome", ["transferred", "failed"])
+def test_a_state_transfers_group_is_closed_when_the_transfer_is_over(monkeypatch, outcome):
+    """The group of a donor and its joiners is used for one transfer: closed after it, whether the transfer went
+    through or failed (a group left open would keep its threads and connections to the end of the run)."""
+    from types import SimpleNamespace
+
+    from titan_recover.recover.ftpg.base import FaultDetected
+    from titan_recover.recover.phoenix import admission as admission_module
+    from titan_recover.recover.phoenix.state_transfer import TransferStats
+
+    class Group:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    group, emitted = Group(), []
+
+    def transfer(state, broadcast, **kwargs):
+        assert not group.closed  # in use until the transfer is over
+        if outcome == "failed":
+            raise FaultDetected("replica 1: lost during the transfer", raised_here=False)
+        return TransferStats(bytes=8, chunks=1)
+
+    monkeypatch.setattr(admission_module, "transfer", transfer)
+    member = SimpleNamespace(replica=0, progress=lambda **kw: None)
+    sync = SimpleNamespace(member=member, epoch=3, chaos=None, build_group=lambda **kw: group,
+                           events=SimpleNamespace(emit=lambda name, **kw: emitted.append(name)))
+    admission = admission_module.Admission(sync)
+    if outcome == "failed":
+        with pytest.raises(FaultDetected, match="lost during the transfer"):
+            admission._transfer(state=None, donor=0, joiners=(1,), step=5)
+    else:
+        admission._transfer(state=None, donor=0, joiners=(1,), step=5)
+        assert emitted == ["state_transferred"]
+    assert group.closed
+
+
 def test_a_hold_for_a_restart_never_outlasts_rejoin_wait_s_whatever_the_coordinators_clock():
     """The drop's time is the coordinator's wall clock, on another host perhaps: a member's host whose clock is
     behind would otherwise hold the whole job for the skew on top of ``rejoin_wait_s``. The hold's end is fixed at

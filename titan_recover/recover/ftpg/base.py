@@ -41,8 +41,8 @@ class FaultTolerantGroup(abc.ABC):
     :class:`FaultDetected` (never a hang) when a member fails, the collective stops making progress for the
     timeout, or the epoch's fault flag is up.
 
-    A group is never reused after a fault: the next epoch builds a new one. Its owner keeps a failed group alive
-    until the process exits (destroying one whose peer died may block)."""
+    A group is never reused after a fault: the next epoch builds a new one. Its owner closes a group it is done
+    with (:meth:`close`)."""
 
     epoch: int
     """The membership epoch the group belongs to."""
@@ -54,8 +54,9 @@ class FaultTolerantGroup(abc.ABC):
         return len(self.members)
 
     def close(self) -> None:
-        """The owner is done with this group (the next epoch's replaces it): release what can be released without
-        blocking. Default: nothing (a gloo group whose peer died may block in its destructor, so it is kept)."""
+        """The owner is done with this group (the next epoch's replaces it, a state transfer is over; failed or
+        not): release what it holds (connections, threads, buffers) without blocking the caller; the group is
+        never used again. Default: nothing."""
 
     @abc.abstractmethod
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:

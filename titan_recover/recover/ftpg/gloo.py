@@ -11,7 +11,9 @@ operation's tensors into one buffer and back, so larger tensors go on their own)
 A group is never reused after a fault: the next epoch builds a new one from a new store prefix. A failed group has
 its connections closed at once (:func:`close_connections`): that fails whatever is still pending on it, and it stops
 gloo's event loop from polling, without pause, data a live peer sent for a receive this member abandoned (gloo leaves
-such data unread; docs/replica_groups.md "Backends"). The group object itself is kept until the process exits.
+such data unread; docs/replica_groups.md "Backends"). A group its owner is done with (:meth:`PolledGlooGroup.close`:
+the next epoch's replaces it, a state transfer is over) is destroyed on a thread of its own, after that closing if
+it failed: its threads and connections go with it.
 
 gloo reduces host memory. Tensors on a device are staged through a ring of pinned host chunks
 (:mod:`.staging`): device -> host copy, reduction and host -> device copy of consecutive pieces overlap.
@@ -34,7 +36,15 @@ from torch._C._distributed_c10d import (
 )
 
 from titan_recover.recover.ftpg.base import register_backend
-from titan_recover.recover.ftpg.polled import batches_of, check_contiguous, Piece, pieces_of, PolledGroup, Progress
+from titan_recover.recover.ftpg.polled import (
+    batches_of,
+    check_contiguous,
+    let_go,
+    Piece,
+    pieces_of,
+    PolledGroup,
+    Progress,
+)
 from titan_recover.recover.ftpg.staging import discard_staging, HostStaging, staging_for
 from titan_recover.recover.groups.keys import GroupKeys
 
@@ -42,6 +52,8 @@ from titan_recover.recover.groups.keys import GroupKeys
 CLOSE_THREAD = "titan-recover-gloo-close"
 """The thread that closes a failed group's connections (:func:`close_connections`), one per failed group; nobody
 waits for it (it may wait for gloo's timeout to connect to a peer)."""
+RELEASE_THREAD = "titan-recover-gloo-release"
+"""The thread on which a group its owner is done with is destroyed (:meth:`PolledGlooGroup.close`)."""
 CLOSE_TAG = 0x7E5C0DE
 """The send/receive tag of the receive :func:`close_connections` posts and lets time out; nothing ever sends on it."""
 CLOSE_WAIT = timedelta(milliseconds=1)
@@ -68,6 +80,24 @@ class PolledGlooGroup(PolledGroup):
         self._staging: HostStaging | None = None
         self.closing: threading.Thread | None = None
         """Closing this group's connections after a failure (:func:`close_connections`), or None."""
+        self.releasing: threading.Thread | None = None
+        """Destroying the group once its owner is done with it (:meth:`close`), or None."""
+
+    def close(self) -> None:
+        """Destroy the gloo group on a thread of its own (:data:`RELEASE_THREAD`): a group kept would hold its
+        threads (two workers and an event loop) and its connections (a socket per peer and the loop's descriptors)
+        to the end of the run, one set per epoch. The group is never used again. A failed group is destroyed once
+        its connections are closed (the closing thread ends first): nothing is pending on it then, and its
+        destructor, which waits for its queued operations, returns at once. A healthy one has nothing pending
+        either (each of its collectives completed, or it would have failed), and its destructor closes each
+        connection softly: bytes this member sent that a slower peer has not read yet still reach it (gloo's
+        ``Pair::~Pair``; ``tests/test_ftpg.py`` closes a broadcast's root as its peer starts to receive)."""
+        if self.pg is None:
+            return
+        self.failed = True
+        closing = self.closing
+        self.releasing = let_go(self, "pg", name=RELEASE_THREAD,
+                                first=lambda _pg: closing.join() if closing is not None else None)
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         self.allreduce_many_([tensor])

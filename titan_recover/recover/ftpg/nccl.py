@@ -27,7 +27,6 @@ Why this and not ``torch.distributed.shrink_group`` or a communicator in a subpr
 from __future__ import annotations
 
 import os
-import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -38,7 +37,7 @@ from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, Reduc
 
 from titan_recover.platform import synchronize
 from titan_recover.recover.ftpg.base import register_backend
-from titan_recover.recover.ftpg.polled import check_contiguous, pieces_of, PolledGroup, Progress
+from titan_recover.recover.ftpg.polled import check_contiguous, let_go, pieces_of, PolledGroup, Progress
 from titan_recover.recover.groups.keys import GroupKeys
 
 _QUERY_S = 0.0005
@@ -52,6 +51,8 @@ issued at once, so any finite bound would fail a big collective that still makes
 (:class:`~.polled.Progress`) and the fault flag end a stuck one, by aborting the communicator."""
 
 ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+RELEASE_THREAD = "titan-recover-nccl-release"
+"""The thread on which a communicator a group is done with is aborted (if asked) and destroyed (:func:`_let_go`)."""
 
 
 @register_backend("nccl")
@@ -168,21 +169,13 @@ class NcclGroup(PolledGroup):
 
 
 def _let_go(group: NcclGroup, abort: bool = False) -> None:
-    """Take ``group``'s communicator from it and drop the last reference on a thread of its own (no local variable
-    of this thread may hold it meanwhile), after aborting it there if ``abort``. Until it is destroyed it holds the
-    inputs of every piece no one waited for (with torch's default of no ``recordStream``, NCCL keeps them alive
-    until a wait, or until a later call on the training thread that a failed group never gets): gradient views that
-    would keep a whole gradient on the device per fault. Its destructor joins NCCL's watchdog thread, which may
-    still be writing its debug dump, so it must not run on the training thread."""
-    holder = [group.pg]
-    group.pg = None
-
-    def release() -> None:
-        if abort:
-            holder[0].abort()
-        holder.clear()
-
-    threading.Thread(target=release, daemon=True, name="titan-recover-nccl-release").start()
+    """Take ``group``'s communicator from it and drop the last reference on a thread of its own (:func:`let_go`),
+    after aborting it there if ``abort``. Until it is destroyed it holds the inputs of every piece no one waited for
+    (with torch's default of no ``recordStream``, NCCL keeps them alive until a wait, or until a later call on the
+    training thread that a failed group never gets): gradient views that would keep a whole gradient on the device
+    per fault. Its destructor joins NCCL's watchdog thread, which may still be writing its debug dump, so it must
+    not run on the training thread."""
+    let_go(group, "pg", name=RELEASE_THREAD, first=(lambda pg: pg.abort()) if abort else None)
 
 
 @contextmanager

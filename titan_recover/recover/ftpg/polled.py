@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.distributed import Store
@@ -65,6 +65,27 @@ def batches_of(pieces: list[Piece], tensors: list[torch.Tensor], chunk_bytes: in
         batches.append([(n, piece)])
         room = chunk_bytes - nbytes if whole else 0
     return batches
+
+
+def let_go(owner: Any, attribute: str, *, name: str,
+           first: Callable[[Any], None] | None = None) -> threading.Thread:
+    """Take ``owner.attribute`` from ``owner`` (it becomes None) and drop the last reference to it on a thread named
+    ``name`` (returned), after ``first(it)`` there: a communicator's destructor may block (it joins its threads), so
+    it must not run on the training thread. Nothing but the thread holds it meanwhile (no local variable of the
+    caller: the caller must hold no other reference for the destructor to run there)."""
+    holder = [getattr(owner, attribute)]
+    setattr(owner, attribute, None)
+
+    def release() -> None:
+        try:
+            if first is not None:
+                first(holder[0])
+        finally:
+            holder.clear()
+
+    thread = threading.Thread(target=release, daemon=True, name=name)
+    thread.start()
+    return thread
 
 
 class Progress:

@@ -63,7 +63,6 @@ class ReplicaSync:
         self.checkpoint_requested = False
         """The last decision asked for the committed step's durable checkpoint (a requested one, not the interval's)."""
         self.group: FaultTolerantGroup | None = None
-        self._retired: list[FaultTolerantGroup] = []  # every group built (see build_group)
         self._moving: str | None = None
         """The current commit barrier's progress counter (:meth:`commit_barrier`), or None."""
         self.recoveries: list[dict] = []  # recovery latencies of the current step, for metrics
@@ -117,8 +116,8 @@ class ReplicaSync:
                     host: bool = False) -> FaultTolerantGroup:
         """A fault-tolerant group of this rank in ``members`` of the current epoch (default: all of
         them, which becomes :attr:`group`), with the backend ``[recover.ftpg]`` names. ``host``: a group of host
-        tensors (gloo, whatever the configured backend), such as a state transfer's. Groups are kept alive until
-        the process exits: destroying a gloo group whose peer died can block on its threads (see ftpg)."""
+        tensors (gloo, whatever the configured backend), such as a state transfer's. The epoch's group closes the one
+        it replaces; whoever builds a side group closes it when done (a group closes off this thread: ftpg)."""
         config = self.config.ftpg
         if host and config.resolved_backend(torch.device("cpu")) != "gloo":
             config = dataclasses.replace(config, backend="gloo")
@@ -127,10 +126,9 @@ class ReplicaSync:
                             rank=self.member.rank, timeout_s=self.config.collective_timeout_s,
                             device="cpu" if host else self.device, on_poll=self.member.progress,
                             fault_seen=self.member.fault_seen if self.member.watches_faults else None, tag=tag)
-        self._retired.append(group)
         if members is None:
             if self.group is not None:
-                self.group.close()  # the previous epoch's (a NCCL communicator frees its device buffers)
+                self.group.close()  # the previous epoch's: its threads, connections, device buffers go
             self.group = group
         return group
 

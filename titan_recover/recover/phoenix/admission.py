@@ -227,7 +227,10 @@ class Admission:
             group.broadcast_many_(tensors, donor, through)
 
         start = time.perf_counter()
-        stats = transfer(state, broadcast, is_donor=is_donor, broadcast_many=broadcast_many)
+        try:
+            stats = transfer(state, broadcast, is_donor=is_donor, broadcast_many=broadcast_many)
+        finally:  # done with, whatever the outcome: its threads and connections go (off this thread)
+            group.close()
         seconds = time.perf_counter() - start
         sync.events.emit("state_transferred", epoch=sync.epoch, role="donor" if is_donor else "joiner",
                          donor=donor, joiners=list(joiners), bytes=stats.bytes, chunks=stats.chunks,
