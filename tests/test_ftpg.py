@@ -25,7 +25,7 @@ from titan_recover.recover.ftpg.base import (
     FTPGConfig,
     register_backend,
 )
-from titan_recover.recover.ftpg.gloo import close_connections, PolledGlooGroup, ring_first
+from titan_recover.recover.ftpg.gloo import broadcast_peers, close_connections, connected_first, PolledGlooGroup
 from titan_recover.recover.ftpg.nccl import NcclGroup
 from titan_recover.recover.ftpg.polled import batches_of, pieces_of, Progress
 from titan_recover.recover.ftpg.staging import HostStaging
@@ -426,17 +426,82 @@ def test_closing_reads_gloos_timeout_and_leaves_nothing_open(monkeypatch):
     """``close_connections`` stops at the receive gloo timed out, told by gloo's message (a torch whose gloo words
     it differently fails here); a second call finds every connection closed."""
     groups, _ = _connected_gloo_pair(monkeypatch)
-    assert close_connections(groups[0].pg, 0, 2) == 1
-    assert close_connections(groups[0].pg, 0, 2) is None
+    assert close_connections(groups[0].pg, [1]) == 1
+    assert close_connections(groups[0].pg, [1]) is None
 
 
-def test_a_gloo_group_is_closed_through_its_ring_neighbours_first():
-    """The peers a ring all-reduce has connected come first: a receive from a peer gloo never connected (lazy
-    initialisation) waits for gloo's timeout."""
-    assert ring_first(0, 4) == [3, 1, 2]
-    assert ring_first(2, 4) == [1, 3, 0]
-    assert ring_first(1, 2) == [0]
-    assert ring_first(0, 1) == []
+def test_a_gloo_group_is_closed_through_the_peers_its_collectives_connected_first():
+    """A receive from a peer gloo never connected (lazy initialisation) waits for gloo's timeout, so the peers an
+    all-reduce (gloo's ring: left, right) or a broadcast (gloo's tree: parent, children) connected come first."""
+    assert connected_first(0, 4, reduced=True) == [3, 1, 2]
+    assert connected_first(2, 4, reduced=True) == [1, 3, 0]
+    assert connected_first(1, 2, reduced=True) == [0]
+    assert connected_first(0, 1, reduced=True) == []
+    assert connected_first(3, 4, reduced=False, roots=[0]) == [1, 0, 2]  # not its ring neighbour 2: never connected
+    assert connected_first(3, 4, reduced=True, roots=[0]) == [2, 0, 1]
+
+
+@pytest.mark.parametrize("size", range(1, 10))
+def test_broadcast_peers_make_gloos_tree_from_every_root(size):
+    """The tree :func:`broadcast_peers` describes: every member but the root receives from exactly one parent, the
+    relation is mutual (a parent lists the member as its child), and it reaches every member from the root."""
+    for root in range(size):
+        peers = {rank: broadcast_peers(rank, size, root) for rank in range(size)}
+        parent = {}
+        for rank in range(size):
+            vrank = (rank - root) % size
+            receives = [p for p in peers[rank] if (p - root) % size < vrank]
+            assert len(receives) == (rank != root), (size, root, rank, peers[rank])
+            if receives:
+                assert peers[rank][0] == receives[0]  # the parent first
+                parent[rank] = receives[0]
+                assert rank in peers[receives[0]]
+        reached = {root}
+        while True:
+            more = {rank for rank, p in parent.items() if p in reached} - reached
+            if not more:
+                break
+            reached |= more
+        assert reached == set(range(size))
+    assert broadcast_peers(3, 4, 0) == [1] and broadcast_peers(0, 4, 0) == [1, 2] and broadcast_peers(2, 3, 0) == [0]
+
+
+def test_a_failed_broadcast_group_of_four_closes_through_its_tree_parent_at_once(monkeypatch):
+    """Four members (threads of this process), a state transfer's group: only broadcasts from member 0, so member 3
+    is connected to its tree parent, member 1, and not to its ring neighbour 2. Member 2 is lost; when member 3's
+    next broadcast fails, its connections close at once: through member 1, not after trying to connect to the lost
+    member 2 until gloo's timeout (here 30 s)."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    store, members = HashStore(), (0, 1, 2, 3)
+    groups = [PolledGlooGroup(store, config=FTPGConfig(), epoch=0, members=members, replica=r, rank=0,
+                              timeout_s=30.0, tag="transfer") for r in members]
+    tensors = [torch.full((4,), float(r)) for r in members]
+    results: dict[int, object] = {}
+
+    def broadcast(r):
+        try:
+            groups[r].broadcast_(tensors[r], root_replica=0)
+            results[r] = None
+        except Exception as error:  # handed to the test
+            results[r] = error
+
+    threads = [threading.Thread(target=broadcast, args=(r,), daemon=True) for r in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results == {r: None for r in members} and all(bool((t == 0.0).all()) for t in tensors), results
+    groups[2].close()  # member 2 is lost: nothing answers a connection to it any more
+    groups[2].releasing.join(30)
+    raise_fault_flag(store, 0, "replica 2: lost during the transfer")
+    with pytest.raises(FaultDetected, match="lost during the transfer"):
+        groups[3].broadcast_(tensors[3], root_replica=0)  # member 1 never forwards
+    groups[3].closing.join(10)
+    assert not groups[3].closing.is_alive()  # closed through member 1, not still connecting to member 2
+    for group in groups:
+        group.close()
+        if group.releasing is not None:
+            group.releasing.join(30)
 
 
 def _sockets() -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Iterable
 from datetime import timedelta
 
 import torch
@@ -82,6 +83,10 @@ class PolledGlooGroup(PolledGroup):
         """Closing this group's connections after a failure (:func:`close_connections`), or None."""
         self.releasing: threading.Thread | None = None
         """Destroying the group once its owner is done with it (:meth:`close`), or None."""
+        self.reduced = False
+        """An all-reduce was issued on this group (its ring neighbours are connected)."""
+        self.roots: set[int] = set()
+        """The group ranks of the roots of the broadcasts issued on this group (its tree peers are connected)."""
 
     def close(self) -> None:
         """Destroy the gloo group on a thread of its own (:data:`RELEASE_THREAD`): a group kept would hold its
@@ -104,6 +109,7 @@ class PolledGlooGroup(PolledGroup):
 
     def allreduce_many_(self, tensors: list[torch.Tensor], before_piece=None) -> None:
         check_contiguous(tensors)
+        self.reduced = True
         self._guarded("allreduce", lambda: self._pipeline("allreduce", tensors, root=None,
                                                           before_piece=before_piece))
 
@@ -112,6 +118,7 @@ class PolledGlooGroup(PolledGroup):
         ``i`` is through, in order, while the later ones are in flight."""
         check_contiguous(tensors)
         root = self.members.index(root_replica)
+        self.roots.add(root)
         self._guarded("broadcast", lambda: self._pipeline("broadcast", tensors, root=root, on_each=on_each))
 
     # ---- one collective, piece by piece ----------------------------------------------------------------------
@@ -206,27 +213,30 @@ class PolledGlooGroup(PolledGroup):
 
     def _disconnect(self) -> None:
         if self.closing is None:
+            peers = connected_first(self.group_rank, len(self.members), reduced=self.reduced, roots=sorted(self.roots))
             self.closing = threading.Thread(target=close_connections, daemon=True, name=CLOSE_THREAD,
-                                            args=(self.pg, self.group_rank, len(self.members)))
+                                            args=(self.pg, peers))
             self.closing.start()
 
 
-def close_connections(pg: ProcessGroupGloo, group_rank: int, size: int) -> int | None:
-    """Close every connection of a gloo group, failing its pending operations at once; the group rank of the peer
-    through which it did, or None if there was no open connection to do it through.
+def close_connections(pg: ProcessGroupGloo, peers: list[int]) -> int | None:
+    """Close every connection of a gloo group, failing its pending operations at once, through the first of
+    ``peers`` (group ranks, in the order to try: :func:`connected_first`) that has a connection open; the group rank
+    of that peer, or None if there was no open connection to do it through.
 
     ``ProcessGroupGloo.abort`` does nothing for gloo (a pending all-reduce stays pending: tests/test_ftpg.py)
     and an error on one connection leaves the others open. gloo's one path that closes them all is a receive timing
     out ("Application timeout caused pair closure": every pending operation of the group fails). So a receive on a
     tag nobody sends on is posted to a peer and waited on for ``CLOSE_WAIT``.
 
-    Which peer: gloo connects lazily (``TORCH_GLOO_LAZY_INIT``) and a receive from a peer never connected waits for
-    a connection until gloo's timeout, so the peers a ring all-reduce connects come first: the left neighbour (whose
-    data a failed receive leaves unread), then the right one, then the others. Posting to a peer whose connection an
-    error closed fails at once; a wait that fails for any reason but the timeout (that connection's own error) moves
-    on to the next peer. May block for gloo's timeout: call it off the training thread."""
+    Which peer: gloo connects lazily (``TORCH_GLOO_LAZY_INIT``), and a receive from a peer never connected tries to
+    connect to it, until gloo's timeout if that peer is lost (the lost one is often the one never connected: a
+    broadcast's tree leaves most pairs unconnected), so the peers this member's collectives connected come first. Posting to a
+    peer whose connection an error closed fails at once; a wait that fails for any reason but the timeout (that
+    connection's own error) moves on to the next peer. May block for gloo's timeout: call it off the training
+    thread."""
     probe = torch.empty(1)
-    for peer in ring_first(group_rank, size):
+    for peer in peers:
         try:
             work = pg.recv([probe], peer, CLOSE_TAG)
         except RuntimeError:  # that connection is closed already
@@ -241,10 +251,33 @@ def close_connections(pg: ProcessGroupGloo, group_rank: int, size: int) -> int |
     return None
 
 
-def ring_first(group_rank: int, size: int) -> list[int]:
-    """Every other group rank: the ring neighbours first (left, right), then the rest in order."""
-    near = [(group_rank - 1) % size, (group_rank + 1) % size]
+def connected_first(group_rank: int, size: int, *, reduced: bool, roots: Iterable[int] = ()) -> list[int]:
+    """Every other group rank, those a member's collectives have connected first: after an all-reduce (gloo's ring)
+    its ring neighbours, left then right; for each broadcast root, its peers in gloo's broadcast tree
+    (:func:`broadcast_peers`); then the rest in order."""
+    near = [(group_rank - 1) % size, (group_rank + 1) % size] if reduced else []
+    for root in roots:
+        near.extend(broadcast_peers(group_rank, size, root))
     return [peer for peer in dict.fromkeys(near + list(range(size))) if peer != group_rank]
+
+
+def broadcast_peers(group_rank: int, size: int, root: int) -> list[int]:
+    """The group ranks a member exchanges with in gloo's broadcast from ``root`` (``gloo/broadcast.cc``, read, not
+    imported: a binomial tree over ranks renumbered so that the root is 0; in round ``i`` a member whose renumbered
+    rank has no bit set above ``i`` pairs with the rank differing in bit ``i``, receiving from it if that bit is
+    its own, sending to it otherwise): the parent it receives from first (none for the root), then its children."""
+    vrank = (group_rank - root) % size
+    rounds = (size - 1).bit_length()  # gloo's log2ceil(size)
+    mask = (1 << rounds) - 1
+    parent: list[int] = []
+    children: list[int] = []
+    for i in range(rounds):
+        mask ^= 1 << i
+        vpeer = vrank ^ (1 << i)
+        if vrank & mask or vpeer >= size:
+            continue
+        (parent if vrank & (1 << i) else children).append((vpeer + root) % size)
+    return parent + children
 
 
 class _Pending:
