@@ -11,7 +11,8 @@ transfer, one raw broadcast and one transfer without its digests (``checksummed=
 chunk on both sides costs) back to back, each first in turn. Each round gives a ratio (raw / transfer of that round,
 and raw / transfer without digests); printed: median, min and max of the times and the ratios, and every round;
 then one thread's xxHash3 of the whole state and one copy of it in memory (the host's memory speed, which bounds a
-loopback transfer: each byte is copied into the kernel and out again).
+loopback transfer: each byte is copied into the kernel and out again), and the CPU seconds each side used for each
+kind (``getrusage``, every thread of the process, gloo's included): whether the cores were free for the digests.
 
     python benchmarks/state_transfer.py [--width 2048] [--layers 48] [--rounds 11] [--chunk-mb 64] [--device cpu]
                                         [--out FILE]
@@ -34,6 +35,7 @@ import argparse
 import multiprocessing as mp
 import os
 import pathlib
+import resource
 import statistics
 import sys
 import time
@@ -59,6 +61,12 @@ class _Step:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
+
+
+def _cpu_s() -> float:
+    """User and system CPU seconds of this process so far, all threads (gloo's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _member(port: int, replica: int, args, results) -> None:
@@ -97,10 +105,11 @@ def _member(port: int, replica: int, args, results) -> None:
         group.allreduce_sum_(flag)
 
     timings: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    cpu: dict[str, list[float]] = {kind: [] for kind in KINDS}  # this process's CPU seconds (every thread's)
     for r in range(args.rounds):
         for kind in KINDS[r % len(KINDS):] + KINDS[: r % len(KINDS)]:  # each kind first in turn
             barrier()
-            start = time.perf_counter()
+            start, used = time.perf_counter(), _cpu_s()
             if kind == "raw":
                 broadcast(raw)
             else:
@@ -111,6 +120,7 @@ def _member(port: int, replica: int, args, results) -> None:
             if device.type == "cuda":  # the joiner's last host-to-device copy is done
                 torch.cuda.synchronize(device)
             timings[kind].append(time.perf_counter() - start)
+            cpu[kind].append(_cpu_s() - used)
     # what each side's digests cost alone: xxHash3 over every byte of the state, on this process's one thread
     start = time.perf_counter()
     for view in (bytes_view(t.cpu()) for t in state.tensors()):  # the ring hashes host chunks, on CPU as on GPU
@@ -122,7 +132,7 @@ def _member(port: int, replica: int, args, results) -> None:
     start = time.perf_counter()
     copy.copy_(raw)
     timings["copy"] = [time.perf_counter() - start]
-    results.put((replica, total, timings))
+    results.put((replica, total, timings, cpu))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,13 +169,13 @@ def measure(args) -> None:
     for p in procs:
         p.start()
     try:
-        got = {r: (total, timings) for r, total, timings in (results.get(timeout=900) for _ in procs)}
+        got = {r: (total, timings, cpu) for r, total, timings, cpu in (results.get(timeout=900) for _ in procs)}
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    total, timings = got[1]  # the joiner's clock: from before the first byte to its last check
+    total, timings, _ = got[1]  # the joiner's clock: from before the first byte to its last check
     mb = total / 2**20
     medians = {kind: statistics.median(timings[kind]) for kind in KINDS}
     ratios = [raw / moved for raw, moved in zip(timings["raw"], timings["transfer"])]
@@ -178,6 +188,11 @@ def measure(args) -> None:
                           ("transfer without digests", timings["unverified"]), ("ratio raw / transfer", ratios),
                           ("ratio raw / no digests", bare)):
         print(f"{label:26s} {spread(values):26s} " + " ".join(f"{v:.3f}" for v in values))
+    print("CPU seconds each side used (all its threads), median over the rounds, and the cores both kept busy:")
+    for kind, label in zip(KINDS, ("transfer", "raw broadcast", "transfer without digests")):
+        donor, joiner = (statistics.median(got[r][2][kind]) for r in (0, 1))
+        print(f"  {label:26s} donor {donor:.3f}  joiner {joiner:.3f}  cores busy "
+              f"{(donor + joiner) / medians[kind]:.2f} of {os.cpu_count()}")
     hash_s, copy_s = timings["hash"][0], timings["copy"][0]
     print(f"xxHash3 of the whole state on one thread, once: {hash_s:.3f} s ({mb / hash_s:.0f} MB/s); each side hashes "
           f"every chunk as it arrives, on the cores the two processes' transfer uses")
