@@ -3,9 +3,10 @@
 
 Which thread of which rank burns the CPU: every ``--every`` seconds, for each process whose command line contains
 ``--match`` (default: a rank, ``titan_recover.train``), the user and kernel time of each of its threads whose name
-is ``--thread`` (default gloo's event loop, ``gloo_tcp_loop``) and of the whole process. At the end (Ctrl-C, SIGTERM,
-or ``--seconds``) it prints one line per run folder (the process's ``TITAN_RECOVER_RUN_DIR``) and writes them, with
-the busiest thread's samples, to ``--out`` as JSON.
+is ``--thread`` (default gloo's event loop, ``gloo_tcp_loop``) and of the whole process, and how many such threads
+and open file descriptors the process has (what a run leaks per epoch shows as a count that grows). At the end
+(Ctrl-C, SIGTERM, or ``--seconds``) it prints one line per run folder (the process's ``TITAN_RECOVER_RUN_DIR``) and
+writes them, with the busiest thread's samples, to ``--out`` as JSON.
 
     python scripts/thread_cpu.py --out /tmp/loops.json &      # then run jobs; kill %1 when they are done
 
@@ -65,15 +66,28 @@ def threads_named(pid: str, name: str) -> dict[str, tuple[float, float]]:
     return out
 
 
+def open_fds(pid: str) -> int:
+    """How many file descriptors ``pid`` has open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 class Tally:
     """Per run folder: the named threads' and the processes' CPU seconds, from the first sample of each to its
-    last (a thread or process seen once adds nothing)."""
+    last (a thread or process seen once adds nothing), and the most named threads and open descriptors one
+    process of the run had at a sample."""
 
     def __init__(self):
         self.first: dict[tuple, tuple[float, float]] = {}
         self.last: dict[tuple, tuple[float, float]] = {}
         self.run_of: dict[tuple, str] = {}
         self.samples: dict[tuple, list] = defaultdict(list)
+        self.most: dict[str, dict[str, int]] = defaultdict(lambda: {"most_threads": 0, "most_fds": 0})
+
+    def count(self, run: str, threads: int, fds: int) -> None:
+        """One process of ``run`` had ``threads`` named threads and ``fds`` open descriptors at a sample."""
+        most = self.most[run]
+        most["most_threads"] = max(most["most_threads"], threads)
+        most["most_fds"] = max(most["most_fds"], fds)
 
     def see(self, key: tuple, run: str, value: tuple[float, float], now: float) -> None:
         self.first.setdefault(key, value)
@@ -84,6 +98,8 @@ class Tally:
     def by_run(self) -> dict[str, dict]:
         runs: dict[str, dict] = defaultdict(lambda: {"thread_user_s": 0.0, "thread_kernel_s": 0.0, "process_s": 0.0,
                                                      "busiest_thread_s": 0.0, "busiest": None})
+        for run, most in self.most.items():
+            runs[run].update(most)
         for key, last in self.last.items():
             first, run = self.first[key], runs[self.run_of[key]]
             user, kernel = last[0] - first[0], last[1] - first[1]
@@ -116,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             for pid, run in matching(args.match).items():
                 try:
                     tally.see(("process", pid), run, cpu_s(f"/proc/{pid}/stat"), now)
-                    for tid, value in threads_named(pid, args.thread).items():
+                    named = threads_named(pid, args.thread)
+                    for tid, value in named.items():
                         tally.see(("thread", pid, tid), run, value, now)
+                    tally.count(run, len(named), open_fds(pid))
                 except OSError:  # the process ended meanwhile
                     continue
             time.sleep(args.every)
@@ -127,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     for run, row in sorted(runs.items()):
         print(f"{run}: {args.thread} {row['thread_user_s'] + row['thread_kernel_s']:.1f} s "
               f"({row['thread_kernel_s']:.1f} s in the kernel), busiest thread {row['busiest_thread_s']:.1f} s; "
-              f"processes {row['process_s']:.1f} s")
+              f"processes {row['process_s']:.1f} s; at most {row.get('most_threads', 0)} such threads and "
+              f"{row.get('most_fds', 0)} open descriptors in one process")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(runs, f, indent=1)

@@ -33,8 +33,8 @@ CHILD = textwrap.dedent("""
 
 def test_the_named_threads_cpu_is_told_apart_per_run_folder(tmp_path, capsys):
     """A process of a run (its TITAN_RECOVER_RUN_DIR) with one busy and one idle thread of the watched name and a
-    busy thread of another name: the tally counts the watched threads only, names the busy one as the busiest,
-    and attributes them to the run's folder."""
+    busy thread of another name: the tally counts the watched threads only (their CPU and their number), names
+    the busy one as the busiest, and attributes them to the run's folder."""
     env = {"TITAN_RECOVER_RUN_DIR": str(tmp_path / "run_a"), "PATH": "/usr/bin:/bin"}
     child = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -54,4 +54,5 @@ def test_the_named_threads_cpu_is_told_apart_per_run_folder(tmp_path, capsys):
     # as much as the spinner)
     assert 0.05 < run["busiest_thread_s"] <= spun < run["process_s"], run
     assert spun - run["busiest_thread_s"] < run["busiest_thread_s"] / 5, run
+    assert run["most_threads"] == 2 and run["most_fds"] >= 3, run  # two threads of the name; stdin, out, err
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("runs=1 thread_cpu_s=")
