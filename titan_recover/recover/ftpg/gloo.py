@@ -231,10 +231,10 @@ def close_connections(pg: ProcessGroupGloo, peers: list[int]) -> int | None:
 
     Which peer: gloo connects lazily (``TORCH_GLOO_LAZY_INIT``), and a receive from a peer never connected tries to
     connect to it, until gloo's timeout if that peer is lost (the lost one is often the one never connected: a
-    broadcast's tree leaves most pairs unconnected), so the peers this member's collectives connected come first. Posting to a
-    peer whose connection an error closed fails at once; a wait that fails for any reason but the timeout (that
-    connection's own error) moves on to the next peer. May block for gloo's timeout: call it off the training
-    thread."""
+    broadcast's tree leaves most pairs unconnected), so the peers this member's collectives connected come first.
+    Posting to a peer whose connection an error closed fails at once; a wait that fails for any reason but the
+    timeout (that connection's own error) moves on to the next peer. May block for gloo's timeout: call it off the
+    training thread."""
     probe = torch.empty(1)
     for peer in peers:
         try:
