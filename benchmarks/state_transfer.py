@@ -14,8 +14,8 @@ then one thread's xxHash3 of the whole state and one copy of it in memory (the h
 loopback transfer: each byte is copied into the kernel and out again), and the CPU seconds each side used for each
 kind (``getrusage``, every thread of the process, gloo's included): whether the cores were free for the digests.
 
-    python benchmarks/state_transfer.py [--width 2048] [--layers 48] [--rounds 11] [--chunk-mb 64] [--device cpu]
-                                        [--out FILE]
+    python benchmarks/state_transfer.py [--width 2048] [--layers 48] [--rounds 11] [--chunk-mb 64] [--in-flight 2]
+                                        [--device cpu] [--out FILE]
 
 ``--device cuda``: the state on the GPU (both processes on device 0), so the donor's chunks go device -> pinned
 host -> gloo -> pinned host -> device through the transfer's ring (docs/phoenix.md); the raw broadcast stays a host
@@ -78,7 +78,8 @@ def _member(port: int, replica: int, args, results) -> None:
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
-    group = build_group(FTPGConfig(), store, epoch=0, members=(0, 1), replica=replica, rank=0, timeout_s=300.0)
+    group = build_group(FTPGConfig(in_flight=args.in_flight), store, epoch=0, members=(0, 1), replica=replica, rank=0,
+                        timeout_s=300.0)
     torch.manual_seed(replica)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -136,11 +137,15 @@ def _member(port: int, replica: int, args, results) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from titan_recover.recover.ftpg.base import FTPGConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--chunk-mb", type=int, default=64)
+    parser.add_argument("--in-flight", type=int, default=FTPGConfig().in_flight,
+                        help="pieces of a collective in flight at once ([recover.ftpg] in_flight)")
     parser.add_argument("--device", default="cpu", help="where the state lives (cuda: both processes on one GPU, "
                         "the chunks staged through the pinned ring); the raw broadcast is of host memory")
     add_out_argument(parser, __file__)

@@ -81,11 +81,11 @@ class Tally:
         self.last: dict[tuple, tuple[float, float]] = {}
         self.run_of: dict[tuple, str] = {}
         self.samples: dict[tuple, list] = defaultdict(list)
-        self.most: dict[str, dict[str, int]] = defaultdict(lambda: {"most_threads": 0, "most_fds": 0})
+        self.most: dict[str, dict[str, int]] = {}
 
     def count(self, run: str, threads: int, fds: int) -> None:
         """One process of ``run`` had ``threads`` named threads and ``fds`` open descriptors at a sample."""
-        most = self.most[run]
+        most = self.most.setdefault(run, {"most_threads": 0, "most_fds": 0})
         most["most_threads"] = max(most["most_threads"], threads)
         most["most_fds"] = max(most["most_fds"], fds)
 
@@ -97,7 +97,8 @@ class Tally:
 
     def by_run(self) -> dict[str, dict]:
         runs: dict[str, dict] = defaultdict(lambda: {"thread_user_s": 0.0, "thread_kernel_s": 0.0, "process_s": 0.0,
-                                                     "busiest_thread_s": 0.0, "busiest": None})
+                                                     "busiest_thread_s": 0.0, "busiest": None, "most_threads": 0,
+                                                     "most_fds": 0})
         for run, most in self.most.items():
             runs[run].update(most)
         for key, last in self.last.items():
@@ -145,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     for run, row in sorted(runs.items()):
         print(f"{run}: {args.thread} {row['thread_user_s'] + row['thread_kernel_s']:.1f} s "
               f"({row['thread_kernel_s']:.1f} s in the kernel), busiest thread {row['busiest_thread_s']:.1f} s; "
-              f"processes {row['process_s']:.1f} s; at most {row.get('most_threads', 0)} such threads and "
-              f"{row.get('most_fds', 0)} open descriptors in one process")
+              f"processes {row['process_s']:.1f} s; at most {row['most_threads']} such threads and "
+              f"{row['most_fds']} open descriptors in one process")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(runs, f, indent=1)

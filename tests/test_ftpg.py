@@ -561,8 +561,8 @@ def test_gloo_groups_closed_epoch_after_epoch_leave_no_threads_or_sockets_behind
 
 def test_a_healthy_gloo_group_closed_at_once_after_its_last_collective_leaves_its_peer_every_byte(monkeypatch):
     """The root of a 64 MiB broadcast closes its group as soon as its broadcast returns, while the peer posts its
-    receive 0.3 s late: the peer receives every byte (gloo's sender waits for the receive to be posted, and the
-    destructor closes a connection softly, delivering what was sent)."""
+    receive 0.3 s late: the peer receives every byte (the destructor closes a connection softly, delivering what
+    was sent)."""
     monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
     groups = _gloo_pair(HashStore(), FTPGConfig(), timeout_s=30.0)
     source, target = torch.randn(16 * 2**20), torch.zeros(16 * 2**20)
