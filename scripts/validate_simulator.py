@@ -15,7 +15,7 @@ Two steps, on different runs:
    the measured one. The same runs are also fitted from their own costs, which says how well the model composes
    costs when it is told them (in-sample: ``fit_error``, not a prediction).
 
-    python scripts/validate_simulator.py --freeze docs/results/effective_throughput_calibration.json
+    python scripts/validate_simulator.py --freeze docs/results/effective_throughput_calibration_second.json
     python scripts/validate_simulator.py [docs/results/effective_throughput.json ...]
 
 The prediction also writes the frozen costs, combined into one set, to ``--calibration-out`` for
