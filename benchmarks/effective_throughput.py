@@ -69,8 +69,8 @@ FIRST_FAILURE_S, PERIODIC_UNTIL_S = 40.0, 3600.0
 RESTART_ALLOWANCE_S = 30.0
 """A fault due this long before a run's end must have fired (one due while its target restarts waits for it)."""
 MODES = ("failure_free", "ckpt_restart", "recover", "recover_spares")
-TIMELINE_EVENTS = ("fault_injected", "training_started", "failure_detected", "epoch_formed", "spare_promoted",
-                   "join_requested", "replica_admitted", "state_transferred", "full_strength")
+TIMELINE_EVENTS = ("fault_injected", "training_started", "checkpoint_complete", "failure_detected", "epoch_formed",
+                   "spare_promoted", "join_requested", "replica_admitted", "state_transferred", "full_strength")
 """Events kept in the timeline (the simulator's calibration reads them)."""
 
 

@@ -227,6 +227,28 @@ def test_one_replica_writes_the_checkpoint_and_a_restart_loads_it_whoever_wrote_
     restarted.close()
 
 
+def test_an_async_save_says_when_its_checkpoint_is_complete(tmp_path, process_group):
+    """An asynchronous save returns after its blocking part and writes on in the background; once the write
+    succeeded the manager logs ``checkpoint_complete`` with how long it took after the blocking part (the simulator's
+    ``checkpoint_write_s``). When that event is in the log the checkpoint is complete (its ``.metadata`` is there); a
+    save that fails logs nothing."""
+    replica = trained(2)
+    saver = manager(RecoverCheckpointManager, tmp_path, replica, enable=True, interval=2, async_mode="async",
+                    folder="checkpoint")
+    assert saver.save(curr_step=2)
+    saver.maybe_wait_for_saving()
+    [complete] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint_complete"]
+    assert complete["step"] == 2 and complete["write_s"] >= 0
+    assert (tmp_path / "checkpoint" / "step-2" / ".metadata").is_file()
+
+    from concurrent.futures import Future
+    failed = Future()
+    saver._report_complete(4, failed)
+    failed.set_exception(OSError("disk full"))
+    assert [e["step"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint_complete"] == [2]
+    saver.close()
+
+
 def test_a_stops_checkpoint_resumes_the_full_state_whatever_the_final_export_settings(tmp_path, process_group):
     """TorchTitan's final save (``last_step=True``) is an export: with its default ``last_save_model_only`` (kept by
     the llama3 8B/70B/405B configs) it writes the model alone, in ``export_dtype``, and a later start, which loads the

@@ -34,6 +34,11 @@ def test_a_killed_rank_restarts_the_whole_job_from_its_newest_checkpoint(default
     resumed = starts[1]["resumed_from"]
     # the kill came before step 4's save; step 2's async save is the newest unless it had not completed
     assert starts[0]["resumed_from"] == 0 and resumed in (0, 2)
+    # each asynchronous save says when its checkpoint is complete: step 4's after the restart (step 6's, the last,
+    # is written synchronously); and a step-2 checkpoint said complete before the kill is the one resumed from
+    complete = [e for e in events if e["event"] == "checkpoint_complete" and e["source"] == "0/0"]
+    assert 4 in [e["step"] for e in complete if e["time"] > starts[1]["time"]], complete
+    assert resumed == 2 or not [e for e in complete if e["step"] == 2 and e["time"] < starts[1]["time"]], complete
     records = [(r["step"], r[LOSS], r["grad_norm"]) for r in read_metrics(tmp_path)]
     first_start = records[:3]  # steps 1-3 were logged, step 4 died in its optimizer phase
     assert [s for s, _, _ in first_start] == [1, 2, 3]

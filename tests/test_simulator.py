@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -138,6 +139,42 @@ def test_costs_read_from_a_timeline_predict_it_back():
     # two compute units shared by four groups: three left compute as fast; the stall is the only loss
     tokens = predict(run, costs, steps=8, replicas=4, tokens_per_step=100, compute_units=2)
     assert tokens == pytest.approx(8 * 100 / 19.0)
+
+
+def test_a_failure_before_a_checkpoint_is_written_restarts_from_the_one_before():
+    """An asynchronous save's checkpoint is loadable ``checkpoint_write_s`` after its blocking part: a failure
+    within that time costs the work it holds. The calibration reads the write from rank 0's ``checkpoint_complete``
+    events, and the simulator given it predicts back a run whose kill came in the write (resumed from step 0)."""
+    from titan_recover.sim.calibration import calibrate, predict
+    from titan_recover.sim.model import Trace
+
+    horizon = 1000.0
+    costs = Costs(startup_s=50.0, checkpoint_interval_s=20.0, checkpoint_save_s=0.0, job_restart_s=40.0)
+    shared = Cluster(devices=4, devices_per_group=1, devices_per_node=1, compute_units=2)
+    failure = Trace(horizon, np.array([290.5]), np.array([1]), np.empty(0), np.empty(0, dtype=np.int64), np.empty(0))
+    trained = {write: simulate("checkpoint_restart", shared, dataclasses.replace(costs, checkpoint_write_s=write),
+                               failure).goodput * horizon for write in (0.0, 0.4, 1.0)}
+    # the checkpoint at 290 s is written by 290.4 s: kept; written at 291 s: the 20 s of work it holds are lost
+    assert trained[0.0] == trained[0.4] == pytest.approx(240 + 669.5)
+    assert trained[1.0] == pytest.approx(220 + 669.5)
+
+    # a checkpoint every 5 steps of 1 s, the save adding 0.5 s to the next step and writing for 0.8 s after it;
+    # killed at 16.2 s, 0.2 s before step 5's checkpoint is complete: the job trains again at 28.2 s from step 0
+    first = [(11.0 + i, i + 1) for i in range(5)]
+    again = [(29.2 + i, i + 1) for i in range(5)] + [(34.7, 6), (35.7, 7), (36.7, 8)]
+    events = [{"event": "checkpoint_complete", "t": 16.3, "source": "0/0", "step": 5, "write_s": 0.8},
+              {"event": "checkpoint_complete", "t": 16.3, "source": "1/0", "step": 5, "write_s": 0.9},
+              {"event": "fault_injected", "t": 16.2, "replica": 1},
+              {"event": "training_started", "t": 28.2, "source": "0/0"},
+              {"event": "checkpoint_complete", "t": 35.0, "source": "0/0", "step": 5, "write_s": 0.8}]
+    run = {"mode": "ckpt_restart", "commits": first + again, "events": events, "end_s": 36.7}
+    measured = calibrate(run, checkpoint_interval=5)
+    assert (measured.step_s, measured.startup_s, measured.checkpoint_save_s, measured.checkpoint_write_s,
+            measured.job_restart_s) == pytest.approx((1.0, 10.0, 0.5, 0.8, 12.0))
+    assert predict(run, measured, steps=8, replicas=4, tokens_per_step=100, compute_units=2) == pytest.approx(
+        8 * 100 / 36.7)
+    unwritten = dataclasses.replace(measured, checkpoint_write_s=0.0)  # as if step 5's checkpoint had been kept
+    assert predict(run, unwritten, steps=8, replicas=4, tokens_per_step=100, compute_units=2) > 8 * 100 / 36.0
 
 
 def test_a_constant_failure_rate_slows_checkpoint_restart_until_it_stalls():

@@ -34,6 +34,7 @@ import errno
 import logging
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -218,10 +219,28 @@ class RecoverCheckpointManager(CheckpointManager):
             return False
         if not last_step and getattr(self, "_full_state_saved", None) == curr_step:
             return True  # saved already, on request (save_resumable): the same state
+        pending = getattr(self, "save_future", None)
         saved = super()._save(curr_step, last_step)
         if saved and not last_step:
             self._full_state_saved = curr_step  # the full training state (a last step's may be model-only)
+            future = getattr(self, "save_future", None)
+            if future is not None and future is not pending:  # an asynchronous save: its write goes on
+                self._report_complete(curr_step, future)
         return saved
+
+    def _report_complete(self, step: int, future) -> None:
+        """Log ``checkpoint_complete`` once the background write of an asynchronous save of ``step`` succeeded (the
+        checkpoint is then complete: a restart can load it), with ``write_s``, the seconds it took after the save's
+        blocking part returned. A failure before then restarts from the checkpoint before: the simulator's
+        ``checkpoint_write_s`` (docs/simulator.md)."""
+        returned, events = time.monotonic(), self.events
+
+        def done(f) -> None:  # on the thread that completed the write
+            if not f.cancelled() and f.exception() is None:
+                events.emit("checkpoint_complete", console=False, step=step,
+                                 write_s=round(time.monotonic() - returned, 3))
+
+        future.add_done_callback(done)
 
     def save_resumable(self, step: int) -> bool:
         """A checkpoint of ``step`` the job resumes from, written now on the checkpoint writer (a stop's, or one

@@ -81,8 +81,10 @@ def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Co
     * ``step_s``: median interval between commits, leaving out the first two steps, the steps after a checkpoint
       save, the steps a fault fell in and (replica-group modes) the steps while a lost group restarts;
       ``startup_s``: launch to the first commit, less one step;
-    * checkpoint-restart: ``checkpoint_save_s``, the median extra interval of a step after a save, and
-      ``job_restart_s``, the mean from a fault to rank 0's next ``training_started`` (its checkpoint loaded);
+    * checkpoint-restart: ``checkpoint_save_s``, the median extra interval of a step after a save,
+      ``checkpoint_write_s``, the median of rank 0's ``checkpoint_complete`` (an asynchronous save's write after
+      its blocking part; 0 in a run recorded without them), and ``job_restart_s``, the mean from a fault to rank
+      0's next ``training_started`` (its checkpoint loaded);
     * the replica-group modes: ``detect_s``, the mean extra interval of the steps a fault fell in,
       ``group_restart_s``, the mean from a fault to the lost group's return (:func:`repairs`, its state transfer
       included), and, with ``compute_units`` shared by the groups (one CPU machine), ``restart_load``: the compute
@@ -109,6 +111,8 @@ def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Co
     if restart_mode:
         costs["checkpoint_interval_s"] = checkpoint_interval * step_s
         costs["checkpoint_save_s"] = max(0.0, statistics.median(d for ds in saved.values() for d in ds) - step_s)
+        written = [e["write_s"] for e in events if e["event"] == "checkpoint_complete" and e["source"] == "0/0"]
+        costs["checkpoint_write_s"] = statistics.median(written) if written else 0.0
         starts = [e["t"] for e in events if e["event"] == "training_started" and e["source"] == "0/0"]
         costs["job_restart_s"] = statistics.mean(min(t for t in starts if t > f) - f for f in faults) if faults else 0
     elif faults:

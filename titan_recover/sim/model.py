@@ -77,6 +77,10 @@ class Costs:
     """Blocking part of one (async) checkpoint save."""
     checkpoint_interval_s: float = 1800.0
     """Training time between checkpoints (checkpoint-restart)."""
+    checkpoint_write_s: float = 0.0
+    """After a save's blocking part, until the checkpoint is complete on storage and a restart can load it (an
+    asynchronous save's background write): a failure within it restarts from the checkpoint before. 0: complete
+    when the blocking part ends."""
     job_restart_s: float = 600.0
     """A whole-job restart after a failure: scheduling, process start-up, loading the newest checkpoint."""
     detect_s: float = 2.0

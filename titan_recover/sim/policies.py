@@ -93,14 +93,15 @@ def _straggles(trace: Trace, confirm_s: float) -> tuple[tuple, tuple]:
 @register_policy("checkpoint_restart")
 def checkpoint_restart(cluster: Cluster, costs: Costs, trace: Trace, spares: int = 0) -> Outcome:
     """One synchronous job: a checkpoint every ``checkpoint_interval_s`` of training (its blocking part costs
-    ``checkpoint_save_s``); any failure restarts the whole job (``job_restart_s``) from the newest checkpoint.
-    A straggling group slows every step by its factor."""
+    ``checkpoint_save_s``); any failure restarts the whole job (``job_restart_s``) from the newest checkpoint
+    complete by then (``checkpoint_write_s`` after its blocking part). A straggling group slows every step by its
+    factor."""
     interval, save = costs.checkpoint_interval_s, costs.checkpoint_save_s
     cycle = interval + save
     useful, ready = 0.0, costs.startup_s
     for failure in trace.failure_times.tolist():
-        if failure > ready:
-            useful += math.floor((failure - ready) / cycle) * interval  # work since the newest checkpoint is lost
+        if failure > ready:  # the work since the newest complete checkpoint is lost
+            useful += math.floor(max(0.0, failure - ready - costs.checkpoint_write_s) / cycle) * interval
         ready = max(ready, failure) + costs.job_restart_s
     if ready < trace.horizon_s:
         left = trace.horizon_s - ready
