@@ -36,6 +36,7 @@ import os
 import re
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,7 +229,7 @@ class RecoverCheckpointManager(CheckpointManager):
                 self._report_complete(curr_step, future)
         return saved
 
-    def _report_complete(self, step: int, future) -> None:
+    def _report_complete(self, step: int, future: Future) -> None:
         """Log ``checkpoint_complete`` once the background write of an asynchronous save of ``step`` succeeded (the
         checkpoint is then complete: a restart can load it), with ``write_s``, the seconds it took after the save's
         blocking part returned. A failure before then restarts from the checkpoint before: the simulator's
@@ -238,7 +239,7 @@ class RecoverCheckpointManager(CheckpointManager):
         def done(f) -> None:  # on the thread that completed the write
             if not f.cancelled() and f.exception() is None:
                 events.emit("checkpoint_complete", console=False, step=step,
-                                 write_s=round(time.monotonic() - returned, 3))
+                            write_s=round(time.monotonic() - returned, 3))
 
         future.add_done_callback(done)
 
