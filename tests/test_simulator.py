@@ -145,7 +145,7 @@ def test_a_failure_before_a_checkpoint_is_written_restarts_from_the_one_before()
     """An asynchronous save's checkpoint is loadable ``checkpoint_write_s`` after its blocking part: a failure
     within that time costs the work it holds. The calibration reads the write from rank 0's ``checkpoint_complete``
     events, and the simulator given it predicts back a run whose kill came in the write (resumed from step 0)."""
-    from titan_recover.sim.calibration import calibrate, predict
+    from titan_recover.sim.calibration import calibrate, predict, saves_at_faults
     from titan_recover.sim.model import Trace
 
     horizon = 1000.0
@@ -165,7 +165,7 @@ def test_a_failure_before_a_checkpoint_is_written_restarts_from_the_one_before()
     events = [{"event": "checkpoint_complete", "t": 16.3, "source": "0/0", "step": 5, "write_s": 0.8},
               {"event": "checkpoint_complete", "t": 16.3, "source": "1/0", "step": 5, "write_s": 0.9},
               {"event": "fault_injected", "t": 16.2, "replica": 1},
-              {"event": "training_started", "t": 28.2, "source": "0/0"},
+              {"event": "training_started", "t": 28.2, "source": "0/0", "resumed_from": 0},
               {"event": "checkpoint_complete", "t": 35.0, "source": "0/0", "step": 5, "write_s": 0.8}]
     run = {"mode": "ckpt_restart", "commits": first + again, "events": events, "end_s": 36.7}
     measured = calibrate(run, checkpoint_interval=5)
@@ -173,6 +173,8 @@ def test_a_failure_before_a_checkpoint_is_written_restarts_from_the_one_before()
             measured.job_restart_s) == pytest.approx((1.0, 10.0, 0.5, 0.8, 12.0))
     assert predict(run, measured, steps=8, replicas=4, tokens_per_step=100, compute_units=2) == pytest.approx(
         8 * 100 / 36.7)
+    [fault] = saves_at_faults(run, checkpoint_interval=5)  # step 5's save, 1.2 s old, was not loaded
+    assert fault == {"t": 16.2, "save": 5, "since_s": pytest.approx(1.2), "resumed_from": 0}
     unwritten = dataclasses.replace(measured, checkpoint_write_s=0.0)  # as if step 5's checkpoint had been kept
     assert predict(run, unwritten, steps=8, replicas=4, tokens_per_step=100, compute_units=2) > 8 * 100 / 36.0
 

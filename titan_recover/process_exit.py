@@ -4,8 +4,9 @@ A process that imported torch and TorchTitan spends about 2 s after its last lin
 (garbage-collecting the module graph of torch, Inductor and sympy; 0.8 s for torch alone), measured on the CPU test
 host. Nothing a job needs happens there, and in a replica group it can do harm: the current epoch's gloo group may
 still hold an operation with a dead peer, whose destructor waits for gloo's timeout, and a failed gloo group still
-alive at teardown can end the process with ``std::terminate`` (seen in a two-member scratch run). Every entry point (a rank,
-the launcher, the coordinator, the DiLoCo syncer) therefore ends through :func:`leave` once its own work is closed.
+alive at teardown can end the process with ``std::terminate`` (seen in a two-member scratch run). Every entry point
+(a rank, the launcher, the coordinator, the DiLoCo syncer) therefore ends through :func:`leave` once its own work is
+closed.
 :func:`pid_alive` tells whether another process is still there (an agent's or a rank's, named by its pid in a file
 it left).
 """

@@ -58,6 +58,24 @@ def fault_steps(run: dict) -> set[int]:
     return hit
 
 
+def saves_at_faults(run: dict, checkpoint_interval: int) -> list[dict]:
+    """For each fault of a checkpoint-restart run: ``t``; ``save``, the newest step of a save committed before it
+    (a multiple of ``checkpoint_interval``; 0: none yet); ``since_s``, the seconds from that step's commit to the
+    fault (None without a save); ``resumed_from``, the step rank 0's next start resumed from. ``resumed_from <
+    save`` means that save was not complete when the fault came (an asynchronous write still going on)."""
+    starts = [(e["t"], e["resumed_from"]) for e in run["events"]
+              if e["event"] == "training_started" and e["source"] == "0/0"]
+    out = []
+    for fault in (e["t"] for e in run["events"] if e["event"] == "fault_injected"):
+        before = [(t, s) for t, s in run["commits"] if t < fault]
+        save = before[-1][1] // checkpoint_interval * checkpoint_interval if before else 0
+        committed = [t for t, s in before if s == save]
+        later = [(t, step) for t, step in starts if t > fault]
+        out.append({"t": fault, "save": save, "since_s": fault - committed[-1] if save and committed else None,
+                    "resumed_from": min(later)[1] if later else None})
+    return out
+
+
 def repairs(events: list[dict]) -> list[tuple[float, float]]:
     """``(fault, back)`` for each lost group that came back: from the fault to the end of the group's own state
     transfer (its rank 0's ``state_transferred`` as the joiner), after which it computes its share again. Another

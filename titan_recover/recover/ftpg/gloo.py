@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Iterable
 from datetime import timedelta
+from typing import Iterable
 
 import torch
 from torch.distributed import PrefixStore
