@@ -32,8 +32,10 @@ from validate_simulator import rounds_of  # noqa: E402
 
 def model_commit_s(costs: Costs, step: int, interval: int) -> float:
     """When the frozen costs put the commit of ``step`` in a run without an earlier fault: start-up, the steps,
-    the blocking part of every save before it."""
-    return costs.startup_s + step * costs.step_s + (step - 1) // interval * costs.checkpoint_save_s
+    the blocking part of every save before it (the first one's longer)."""
+    saves = (step - 1) // interval
+    return (costs.startup_s + step * costs.step_s + saves * costs.checkpoint_save_s
+            + (costs.first_save_extra_s if saves else 0.0))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,7 +60,8 @@ from titan_recover.sim.model import Costs  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 SHOWN = {"failure_free": ("startup_s", "step_s"),
-         "ckpt_restart": ("startup_s", "step_s", "checkpoint_save_s", "checkpoint_write_s", "job_restart_s"),
+         "ckpt_restart": ("startup_s", "step_s", "checkpoint_save_s", "first_save_extra_s", "checkpoint_write_s",
+                          "job_restart_s"),
          "recover": ("startup_s", "step_s", "detect_s", "group_restart_s", "restart_load"),
          "recover_spares": ("startup_s", "step_s", "detect_s", "group_restart_s", "restart_load")}
 

@@ -179,6 +179,54 @@ def test_a_failure_before_a_checkpoint_is_written_restarts_from_the_one_before()
     assert predict(run, unwritten, steps=8, replicas=4, tokens_per_step=100, compute_units=2) > 8 * 100 / 36.0
 
 
+def test_a_starts_first_save_takes_longer_and_moves_every_later_checkpoint():
+    """``first_save_extra_s``: the first save after each (re)start blocks longer. A failure at 71 s, after 20 s of
+    training from 50 s and a 2 s longer first save, finds no checkpoint (complete at 72 s); with no extra it finds
+    the one complete at 70 s. The end of a run pays it once per start."""
+    from titan_recover.sim.model import Trace
+
+    horizon = 1000.0
+    costs = Costs(startup_s=50.0, checkpoint_interval_s=20.0, checkpoint_save_s=0.0, job_restart_s=40.0)
+    shared = Cluster(devices=4, devices_per_group=1, devices_per_node=1, compute_units=2)
+
+    def trained(extra, at):
+        failure = Trace(horizon, np.array([at]), np.array([1]), np.empty(0), np.empty(0, dtype=np.int64), np.empty(0))
+        slower = dataclasses.replace(costs, first_save_extra_s=extra)
+        return simulate("checkpoint_restart", shared, slower, failure).goodput * horizon
+
+    assert trained(0.0, 71.0) == pytest.approx(20 + 889)  # kept 20 s; from 111 s: 889 s
+    # lost; from 111 s, 889 s of which a 2 s longer first save: 887 s of training
+    assert trained(2.0, 71.0) == pytest.approx(0 + 887)
+    # at 300 s: 12 checkpoints complete (72, 92, ..., 292 s); from 340 s, 660 s of which 2 s a longer save
+    assert trained(2.0, 300.0) == pytest.approx(240 + 658)
+
+
+def test_warm_up_and_a_starts_first_save_are_read_from_a_timeline_and_predict_it_back():
+    """A checkpoint-restart run whose second step takes 0.6 s longer, whose first save after each start adds
+    1.2 s to its next step (later saves 0.5 s) and whose restarted job's first step takes 2.5 s: the calibration
+    reads start-up and the whole-job restart up to the second commit (warm-up counted as not training), the two
+    save costs apart, and the simulator given them predicts the run back exactly; without the first save's extra
+    or with the restart read to ``training_started`` it predicts the run faster than it ran."""
+    from titan_recover.sim.calibration import calibrate, job_starts, predict
+
+    launch = [(11.0, 1), (12.6, 2), (13.6, 3), (14.6, 4), (15.6, 5), (17.8, 6), (18.8, 7), (19.8, 8), (20.8, 9),
+              (21.8, 10), (23.3, 11), (24.3, 12)]
+    again = [(37.5, 11), (38.5, 12), (39.5, 13), (40.5, 14), (41.5, 15), (43.7, 16), (44.7, 17)]
+    events = [{"event": "training_started", "t": 9.0, "source": "0/0", "resumed_from": 0},
+              {"event": "fault_injected", "t": 24.5, "replica": 2},
+              {"event": "training_started", "t": 35.0, "source": "0/0", "resumed_from": 10},
+              {"event": "training_started", "t": 35.1, "source": "1/0", "resumed_from": 10}]
+    run = {"mode": "ckpt_restart", "commits": launch + again, "events": events, "end_s": 44.7}
+    assert job_starts(run) == [(0.0, launch), (35.0, again)]
+    costs = calibrate(run, checkpoint_interval=5)
+    assert (costs.step_s, costs.startup_s, costs.checkpoint_save_s, costs.first_save_extra_s,
+            costs.job_restart_s) == pytest.approx((1.0, 10.6, 0.5, 0.7, 12.0))
+    shape = dict(steps=17, replicas=4, tokens_per_step=100, compute_units=2)
+    assert predict(run, costs, **shape) == pytest.approx(17 * 100 / 44.7)
+    for unmodelled in (dict(first_save_extra_s=0.0), dict(job_restart_s=35.0 - 24.5)):
+        assert predict(run, dataclasses.replace(costs, **unmodelled), **shape) > 17 * 100 / 44.6
+
+
 def test_a_constant_failure_rate_slows_checkpoint_restart_until_it_stalls():
     """``periodic_run``: a failure every N s while the job runs. Checkpoint-restart loses the restart and the work
     since its checkpoint at every failure: its predicted throughput falls as failures come faster, and is 0 (no

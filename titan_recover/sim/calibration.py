@@ -9,6 +9,7 @@ last step's commit).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 import numpy as np
@@ -93,16 +94,56 @@ def repairs(events: list[dict]) -> list[tuple[float, float]]:
     return out
 
 
+def job_starts(run: dict) -> list[tuple[float, list[tuple[float, int]]]]:
+    """A checkpoint-restart run's starts: ``(t, commits)`` for the launch (t = 0) and each restart (rank 0's
+    ``training_started`` after a fault), with the commits of that start, up to the next fault."""
+    faults = sorted(e["t"] for e in run["events"] if e["event"] == "fault_injected")
+    starts = [0.0] + sorted(e["t"] for e in run["events"] if e["event"] == "training_started"
+                            and e["source"] == "0/0" and faults and e["t"] > faults[0])
+    out = []
+    for t in starts:
+        end = min((f for f in faults if f > t), default=math.inf)
+        out.append((t, [(c, s) for c, s in run["commits"] if t < c < end]))
+    return out
+
+
+def _trains_from(commits: list[tuple[float, int]], step_s: float) -> float:
+    """When a start's job trains at ``step_s``: its second commit less two steps, or its first less one where it
+    has one only (the warm-up of its first steps counted as time it did not train)."""
+    if len(commits) > 1 and commits[1][1] == commits[0][1] + 1:
+        return commits[1][0] - 2 * step_s
+    return commits[0][0] - step_s
+
+
+def _checkpoint_costs(starts: list, events: list[dict], interval: int, step_s: float) -> dict[str, float]:
+    """``checkpoint_save_s``, ``first_save_extra_s``, ``checkpoint_write_s`` and ``checkpoint_interval_s`` of a
+    checkpoint-restart run: the extra interval of the steps after a save, a start's first save apart."""
+    first, later = [], []
+    for _, commits in starts:
+        saves = [t1 - t0 for (t0, s0), (t1, s1) in zip(commits, commits[1:])
+                 if s1 == s0 + 1 and (s1 - 1) % interval == 0]
+        first += saves[:1]
+        later += saves[1:]
+    save = max(0.0, statistics.median(later or first) - step_s)
+    written = [e["write_s"] for e in events if e["event"] == "checkpoint_complete" and e["source"] == "0/0"]
+    return {"checkpoint_interval_s": interval * step_s, "checkpoint_save_s": save,
+            "first_save_extra_s": max(0.0, statistics.median(first) - step_s - save) if first else 0.0,
+            "checkpoint_write_s": statistics.median(written) if written else 0.0}
+
+
 def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Costs:
     """The costs of one run, read from its timeline:
 
     * ``step_s``: median interval between commits, leaving out the first two steps, the steps after a checkpoint
       save, the steps a fault fell in and (replica-group modes) the steps while a lost group restarts;
-      ``startup_s``: launch to the first commit, less one step;
-    * checkpoint-restart: ``checkpoint_save_s``, the median extra interval of a step after a save,
-      ``checkpoint_write_s``, the median of rank 0's ``checkpoint_complete`` (an asynchronous save's write after
-      its blocking part; 0 in a run recorded without them), and ``job_restart_s``, the mean from a fault to rank
-      0's next ``training_started`` (its checkpoint loaded);
+      ``startup_s``: launch to the second commit, less two steps (the first steps' warm-up included: the
+      calibration runs' second step took 0.3-0.9 s longer than later ones);
+    * checkpoint-restart: ``checkpoint_save_s``, the median extra interval of a step after a save that is not a
+      start's first, ``first_save_extra_s``, how much more the first save after each start (:func:`job_starts`)
+      adds, ``checkpoint_write_s``, the median of rank 0's ``checkpoint_complete`` (an asynchronous save's write
+      after its blocking part; 0 in a run recorded without them), and ``job_restart_s``, the mean from a fault to
+      the restarted job's second commit, less two steps (to its first, less one, where it failed again before its
+      second; faults after which it committed nothing before the next are left out);
     * the replica-group modes: ``detect_s``, the mean extra interval of the steps a fault fell in,
       ``group_restart_s``, the mean from a fault to the lost group's return (:func:`repairs`, its state transfer
       included), and, with ``compute_units`` shared by the groups (one CPU machine), ``restart_load``: the compute
@@ -114,25 +155,24 @@ def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Co
     hit = fault_steps(run)
     faults = [e["t"] for e in events if e["event"] == "fault_injected"]
     down = repairs(events)
-    steady, restarting, saved = [], [], {}
+    steady, restarting = [], []
     for (t0, s0), (t1, s1) in zip(commits, commits[1:]):
-        if s1 != s0 + 1 or s1 <= 2 or s1 in hit:
+        if s1 != s0 + 1 or s1 <= 2 or s1 in hit or restart_mode and (s1 - 1) % checkpoint_interval == 0:
             continue
-        if restart_mode and (s1 - 1) % checkpoint_interval == 0:
-            saved.setdefault(s1, []).append(t1 - t0)
-        elif any(f < t1 <= b for f, b in down):
+        if any(f < t1 <= b for f, b in down):
             restarting.append(t1 - t0)
         else:
             steady.append(t1 - t0)
     step_s = statistics.median(steady)
-    costs = {"step_s": step_s, "startup_s": commits[0][0] - step_s, "spare_promotion_s": 0.0, "transfer_s": 0.0}
+    starts = job_starts(run) if restart_mode else [(0.0, [c for c in commits if c[0] < min(faults, default=math.inf)])]
+    launched = starts[0][1] or commits  # a fault before the first commit: its stall counts as start-up
+    costs = {"step_s": step_s, "startup_s": _trains_from(launched, step_s), "spare_promotion_s": 0.0,
+             "transfer_s": 0.0}
     if restart_mode:
-        costs["checkpoint_interval_s"] = checkpoint_interval * step_s
-        costs["checkpoint_save_s"] = max(0.0, statistics.median(d for ds in saved.values() for d in ds) - step_s)
-        written = [e["write_s"] for e in events if e["event"] == "checkpoint_complete" and e["source"] == "0/0"]
-        costs["checkpoint_write_s"] = statistics.median(written) if written else 0.0
-        starts = [e["t"] for e in events if e["event"] == "training_started" and e["source"] == "0/0"]
-        costs["job_restart_s"] = statistics.mean(min(t for t in starts if t > f) - f for f in faults) if faults else 0
+        costs.update(_checkpoint_costs(starts, events, checkpoint_interval, step_s))
+        restarts = [_trains_from(own, step_s) - f for f in faults for t, own in starts[1:]
+                    if t > f and own and not any(f < g < t for g in faults)]
+        costs["job_restart_s"] = statistics.mean(restarts) if restarts else 0.0
     elif faults:
         per_step = commit_intervals(commits)
         stalls = [d - step_s for s in hit for d in per_step.get(s, [])]

@@ -70,11 +70,15 @@ class Costs:
     """Seconds each mechanism costs (calibrated from the CPU benchmarks: docs/simulator.md)."""
 
     startup_s: float = 0.0
-    """From launching the job to its first training step (process start-up, model build): nothing trains."""
+    """From launching the job until it trains at ``step_s``: process start-up, model build, and what its first
+    steps take longer than later ones (warm-up). Nothing trains in it."""
     step_s: float = 10.0
     """One synchronous training step of the job."""
     checkpoint_save_s: float = 5.0
     """Blocking part of one (async) checkpoint save."""
+    first_save_extra_s: float = 0.0
+    """How much longer the blocking part of a job's first save after each (re)start takes than
+    ``checkpoint_save_s`` (an asynchronous save's first one sets up its staging and background writer)."""
     checkpoint_interval_s: float = 1800.0
     """Training time between checkpoints (checkpoint-restart)."""
     checkpoint_write_s: float = 0.0
@@ -82,7 +86,8 @@ class Costs:
     asynchronous save's background write): a failure within it restarts from the checkpoint before. 0: complete
     when the blocking part ends."""
     job_restart_s: float = 600.0
-    """A whole-job restart after a failure: scheduling, process start-up, loading the newest checkpoint."""
+    """A whole-job restart, from a failure until the job trains at ``step_s`` again: scheduling, process start-up,
+    loading the newest checkpoint, the first steps' warm-up."""
     detect_s: float = 2.0
     """titan_recover: from a failure to the survivors' new epoch (heartbeat timeout / connection error)."""
     spare_promotion_s: float = 10.0

@@ -93,25 +93,45 @@ def _straggles(trace: Trace, confirm_s: float) -> tuple[tuple, tuple]:
 @register_policy("checkpoint_restart")
 def checkpoint_restart(cluster: Cluster, costs: Costs, trace: Trace, spares: int = 0) -> Outcome:
     """One synchronous job: a checkpoint every ``checkpoint_interval_s`` of training (its blocking part costs
-    ``checkpoint_save_s``); any failure restarts the whole job (``job_restart_s``) from the newest checkpoint
-    complete by then (``checkpoint_write_s`` after its blocking part). A straggling group slows every step by its
-    factor."""
-    interval, save = costs.checkpoint_interval_s, costs.checkpoint_save_s
-    cycle = interval + save
+    ``checkpoint_save_s``, the first after each start ``first_save_extra_s`` more); any failure restarts the whole
+    job (``job_restart_s``) from the newest checkpoint complete by then (``checkpoint_write_s`` after its blocking
+    part). A straggling group slows every step by its factor."""
     useful, ready = 0.0, costs.startup_s
     for failure in trace.failure_times.tolist():
         if failure > ready:  # the work since the newest complete checkpoint is lost
-            useful += math.floor(max(0.0, failure - ready - costs.checkpoint_write_s) / cycle) * interval
+            useful += _checkpoints(failure - ready, costs) * costs.checkpoint_interval_s
         ready = max(ready, failure) + costs.job_restart_s
     if ready < trace.horizon_s:
-        left = trace.horizon_s - ready
-        useful += math.floor(left / cycle) * interval + min(left % cycle, interval)  # the end keeps its work
+        useful += _trained(trace.horizon_s - ready, costs)  # the end keeps its work
     unconfirmed, confirmed = _straggles(trace, math.inf)
     f = cluster.straggler_factor
     slowed = integrate(trace.horizon_s, [unconfirmed], lambda c: 1.0 if c[0] == 0 else 1.0 / f)
     useful *= slowed / trace.horizon_s  # the share of full speed over the run
     goodput = useful / trace.horizon_s
     return Outcome("checkpoint_restart", goodput, goodput, trace.failures)
+
+
+def _checkpoints(elapsed: float, costs: Costs) -> int:
+    """Checkpoints complete ``elapsed`` seconds after a job started training: the first after an interval and
+    its longer save, each later one a cycle (interval and save) after it, each ``checkpoint_write_s`` after its
+    blocking part."""
+    first = costs.checkpoint_interval_s + costs.checkpoint_save_s + costs.first_save_extra_s
+    written = elapsed - costs.checkpoint_write_s
+    if written < first:
+        return 0
+    return 1 + math.floor((written - first) / (costs.checkpoint_interval_s + costs.checkpoint_save_s))
+
+
+def _trained(elapsed: float, costs: Costs) -> float:
+    """Training seconds in the first ``elapsed`` seconds after a job started training (the saves' blocking parts
+    left out)."""
+    interval = costs.checkpoint_interval_s
+    first = interval + costs.checkpoint_save_s + costs.first_save_extra_s
+    if elapsed < first:
+        return min(elapsed, interval)
+    cycle = interval + costs.checkpoint_save_s
+    left = elapsed - first
+    return interval + math.floor(left / cycle) * interval + min(left % cycle, interval)
 
 
 def _synchronous(name: str, cluster: Cluster, costs: Costs, trace: Trace, spares: int) -> Outcome:
