@@ -196,6 +196,28 @@ def test_replica_groups_share_the_run_checkpoint_folder(tmp_path, monkeypatch):
     assert config.metrics.enable_wandb is False  # the job's one wandb run is the launcher's (docs/outputs.md)
 
 
+def test_the_managers_events_are_named_as_the_modes_are(monkeypatch):
+    """A checkpoint-restart job is one torchrun whose replicated dimension is the replicas: the config loader hands
+    the manager its ``[parallelism]``, and global rank 5 of 2 replicas x 2 shards x 2 pipeline stages (8 ranks,
+    pipeline stages outermost) is named ``0/3`` (replica 0, rank 3 in it), as the mode names it. A replica group's
+    own torchrun (no layout handed over) names it by ``REPLICA_ENV`` and the rank."""
+    from titan_recover.checkpoint import event_source
+    from titan_recover.config.validate import resolve_layout
+    from titan_recover.job_config import build_config
+
+    config = build_config("train_configs/replicas.toml", [  # as the launcher hands it to the job's processes
+        "--recover.mode", "checkpoint_restart", "--recover.replicas", "2", "--parallelism.data_parallel_shard_degree",
+        "2", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"])
+    assert config.checkpoint._replicas_in is config.parallelism
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert event_source(config.checkpoint._replicas_in) == (0, 3)
+    assert event_source(config.checkpoint._replicas_in) == resolve_layout(config.parallelism, 8).replica_and_rank(5)
+    monkeypatch.setenv("TITAN_RECOVER_REPLICA", "1")
+    assert event_source(None) == (1, 5)
+    assert build_config("train_configs/replicas.toml", []).checkpoint._replicas_in is None  # sync mode
+
+
 def test_one_replica_writes_the_checkpoint_and_a_restart_loads_it_whoever_wrote_it(tmp_path, process_group):
     """Two replica groups holding the same state, as after a commit: only the writer's ranks write; when the writer
     is lost the next one writes into the same folder; a fresh replica (a restarted group, or the whole job started

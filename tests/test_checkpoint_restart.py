@@ -39,6 +39,9 @@ def test_a_killed_rank_restarts_the_whole_job_from_its_newest_checkpoint(default
     complete = [e for e in events if e["event"] == "checkpoint_complete" and e["source"] == "0/0"]
     assert 4 in [e["step"] for e in complete if e["time"] > starts[1]["time"]], complete
     assert resumed == 2 or not [e for e in complete if e["step"] == 2 and e["time"] < starts[1]["time"]], complete
+    # the checkpoint manager names its events as the mode does: replica 1's rank 0 is "1/0", not global rank "0/1"
+    sources = {e["source"] for e in events if e["event"] in ("checkpoint_complete", "training_started")}
+    assert sources == {"0/0", "1/0"}, sources
     records = [(r["step"], r[LOSS], r["grad_norm"]) for r in read_metrics(tmp_path)]
     first_start = records[:3]  # steps 1-3 were logged, step 4 died in its optimizer phase
     assert [s for s, _, _ in first_start] == [1, 2, 3]

@@ -109,6 +109,18 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def event_source(replicas_in=None) -> tuple[int, int]:
+    """``(replica, rank in it)`` this process's events are named by: with ``replicas_in`` (the ``[parallelism]`` of
+    a checkpoint-restart job, one torchrun whose replicated dimension is the replicas) from its layout, as the
+    mode names its own; else the replica group's (``REPLICA_ENV``, 0 in a plain run) and the rank."""
+    rank, world = rank_and_world()
+    if replicas_in is None:
+        return int(os.environ.get(REPLICA_ENV, "0")), rank
+    from titan_recover.config.validate import resolve_layout
+
+    return resolve_layout(replicas_in, world).replica_and_rank(rank)
+
+
 TRAIN_STATE = "train_state"
 """The key under which TorchTitan's trainer hands itself (step, tokens seen) to the checkpoint manager."""
 
@@ -149,6 +161,11 @@ class RecoverCheckpointManager(CheckpointManager):
         """``[recover.snapshot]``, handed over by the config loader (users set it there, not here): with
         ``interval > 0`` every rank refills from the keepers' snapshots after the durable load."""
 
+        _replicas_in: Any = None
+        """``[parallelism]`` in checkpoint-restart mode, handed over by the config loader: its replicated
+        data-parallel dimension is the job's replicas, and the events are named ``replica/rank in it`` from it, as
+        the mode names its own (:meth:`Layout.replica_and_rank`). None: the replica group's (``REPLICA_ENV``)."""
+
     writer: bool = True
     """This process writes the checkpoints of the steps it trains. The trainer sets it from each step's report:
     in sync mode only the lowest member replica of the committing epoch writes (the others hold the same bytes);
@@ -166,6 +183,7 @@ class RecoverCheckpointManager(CheckpointManager):
         """The last step whose full training state this manager saved (a stop's checkpoint need not save it again)."""
         self._train_state = states.get(TRAIN_STATE)
         self._events: EventLog | None = None
+        self._replicas_in = config._replicas_in
         self._run_dir = os.environ.get(RUN_DIR_ENV, base_folder)
         super().__init__(config, model_parts=model_parts, optimizers=optimizers, lr_schedulers=lr_schedulers,
                          states=states, base_folder=base_folder, **kwargs)
@@ -192,7 +210,7 @@ class RecoverCheckpointManager(CheckpointManager):
     def events(self) -> EventLog:
         """The run's event log, as this rank writes it (``<run>/events.jsonl``, source ``replica/rank``)."""
         if self._events is None:
-            replica, rank = int(os.environ.get(REPLICA_ENV, "0")), rank_and_world()[0]
+            replica, rank = event_source(self._replicas_in)
             self._events = EventLog(os.path.join(self._run_dir, "events.jsonl"), f"{replica}/{rank}",
                                     replica=replica, rank=rank)
         return self._events

@@ -77,7 +77,8 @@ def _project_defaults(config, run_name: str) -> None:
 
 def _resolve_checkpoint(config) -> None:
     """What the project's checkpoint manager needs from other sections: whether recovery loads verified
-    checkpoints (unset: with the parameter vote of replica groups) and the in-memory snapshots to refill from."""
+    checkpoints (unset: with the parameter vote of replica groups), the in-memory snapshots to refill from, and,
+    in checkpoint-restart mode, the layout whose replicated dimension names its events' replicas."""
     from titan_recover.checkpoint import RecoverCheckpointManager
 
     checkpoint, recover = config.checkpoint, config.recover
@@ -91,6 +92,7 @@ def _resolve_checkpoint(config) -> None:
     if checkpoint.load_verified is None:
         checkpoint.load_verified = recover.enabled and not recover.diloco_mode and recover.localize.vote
     checkpoint._snapshot = recover.snapshot
+    checkpoint._replicas_in = config.parallelism if recover.checkpoint_restart_mode else None
 
 
 def _recheck_project_sections(obj, path: str = "") -> None:
