@@ -207,7 +207,8 @@ def test_warm_up_and_a_starts_first_save_are_read_from_a_timeline_and_predict_it
     reads start-up and the whole-job restart up to the second commit (warm-up counted as not training), the two
     save costs apart, and the simulator given them predicts the run back exactly; without the first save's extra
     or with the restart read to ``training_started`` it predicts the run faster than it ran."""
-    from titan_recover.sim.calibration import calibrate, job_starts, predict
+    from titan_recover.sim.calibration import calibrate, job_starts, predict, start_figures
+    from titan_recover.sim.policies import checkpoints_at_failures
 
     launch = [(11.0, 1), (12.6, 2), (13.6, 3), (14.6, 4), (15.6, 5), (17.8, 6), (18.8, 7), (19.8, 8), (20.8, 9),
               (21.8, 10), (23.3, 11), (24.3, 12)]
@@ -218,11 +219,18 @@ def test_warm_up_and_a_starts_first_save_are_read_from_a_timeline_and_predict_it
               {"event": "training_started", "t": 35.1, "source": "1/0", "resumed_from": 10}]
     run = {"mode": "ckpt_restart", "commits": launch + again, "events": events, "end_s": 44.7}
     assert job_starts(run) == [(0.0, launch), (35.0, again)]
+    figures = start_figures(run, checkpoint_interval=5)
+    expected = {"second_step": [1.6], "first_saves": [2.2, 2.2], "later_saves": [1.5], "restart_first_commit": [2.5],
+                "to_started": [10.5]}
+    assert figures.keys() == expected.keys()
+    assert all(figures[k] == pytest.approx(v) for k, v in expected.items()), figures
     costs = calibrate(run, checkpoint_interval=5)
     assert (costs.step_s, costs.startup_s, costs.checkpoint_save_s, costs.first_save_extra_s,
             costs.job_restart_s) == pytest.approx((1.0, 10.6, 0.5, 0.7, 12.0))
     shape = dict(steps=17, replicas=4, tokens_per_step=100, compute_units=2)
     assert predict(run, costs, **shape) == pytest.approx(17 * 100 / 44.7)
+    # two checkpoints (steps 5 and 10) complete at the failure, which the run resumed from; the job trains at 36.5 s
+    assert checkpoints_at_failures(costs, [24.5]) == ([2], pytest.approx(36.5))
     for unmodelled in (dict(first_save_extra_s=0.0), dict(job_restart_s=35.0 - 24.5)):
         assert predict(run, dataclasses.replace(costs, **unmodelled), **shape) > 17 * 100 / 44.6
 

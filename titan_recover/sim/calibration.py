@@ -115,15 +115,38 @@ def _trains_from(commits: list[tuple[float, int]], step_s: float) -> float:
     return commits[0][0] - step_s
 
 
-def _checkpoint_costs(starts: list, events: list[dict], interval: int, step_s: float) -> dict[str, float]:
-    """``checkpoint_save_s``, ``first_save_extra_s``, ``checkpoint_write_s`` and ``checkpoint_interval_s`` of a
-    checkpoint-restart run: the extra interval of the steps after a save, a start's first save apart."""
+def _save_steps(starts: list, interval: int) -> tuple[list[float], list[float]]:
+    """The intervals of the steps after a save (a save's blocking part falls in them): each start's first, and the
+    others."""
     first, later = [], []
     for _, commits in starts:
         saves = [t1 - t0 for (t0, s0), (t1, s1) in zip(commits, commits[1:])
                  if s1 == s0 + 1 and (s1 - 1) % interval == 0]
         first += saves[:1]
         later += saves[1:]
+    return first, later
+
+
+def start_figures(run: dict, checkpoint_interval: int) -> dict[str, list[float]]:
+    """What the starts of a checkpoint-restart run (:func:`job_starts`) show, plainly, for the warm-up terms of
+    :func:`calibrate`: ``second_step``, the launch's second step (its commit interval); ``first_saves``, each
+    start's first step after a save; ``later_saves``, the other steps after a save; ``restart_first_commit``, from
+    each restart's ``training_started`` to its first commit; ``to_started``, from each fault to the next
+    ``training_started`` (the restart as read before the warm-up was; seconds)."""
+    starts = job_starts(run)
+    launch = starts[0][1]
+    first, later = _save_steps(starts, checkpoint_interval)
+    faults = [e["t"] for e in run["events"] if e["event"] == "fault_injected"]
+    return {"second_step": [launch[1][0] - launch[0][0]] if len(launch) > 1 and launch[1][1] == launch[0][1] + 1
+            else [], "first_saves": first, "later_saves": later,
+            "restart_first_commit": [own[0][0] - t for t, own in starts[1:] if own],
+            "to_started": [min(t for t, _ in starts if t > f) - f for f in faults if any(t > f for t, _ in starts)]}
+
+
+def _checkpoint_costs(starts: list, events: list[dict], interval: int, step_s: float) -> dict[str, float]:
+    """``checkpoint_save_s``, ``first_save_extra_s``, ``checkpoint_write_s`` and ``checkpoint_interval_s`` of a
+    checkpoint-restart run: the extra interval of the steps after a save, a start's first save apart."""
+    first, later = _save_steps(starts, interval)
     save = max(0.0, statistics.median(later or first) - step_s)
     written = [e["write_s"] for e in events if e["event"] == "checkpoint_complete" and e["source"] == "0/0"]
     return {"checkpoint_interval_s": interval * step_s, "checkpoint_save_s": save,
@@ -136,8 +159,8 @@ def calibrate(run: dict, checkpoint_interval: int, compute_units: int = 0) -> Co
 
     * ``step_s``: median interval between commits, leaving out the first two steps, the steps after a checkpoint
       save, the steps a fault fell in and (replica-group modes) the steps while a lost group restarts;
-      ``startup_s``: launch to the second commit, less two steps (the first steps' warm-up included: the
-      calibration runs' second step took 0.3-0.9 s longer than later ones);
+      ``startup_s``: launch to the second commit, less two steps (the first steps' warm-up included: a
+      calibration run's second step is slower than later ones, ``docs/results/checkpoint_starts.txt``);
     * checkpoint-restart: ``checkpoint_save_s``, the median extra interval of a step after a save that is not a
       start's first, ``first_save_extra_s``, how much more the first save after each start (:func:`job_starts`)
       adds, ``checkpoint_write_s``, the median of rank 0's ``checkpoint_complete`` (an asynchronous save's write

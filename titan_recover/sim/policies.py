@@ -96,11 +96,8 @@ def checkpoint_restart(cluster: Cluster, costs: Costs, trace: Trace, spares: int
     ``checkpoint_save_s``, the first after each start ``first_save_extra_s`` more); any failure restarts the whole
     job (``job_restart_s``) from the newest checkpoint complete by then (``checkpoint_write_s`` after its blocking
     part). A straggling group slows every step by its factor."""
-    useful, ready = 0.0, costs.startup_s
-    for failure in trace.failure_times.tolist():
-        if failure > ready:  # the work since the newest complete checkpoint is lost
-            useful += _checkpoints(failure - ready, costs) * costs.checkpoint_interval_s
-        ready = max(ready, failure) + costs.job_restart_s
+    kept, ready = checkpoints_at_failures(costs, trace.failure_times.tolist())
+    useful = sum(kept) * costs.checkpoint_interval_s  # the work since the newest complete checkpoint is lost
     if ready < trace.horizon_s:
         useful += _trained(trace.horizon_s - ready, costs)  # the end keeps its work
     unconfirmed, confirmed = _straggles(trace, math.inf)
@@ -109,6 +106,16 @@ def checkpoint_restart(cluster: Cluster, costs: Costs, trace: Trace, spares: int
     useful *= slowed / trace.horizon_s  # the share of full speed over the run
     goodput = useful / trace.horizon_s
     return Outcome("checkpoint_restart", goodput, goodput, trace.failures)
+
+
+def checkpoints_at_failures(costs: Costs, failures: list[float]) -> tuple[list[int], float]:
+    """Checkpoint-restart under ``failures`` (sorted times): for each, the checkpoints complete since the start it
+    hit (0 for one during a restart, which restarts it again), and when the job trains again after the last."""
+    kept, ready = [], costs.startup_s
+    for failure in failures:
+        kept.append(_checkpoints(failure - ready, costs) if failure > ready else 0)
+        ready = max(ready, failure) + costs.job_restart_s
+    return kept, ready
 
 
 def _checkpoints(elapsed: float, costs: Costs) -> int:
