@@ -271,6 +271,34 @@ def test_an_async_save_says_when_its_checkpoint_is_complete(tmp_path, process_gr
     saver.close()
 
 
+def test_a_wait_for_an_async_save_returns_once_its_completion_is_logged(tmp_path, process_group):
+    """A future wakes the threads waiting for it before it runs its done-callbacks, so the manager's wait for a save
+    also waits for the callback that logs ``checkpoint_complete`` (held here for 0.5 s after the write completed):
+    without that the event could come after the wait, or never at the end of a job."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    saver = manager(RecoverCheckpointManager, tmp_path, trained(2), enable=True, interval=2, async_mode="async",
+                    folder="checkpoint")
+    logged = []
+
+    class SlowLog:
+        def emit(self, event, **fields):
+            time.sleep(0.5)
+            logged.append((event, fields["step"]))
+
+    saver._events = SlowLog()
+    write = Future()
+    saver.save_future = write
+    saver._report_complete(4, write)
+    threading.Timer(0.1, write.set_result, args=(None,)).start()
+    saver.maybe_wait_for_saving()
+    assert logged == [("checkpoint_complete", 4)]
+    assert saver.save_future is None
+    saver.close()
+
+
 def test_a_stops_checkpoint_resumes_the_full_state_whatever_the_final_export_settings(tmp_path, process_group):
     """TorchTitan's final save (``last_step=True``) is an export: with its default ``last_save_model_only`` (kept by
     the llama3 8B/70B/405B configs) it writes the model alone, in ``export_dtype``, and a later start, which loads the

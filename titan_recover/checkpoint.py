@@ -34,6 +34,7 @@ import errno
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from concurrent.futures import Future
@@ -59,6 +60,9 @@ from titan_recover.recover.scout.verified import METADATA, only_unverified, STEP
 logger = logging.getLogger(__name__)
 
 _STAGING_DIR = re.compile(r"^\.saving-(\d+)\.r(\d+)$")
+REPORT_WAIT_S = 10.0
+"""How long a wait for an asynchronous save waits, once the save completed, for its ``checkpoint_complete`` event:
+the done-callback that logs it runs right after, on the thread that completed the write."""
 
 
 def staging_name(step: int, replica: int) -> str:
@@ -252,14 +256,29 @@ class RecoverCheckpointManager(CheckpointManager):
         checkpoint is then complete: a restart can load it), with ``write_s``, the seconds it took after the save's
         blocking part returned. A failure before then restarts from the checkpoint before: the simulator's
         ``checkpoint_write_s`` (docs/simulator.md)."""
-        returned, events = time.monotonic(), self.events
+        returned, events, reported = time.monotonic(), self.events, threading.Event()
 
         def done(f) -> None:  # on the thread that completed the write
-            if not f.cancelled() and f.exception() is None:
-                events.emit("checkpoint_complete", console=False, step=step,
-                            write_s=round(time.monotonic() - returned, 3))
+            try:
+                if not f.cancelled() and f.exception() is None:
+                    events.emit("checkpoint_complete", console=False, step=step,
+                                write_s=round(time.monotonic() - returned, 3))
+            finally:
+                reported.set()
 
+        self._reported = reported
         future.add_done_callback(done)
+
+    def _wait_for_saving(self) -> None:
+        """TorchTitan's wait for the last asynchronous save, then for its ``checkpoint_complete`` to be logged: a
+        future wakes the threads waiting for it before it runs its done-callbacks, so without this the event could
+        come after the wait (or never, at the end of a job). Bounded by :data:`REPORT_WAIT_S`: a log that does not
+        get written holds nothing up."""
+        super()._wait_for_saving()
+        reported, self._reported = getattr(self, "_reported", None), None
+        if reported is not None and not reported.wait(REPORT_WAIT_S):
+            logger.warning("an asynchronous save completed but its checkpoint_complete event was not logged within "
+                           "%.0f s; going on without it", REPORT_WAIT_S)
 
     def save_resumable(self, step: int) -> bool:
         """A checkpoint of ``step`` the job resumes from, written now on the checkpoint writer (a stop's, or one
