@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Fault soak: under failure schedules drawn at random, does every step still equal the failure-free run, bit for bit?
+
+One failure-free reference job, then ``--seeds`` jobs of the same config, each under its own schedule drawn by this
+script's generator (the project only executes it: the chaos monkey fires what it is given, no recovery code chooses
+a fault). A schedule is 1 to ``--max-faults`` faults on replicas chosen at random, replica 0 included, one replica
+always spared (with none left the state is gone: a job restart from a checkpoint, not what is soaked here); each
+fault a kind from ``--kinds``, a step, and a phase among every phase of a step and ``transfer`` (in the middle of a
+state transfer to a restarted group, which fires only where a transfer happens at that step). A second fault on the
+same replica hits its next start. Hit groups are restarted (``max_restarts``) and receive the state from a peer's
+memory; the others hold the next step boundary for them (``--rejoin-wait-s``, default 150 s, far above a restart
+here), so that every hit group comes back before the job ends and later faults can hit it, its rejoin or the
+transfer.
+
+Every job is in exact mode (float64 accumulation: a step's loss does not depend on which replica computed which
+microbatch, docs/invariant.md), so "the same trajectory" is bitwise. A job passes when it exits 0, every step is
+logged, every loss any replica logged equals the reference's loss of that step (``==``), and every final parameter
+shard it saved equals the reference's (``torch.equal``; a restarted group admitted before the end saves its own).
+
+    python benchmarks/fault_soak.py [--seeds 12] [--first-seed 0] [--replicas 3] [--ranks 1] [--steps 10]
+                                    [--max-faults 3] [--kinds kill,hang,raise] [--rejoin-wait-s 150]
+
+Prints one line per job (its schedule, the faults that fired, the admissions, the verdict and what differed) and,
+last, ``jobs=... passed=... faults=... fired=... admissions=... max_rel_loss_diff=...``. A job that fails is kept
+(its folder is printed) and the script exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from report import add_out_argument, recorded  # noqa: E402
+from titan_recover.compare import LOSS  # noqa: E402
+from titan_recover.recover.chaos.config import STEP_PHASES  # noqa: E402
+from titan_recover.recover.events import read_jsonl  # noqa: E402
+
+PHASES = (*STEP_PHASES, "transfer")
+ALWAYS = tuple(p for p in STEP_PHASES if p != "rebuild")
+"""The phases every step passes (``rebuild`` is passed only right after an epoch change)."""
+KINDS = ("kill", "hang", "raise")
+
+
+def draw_schedule(rng: random.Random, *, replicas: int, ranks: int, steps: int, max_faults: int,
+                  kinds: list[str]) -> list[dict]:
+    """1 to ``max_faults`` faults on the replicas other than one spared at random; a replica's ``k``-th fault (by
+    step) hits its ``k``-th start. Steps 2 to ``steps - 1``: the first step has no peer state to lose, the last
+    none to carry on with. The first fault hits a phase every step passes; later ones any phase, ``rebuild`` and
+    ``transfer`` included, which fire only where a recovery is under way at that step."""
+    spared = rng.randrange(replicas)
+    victims = [r for r in range(replicas) if r != spared]
+    drawn = sorted((rng.randint(2, steps - 1), rng.choice(victims), rng.randrange(ranks), rng.choice(kinds))
+                   for _ in range(rng.randint(1, max_faults)))
+    faults, starts = [], {}
+    for n, (step, replica, rank, kind) in enumerate(drawn):
+        phase = rng.choice(ALWAYS if n == 0 else PHASES)
+        faults.append({"kind": kind, "replica": replica, "rank": rank, "step": step, "phase": phase,
+                       "incarnation": starts.get(replica, 0)})
+        starts[replica] = starts.get(replica, 0) + 1
+    return faults
+
+
+def job_args(folder: pathlib.Path, args, faults: list[dict]) -> list[str]:
+    fault_toml = "[" + ", ".join("{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.items()) + "}"
+                                 for f in faults) + "]"
+    return [sys.executable, "-m", "titan_recover.launch", "train_configs/replicas.toml",
+            "--model.flavor", "tiny", "--metrics.no_enable_wandb", "--training.steps", str(args.steps),
+            "--recover.replicas", str(args.replicas), "--parallelism.data_parallel_shard_degree", str(args.ranks),
+            "--recover.quota.exact", "--recover.save_final_parameters",
+            "--recover.max_restarts", str(args.max_faults), "--recover.heartbeat_timeout_s", "2.0",
+            "--recover.join_window_s", "0.3", "--recover.rejoin_wait_s", str(args.rejoin_wait_s),
+            "--dump_folder", str(folder), "--chaos.faults", fault_toml]
+
+
+def run_job(folder: pathlib.Path, args, faults: list[dict]) -> tuple[int, float, str]:
+    """Run one job; (exit code, wall seconds, the end of its output). A job past ``--timeout`` gets SIGTERM (its
+    launcher ends its processes), then SIGKILL, and any process of the run left is killed."""
+    from titan_recover.recover.children import kill_all, processes_of_run
+
+    start = time.monotonic()
+    proc = subprocess.Popen(job_args(folder, args, faults), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        kill_all(processes_of_run(str(folder)))
+        return 124, time.monotonic() - start, f"no end after {args.timeout:.0f} s: {output[-2000:]}"
+    return proc.returncode, time.monotonic() - start, output[-4000:]
+
+
+def losses(folder: pathlib.Path) -> list[tuple[int, int, float]]:
+    """(replica, step, loss) of every metrics line that has a loss."""
+    return [(r["replica"], int(r["step"]), float(r[LOSS])) for r in read_jsonl(folder / "metrics.jsonl")
+            if LOSS in r]
+
+
+def final_parameters(folder: pathlib.Path) -> dict[str, dict]:
+    """Each saved shard file (``final_parameters/<name>.pt``): its tensors by name."""
+    import torch
+
+    return {f.name: torch.load(f) for f in sorted((folder / "final_parameters").glob("*.pt"))}
+
+
+def judge(folder: pathlib.Path, reference: dict[int, float], reference_params: dict[str, dict],
+          steps: int) -> tuple[list[str], float, int]:
+    """What differs from the reference (empty: the job kept the trajectory bitwise), the largest relative loss
+    difference, and how many parameter shard files were compared."""
+    import torch
+
+    problems = []
+    logged = losses(folder)
+    if sorted({step for _, step, _ in logged}) != list(range(1, steps + 1)):
+        problems.append(f"steps logged {sorted({step for _, step, _ in logged})}")
+    wrong = [(r, s, v) for r, s, v in logged if v != reference.get(s)]
+    max_rel = max((abs(v - reference[s]) / abs(reference[s]) for _, s, v in wrong if s in reference), default=0.0)
+    if wrong:
+        problems.append(f"{len(wrong)} losses differ (first: replica {wrong[0][0]} step {wrong[0][1]})")
+    params = final_parameters(folder)
+    for name, tensors in params.items():
+        expected = reference_params.get(name)
+        if expected is None or sorted(expected) != sorted(tensors):
+            problems.append(f"{name}: not the reference's tensors")
+        elif not all(torch.equal(tensors[k], expected[k]) for k in tensors):
+            problems.append(f"{name}: parameters differ")
+    if not params:
+        problems.append("no final parameters saved")
+    return problems, max_rel, len(params)
+
+
+def describe(faults: list[dict]) -> str:
+    return ", ".join(f"{f['kind']} r{f['replica']}.{f['rank']}#{f['incarnation']} s{f['step']} {f['phase']}"
+                     for f in faults)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=12)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=1, help="processes per replica group (FSDP2 over them)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--max-faults", type=int, default=3)
+    parser.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to draw from, comma-separated")
+    parser.add_argument("--rejoin-wait-s", type=float, default=150.0,
+                        help="[recover] rejoin_wait_s: the others hold a step boundary this long for a restarted "
+                             "group, so that it rejoins (and can be hit again) however slowly this machine starts it")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
+    add_out_argument(parser, __file__)
+    args = parser.parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(args.kinds) - set(KINDS))
+    if unknown or not args.kinds:
+        parser.error(f"--kinds takes some of {', '.join(KINDS)}, got {args.kinds}")
+    if args.replicas < 2 or args.ranks < 1 or args.steps < 3 or args.max_faults < 1 or args.seeds < 1:
+        parser.error("need --replicas >= 2 (one is spared), --ranks >= 1, --steps >= 3, --max-faults >= 1 and "
+                     "--seeds >= 1")
+    with recorded(__file__, argv, args.out):
+        return soak(args)
+
+
+def soak(args) -> int:
+    """Run the reference and the jobs; print a line each and the headline; 1 if any job failed."""
+    keep = pathlib.Path(tempfile.mkdtemp(prefix="fault_soak."))
+    code, wall, output = run_job(keep / "reference", args, [])
+    if code != 0:
+        raise RuntimeError(f"the failure-free reference failed (exit {code}):\n{output}")
+    reference = {step: loss for replica, step, loss in losses(keep / "reference") if replica == 0}
+    reference_params = final_parameters(keep / "reference")
+    print(f"{args.replicas} replicas x {args.ranks} rank(s), tiny, {args.steps} steps, exact mode, max_restarts "
+          f"{args.max_faults}; reference {wall:.0f} s, {len(reference_params)} shard files", flush=True)
+    totals = {"passed": 0, "faults": 0, "fired": 0, "admissions": 0}
+    worst = 0.0
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        faults = draw_schedule(random.Random(seed), replicas=args.replicas, ranks=args.ranks, steps=args.steps,
+                               max_faults=args.max_faults, kinds=args.kinds)
+        folder = keep / f"seed{seed}"
+        code, wall, output = run_job(folder, args, faults)
+        events = read_jsonl(folder / "events.jsonl") if (folder / "events.jsonl").exists() else []
+        fired = [e for e in events if e["event"] == "fault_injected"]
+        admitted = [e for e in events if e["event"] == "replica_admitted"]
+        problems, max_rel, files = judge(folder, reference, reference_params, args.steps) if code == 0 else (
+            [f"exit {code}: {output[-600:]!r}"], float("nan"), 0)
+        worst = max(worst, max_rel) if max_rel == max_rel else worst
+        totals["faults"] += len(faults)
+        totals["fired"] += len(fired)
+        totals["admissions"] += len(admitted)
+        totals["passed"] += not problems
+        print(f"seed {seed:3d} [{describe(faults)}]: fired {len(fired)}, admitted "
+              f"{[(e['replica'], e['after_step']) for e in admitted]}, {files} shard files, {wall:.0f} s: "
+              + ("bitwise equal" if not problems else "FAILED: " + "; ".join(problems) + f" (kept in {folder})"),
+              flush=True)
+        if not problems:
+            shutil.rmtree(folder, ignore_errors=True)
+    jobs = args.seeds
+    print(f"jobs={jobs} passed={totals['passed']} faults={totals['faults']} fired={totals['fired']} "
+          f"admissions={totals['admissions']} max_rel_loss_diff={worst:.3e}")
+    if totals["passed"] == jobs:
+        shutil.rmtree(keep, ignore_errors=True)
+    return 0 if totals["passed"] == jobs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
