@@ -1,0 +1,75 @@
+"""The fault soak's pure parts (benchmarks/fault_soak.py): the schedules it draws and how it judges a job."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import fault_soak as soak  # noqa: E402
+
+
+def schedules(count: int, **kwargs) -> list[list[dict]]:
+    settings = dict(replicas=3, ranks=2, steps=10, max_faults=3, kinds=list(soak.KINDS)) | kwargs
+    return [soak.draw_schedule(random.Random(seed), **settings) for seed in range(count)]
+
+
+def test_a_schedule_spares_a_replica_and_hits_a_replicas_later_starts_in_order():
+    drawn = schedules(200)
+    assert drawn == schedules(200)  # a function of the seed
+    for faults in drawn:
+        assert 1 <= len(faults) <= 3
+        assert len({f["replica"] for f in faults}) <= 2  # one of the three replicas is never hit
+        assert faults[0]["phase"] in soak.ALWAYS and all(f["phase"] in soak.PHASES for f in faults)
+        assert all(2 <= f["step"] <= 9 and 0 <= f["rank"] < 2 and f["kind"] in soak.KINDS for f in faults)
+        for replica in {f["replica"] for f in faults}:
+            hits = [f for f in faults if f["replica"] == replica]
+            assert [f["incarnation"] for f in hits] == list(range(len(hits)))
+            assert [f["step"] for f in hits] == sorted(f["step"] for f in hits)
+    # every replica is hit in some schedule, replica 0 (the donor while it lives) included, and every phase drawn
+    assert {f["replica"] for faults in drawn for f in faults} == {0, 1, 2}
+    assert {f["phase"] for faults in drawn for f in faults} == set(soak.PHASES)
+    assert {f["rank"] for faults in drawn for f in faults} == {0, 1}
+
+
+def write_job(folder: pathlib.Path, losses: dict[tuple[int, int], float], params: dict[str, dict]) -> pathlib.Path:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(
+        json.dumps({"replica": replica, "step": step, soak.LOSS: loss}) + "\n"
+        for (replica, step), loss in losses.items()))
+    (folder / "final_parameters").mkdir()
+    for name, tensors in params.items():
+        torch.save(tensors, folder / "final_parameters" / name)
+    return folder
+
+
+def test_a_job_passes_only_with_every_step_every_loss_and_every_saved_shard_equal(tmp_path):
+    weight = torch.arange(6, dtype=torch.float32)
+    reference = {1: 2.5, 2: 2.25, 3: 2.0}
+    shards = {"replica0_rank0.pt": {"w": weight}, "replica1_rank0.pt": {"w": weight}}
+    params = {"replica0_rank0.pt": {"w": weight}}
+    losses = {(r, s): loss for s, loss in reference.items() for r in (0, 1)}
+
+    same = write_job(tmp_path / "same", losses, params)
+    assert soak.judge(same, reference, shards, steps=3) == ([], 0.0, 1)
+
+    off = write_job(tmp_path / "off", {**losses, (1, 2): 2.25 * (1 + 2**-20)}, params)
+    problems, max_rel, _ = soak.judge(off, reference, shards, steps=3)
+    assert problems == ["1 losses differ (first: replica 1 step 2)"] and 0 < max_rel < 1e-5
+
+    short = write_job(tmp_path / "short", {k: v for k, v in losses.items() if k[1] != 3}, params)
+    assert soak.judge(short, reference, shards, steps=3)[0] == ["steps logged [1, 2]"]
+
+    flipped = weight.clone()
+    flipped[3] = torch.nextafter(flipped[3], torch.tensor(10.0))
+    changed = write_job(tmp_path / "changed", losses, {"replica0_rank0.pt": {"w": flipped}})
+    assert soak.judge(changed, reference, shards, steps=3)[0] == ["replica0_rank0.pt: parameters differ"]
+
+    none = write_job(tmp_path / "none", losses, {})
+    assert soak.judge(none, reference, shards, steps=3)[0] == ["no final parameters saved"]
