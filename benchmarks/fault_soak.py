@@ -48,26 +48,35 @@ from titan_recover.recover.events import read_jsonl  # noqa: E402
 PHASES = (*STEP_PHASES, "transfer")
 ALWAYS = tuple(p for p in STEP_PHASES if p != "rebuild")
 """The phases every step passes (``rebuild`` is passed only right after an epoch change)."""
+REJOIN_STEPS = 2
+"""Steps between two faults of one replica: its next start is admitted after the step after the fault at the
+earliest (the others hold that boundary for it, ``--rejoin-wait-s``), so it trains from two steps after."""
 KINDS = ("kill", "hang", "raise")
 
 
 def draw_schedule(rng: random.Random, *, replicas: int, ranks: int, steps: int, max_faults: int,
                   kinds: list[str]) -> list[dict]:
-    """1 to ``max_faults`` faults on the replicas other than one spared at random; a replica's ``k``-th fault (by
-    step) hits its ``k``-th start. Steps 2 to ``steps - 1``: the first step has no peer state to lose, the last
-    none to carry on with. The first fault hits a phase every step passes; later ones any phase, ``rebuild`` and
-    ``transfer`` included, which fire only where a recovery is under way at that step."""
+    """1 to ``max_faults`` faults on the replicas other than one spared at random; a replica's ``k``-th fault hits
+    its ``k``-th start, at least :data:`REJOIN_STEPS` steps after the one before (a start hit at step ``s`` rejoins
+    after committing ``s + 1`` at the earliest); a fault that would come after the last step but one is dropped.
+    Steps 2 to ``steps - 1``: the first step has no peer state to lose, the last none to carry on with. The first
+    fault hits a phase every step passes; later ones any phase, ``rebuild`` and ``transfer`` included, which fire
+    only where a recovery is under way at that step."""
     spared = rng.randrange(replicas)
     victims = [r for r in range(replicas) if r != spared]
     drawn = sorted((rng.randint(2, steps - 1), rng.choice(victims), rng.randrange(ranks), rng.choice(kinds))
                    for _ in range(rng.randint(1, max_faults)))
-    faults, starts = [], {}
-    for n, (step, replica, rank, kind) in enumerate(drawn):
-        phase = rng.choice(ALWAYS if n == 0 else PHASES)
-        faults.append({"kind": kind, "replica": replica, "rank": rank, "step": step, "phase": phase,
-                       "incarnation": starts.get(replica, 0)})
-        starts[replica] = starts.get(replica, 0) + 1
-    return faults
+    faults, last = [], {}
+    for step, replica, rank, kind in drawn:
+        if replica in last:
+            step = max(step, last[replica]["step"] + REJOIN_STEPS)
+            if step > steps - 1:
+                continue
+        phase = rng.choice(PHASES if faults else ALWAYS)
+        last[replica] = {"kind": kind, "replica": replica, "rank": rank, "step": step, "phase": phase,
+                         "incarnation": last[replica]["incarnation"] + 1 if replica in last else 0}
+        faults.append(last[replica])
+    return sorted(faults, key=lambda f: f["step"])
 
 
 def job_args(folder: pathlib.Path, args, faults: list[dict]) -> list[str]:

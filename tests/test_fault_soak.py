@@ -20,7 +20,7 @@ def schedules(count: int, **kwargs) -> list[list[dict]]:
     return [soak.draw_schedule(random.Random(seed), **settings) for seed in range(count)]
 
 
-def test_a_schedule_spares_a_replica_and_hits_a_replicas_later_starts_in_order():
+def test_a_schedule_spares_a_replica_and_hits_a_replicas_later_starts_in_order_with_time_to_rejoin():
     drawn = schedules(200)
     assert drawn == schedules(200)  # a function of the seed
     for faults in drawn:
@@ -31,7 +31,8 @@ def test_a_schedule_spares_a_replica_and_hits_a_replicas_later_starts_in_order()
         for replica in {f["replica"] for f in faults}:
             hits = [f for f in faults if f["replica"] == replica]
             assert [f["incarnation"] for f in hits] == list(range(len(hits)))
-            assert [f["step"] for f in hits] == sorted(f["step"] for f in hits)
+            steps = [f["step"] for f in hits]
+            assert all(later - earlier >= soak.REJOIN_STEPS for earlier, later in zip(steps, steps[1:]))
     # every replica is hit in some schedule, replica 0 (the donor while it lives) included, and every phase drawn
     assert {f["replica"] for faults in drawn for f in faults} == {0, 1, 2}
     assert {f["phase"] for faults in drawn for f in faults} == set(soak.PHASES)
