@@ -20,9 +20,9 @@ shard it saved equals the reference's (``torch.equal``; a restarted group admitt
     python benchmarks/fault_soak.py [--seeds 12] [--first-seed 0] [--replicas 3] [--ranks 1] [--steps 10]
                                     [--max-faults 3] [--kinds kill,hang,raise] [--rejoin-wait-s 150]
 
-Prints one line per job (its schedule, the faults that fired, the admissions, the verdict and what differed) and,
-last, ``jobs=... passed=... faults=... fired=... admissions=... max_rel_loss_diff=...``. A job that fails is kept
-(its folder is printed) and the script exits 1.
+Prints one line per job (its schedule, the faults that fired and where, the admissions, the verdict and what
+differed) and, last, ``jobs=... passed=... faults=... fired=... admissions=... max_rel_loss_diff=...``. A job that
+fails is kept (its folder is printed) and the script exits 1.
 """
 
 from __future__ import annotations
@@ -157,6 +157,11 @@ def describe(faults: list[dict]) -> str:
                      for f in faults)
 
 
+def describe_fired(fired: list[dict]) -> str:
+    """The ``fault_injected`` events: what fired where, as the replica logged it."""
+    return ", ".join(f"{e['kind']} r{e.get('replica')}.{e.get('rank')} s{e['step']} {e['phase']}" for e in fired)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=12)
@@ -210,7 +215,7 @@ def soak(args) -> int:
         totals["fired"] += len(fired)
         totals["admissions"] += len(admitted)
         totals["passed"] += not problems
-        print(f"seed {seed:3d} [{describe(faults)}]: fired {len(fired)}, admitted "
+        print(f"seed {seed:3d} [{describe(faults)}]: fired {len(fired)} [{describe_fired(fired)}], admitted "
               f"{[(e['replica'], e['after_step']) for e in admitted]}, {files} shard files, {wall:.0f} s: "
               + ("bitwise equal" if not problems else "FAILED: " + "; ".join(problems) + f" (kept in {folder})"),
               flush=True)
