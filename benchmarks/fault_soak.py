@@ -14,8 +14,9 @@ transfer.
 
 Every job is in exact mode (float64 accumulation: a step's loss does not depend on which replica computed which
 microbatch, docs/invariant.md), so "the same trajectory" is bitwise. A job passes when it exits 0, every step is
-logged, every loss any replica logged equals the reference's loss of that step (``==``), and every final parameter
-shard it saved equals the reference's (``torch.equal``; a restarted group admitted before the end saves its own).
+logged, every loss any replica logged equals the reference's loss of that step (``==``), and every rank's final
+state it saved (parameter shards, optimizer state, learning-rate schedule; a restarted group admitted before the
+end saves its own) equals the reference's rank's bit for bit (``compare.bitwise_equal``).
 
     python benchmarks/fault_soak.py [--seeds 12] [--first-seed 0] [--replicas 3] [--ranks 1] [--steps 10]
                                     [--max-faults 3] [--kinds kill,hang,raise] [--rejoin-wait-s 150]
@@ -41,7 +42,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from report import add_out_argument, recorded  # noqa: E402
-from titan_recover.compare import LOSS  # noqa: E402
+from titan_recover.compare import bitwise_equal, LOSS  # noqa: E402
 from titan_recover.recover.chaos.config import STEP_PHASES  # noqa: E402
 from titan_recover.recover.events import read_jsonl  # noqa: E402
 
@@ -119,19 +120,19 @@ def losses(folder: pathlib.Path) -> list[tuple[int, int, float]]:
             if LOSS in r]
 
 
-def final_parameters(folder: pathlib.Path) -> dict[str, dict]:
-    """Each saved shard file (``final_parameters/<name>.pt``): its tensors by name."""
+def final_state(folder: pathlib.Path) -> dict[str, dict]:
+    """Each rank's saved final state by file name (``replica<i>_rank<k>.pt``): its parameter shards
+    (``final_parameters/``) and its optimizer and learning-rate schedule state (``final_optimizer/``)."""
     import torch
 
-    return {f.name: torch.load(f) for f in sorted((folder / "final_parameters").glob("*.pt"))}
+    return {f.name: {"parameters": torch.load(f), "optimizer": torch.load(folder / "final_optimizer" / f.name)}
+            for f in sorted((folder / "final_parameters").glob("*.pt"))}
 
 
-def judge(folder: pathlib.Path, reference: dict[int, float], reference_params: dict[str, dict],
+def judge(folder: pathlib.Path, reference: dict[int, float], reference_state: dict[str, dict],
           steps: int) -> tuple[list[str], float, int]:
     """What differs from the reference (empty: the job kept the trajectory bitwise), the largest relative loss
-    difference, and how many parameter shard files were compared."""
-    import torch
-
+    difference, and how many ranks' final states were compared."""
     problems = []
     logged = losses(folder)
     if sorted({step for _, step, _ in logged}) != list(range(1, steps + 1)):
@@ -140,16 +141,14 @@ def judge(folder: pathlib.Path, reference: dict[int, float], reference_params: d
     max_rel = max((abs(v - reference[s]) / abs(reference[s]) for _, s, v in wrong if s in reference), default=0.0)
     if wrong:
         problems.append(f"{len(wrong)} losses differ (first: replica {wrong[0][0]} step {wrong[0][1]})")
-    params = final_parameters(folder)
-    for name, tensors in params.items():
-        expected = reference_params.get(name)
-        if expected is None or sorted(expected) != sorted(tensors):
-            problems.append(f"{name}: not the reference's tensors")
-        elif not all(torch.equal(tensors[k], expected[k]) for k in tensors):
-            problems.append(f"{name}: parameters differ")
-    if not params:
-        problems.append("no final parameters saved")
-    return problems, max_rel, len(params)
+    state = final_state(folder)
+    for name, saved in state.items():
+        for part in ("parameters", "optimizer"):
+            if not bitwise_equal(saved[part], reference_state.get(name, {}).get(part)):
+                problems.append(f"{name}: {part} differ")
+    if not state:
+        problems.append("no final state saved")
+    return problems, max_rel, len(state)
 
 
 def describe(faults: list[dict]) -> str:
@@ -195,9 +194,9 @@ def soak(args) -> int:
     if code != 0:
         raise RuntimeError(f"the failure-free reference failed (exit {code}):\n{output}")
     reference = {step: loss for replica, step, loss in losses(keep / "reference") if replica == 0}
-    reference_params = final_parameters(keep / "reference")
+    reference_state = final_state(keep / "reference")
     print(f"{args.replicas} replicas x {args.ranks} rank(s), tiny, {args.steps} steps, exact mode, max_restarts "
-          f"{args.max_faults}; reference {wall:.0f} s, {len(reference_params)} shard files", flush=True)
+          f"{args.max_faults}; reference {wall:.0f} s, {len(reference_state)} ranks' final states", flush=True)
     totals = {"passed": 0, "faults": 0, "fired": 0, "admissions": 0}
     worst = 0.0
     for seed in range(args.first_seed, args.first_seed + args.seeds):
@@ -208,7 +207,7 @@ def soak(args) -> int:
         events = read_jsonl(folder / "events.jsonl") if (folder / "events.jsonl").exists() else []
         fired = [e for e in events if e["event"] == "fault_injected"]
         admitted = [e for e in events if e["event"] == "replica_admitted"]
-        problems, max_rel, files = judge(folder, reference, reference_params, args.steps) if code == 0 else (
+        problems, max_rel, files = judge(folder, reference, reference_state, args.steps) if code == 0 else (
             [f"exit {code}: {output[-600:]!r}"], float("nan"), 0)
         worst = max(worst, max_rel) if max_rel == max_rel else worst
         totals["faults"] += len(faults)
@@ -216,7 +215,7 @@ def soak(args) -> int:
         totals["admissions"] += len(admitted)
         totals["passed"] += not problems
         print(f"seed {seed:3d} [{describe(faults)}]: fired {len(fired)} [{describe_fired(fired)}], admitted "
-              f"{[(e['replica'], e['after_step']) for e in admitted]}, {files} shard files, {wall:.0f} s: "
+              f"{[(e['replica'], e['after_step']) for e in admitted]}, {files} final states, {wall:.0f} s: "
               + ("bitwise equal" if not problems else "FAILED: " + "; ".join(problems) + f" (kept in {folder})"),
               flush=True)
         if not problems:

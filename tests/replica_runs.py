@@ -8,13 +8,13 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
 from conftest import launch, launcher_command, read_metrics, ROOT
+from titan_recover.compare import bitwise_equal
 from titan_recover.recover.events import read_events
 from titan_recover.recover.children import processes_of_run
 
@@ -102,22 +102,6 @@ def final_optimizer_state(folder: pathlib.Path, replica: int, rank: int) -> dict
     """What the rank saved with ``--recover.save_final_parameters`` besides its parameters (final_parameters.py's
     ``optimizer_state``)."""
     return torch.load(folder / "final_optimizer" / f"replica{replica}_rank{rank}.pt")
-
-
-def bitwise_equal(a, b) -> bool:
-    """Nested dicts, lists and tuples of tensors and plain values equal bit for bit (tensors also in dtype). A list
-    equals a tuple of the same items: a state transfer sends the param groups as JSON, which turns AdamW's
-    ``betas`` tuple into a list."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and torch.equal(a, b))
-    if isinstance(a, dict) or isinstance(b, dict):
-        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
-                and all(bitwise_equal(a[k], b[k]) for k in a))
-    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
-                and all(bitwise_equal(x, y) for x, y in zip(a, b)))
-    return type(a) is type(b) and a == b
 
 
 def assert_same_optimizer_state(reference: pathlib.Path, run: pathlib.Path, *, replica: int, rank: int,

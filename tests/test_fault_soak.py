@@ -39,38 +39,48 @@ def test_a_schedule_spares_a_replica_and_hits_a_replicas_later_starts_in_order_w
     assert {f["rank"] for faults in drawn for f in faults} == {0, 1}
 
 
-def write_job(folder: pathlib.Path, losses: dict[tuple[int, int], float], params: dict[str, dict]) -> pathlib.Path:
+def write_job(folder: pathlib.Path, losses: dict[tuple[int, int], float], state: dict[str, dict]) -> pathlib.Path:
     folder.mkdir(parents=True)
     (folder / "metrics.jsonl").write_text("".join(
         json.dumps({"replica": replica, "step": step, soak.LOSS: loss}) + "\n"
         for (replica, step), loss in losses.items()))
-    (folder / "final_parameters").mkdir()
-    for name, tensors in params.items():
-        torch.save(tensors, folder / "final_parameters" / name)
+    for part, sub in (("parameters", "final_parameters"), ("optimizer", "final_optimizer")):
+        (folder / sub).mkdir()
+        for name, saved in state.items():
+            torch.save(saved[part], folder / sub / name)
     return folder
 
 
-def test_a_job_passes_only_with_every_step_every_loss_and_every_saved_shard_equal(tmp_path):
+def test_a_job_passes_only_with_every_step_every_loss_and_every_saved_state_equal(tmp_path):
     weight = torch.arange(6, dtype=torch.float32)
+    adam = {"optimizer": {"w": {"exp_avg": weight / 7, "step": torch.tensor(3.0)}}, "param_groups": [[{"lr": 0.1}]],
+            "lr_schedulers": [{"last_epoch": 3}]}
+    rank = {"parameters": {"w": weight}, "optimizer": adam}
     reference = {1: 2.5, 2: 2.25, 3: 2.0}
-    shards = {"replica0_rank0.pt": {"w": weight}, "replica1_rank0.pt": {"w": weight}}
-    params = {"replica0_rank0.pt": {"w": weight}}
+    states = {"replica0_rank0.pt": rank, "replica1_rank0.pt": rank}
     losses = {(r, s): loss for s, loss in reference.items() for r in (0, 1)}
 
-    same = write_job(tmp_path / "same", losses, params)
-    assert soak.judge(same, reference, shards, steps=3) == ([], 0.0, 1)
+    same = write_job(tmp_path / "same", losses, {"replica0_rank0.pt": rank})
+    assert soak.judge(same, reference, states, steps=3) == ([], 0.0, 1)
 
-    off = write_job(tmp_path / "off", {**losses, (1, 2): 2.25 * (1 + 2**-20)}, params)
-    problems, max_rel, _ = soak.judge(off, reference, shards, steps=3)
+    off = write_job(tmp_path / "off", {**losses, (1, 2): 2.25 * (1 + 2**-20)}, {"replica0_rank0.pt": rank})
+    problems, max_rel, _ = soak.judge(off, reference, states, steps=3)
     assert problems == ["1 losses differ (first: replica 1 step 2)"] and 0 < max_rel < 1e-5
 
-    short = write_job(tmp_path / "short", {k: v for k, v in losses.items() if k[1] != 3}, params)
-    assert soak.judge(short, reference, shards, steps=3)[0] == ["steps logged [1, 2]"]
+    short = write_job(tmp_path / "short", {k: v for k, v in losses.items() if k[1] != 3}, {"replica0_rank0.pt": rank})
+    assert soak.judge(short, reference, states, steps=3)[0] == ["steps logged [1, 2]"]
 
     flipped = weight.clone()
     flipped[3] = torch.nextafter(flipped[3], torch.tensor(10.0))
-    changed = write_job(tmp_path / "changed", losses, {"replica0_rank0.pt": {"w": flipped}})
-    assert soak.judge(changed, reference, shards, steps=3)[0] == ["replica0_rank0.pt: parameters differ"]
+    changed = write_job(tmp_path / "changed", losses, {"replica0_rank0.pt": {**rank, "parameters": {"w": flipped}}})
+    assert soak.judge(changed, reference, states, steps=3)[0] == ["replica0_rank0.pt: parameters differ"]
+
+    moment = {**adam, "optimizer": {"w": {"exp_avg": flipped / 7, "step": torch.tensor(3.0)}}}
+    drifted = write_job(tmp_path / "drifted", losses, {"replica1_rank0.pt": {**rank, "optimizer": moment}})
+    assert soak.judge(drifted, reference, states, steps=3)[0] == ["replica1_rank0.pt: optimizer differ"]
+    schedule = {**adam, "lr_schedulers": [{"last_epoch": 2}]}
+    behind = write_job(tmp_path / "behind", losses, {"replica1_rank0.pt": {**rank, "optimizer": schedule}})
+    assert soak.judge(behind, reference, states, steps=3)[0] == ["replica1_rank0.pt: optimizer differ"]
 
     none = write_job(tmp_path / "none", losses, {})
-    assert soak.judge(none, reference, shards, steps=3)[0] == ["no final parameters saved"]
+    assert soak.judge(none, reference, states, steps=3)[0] == ["no final state saved"]

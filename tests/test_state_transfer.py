@@ -179,9 +179,9 @@ def test_a_fresh_replica_becomes_bitwise_its_donor_and_stays_so(direct_bytes):
 
 def test_the_saved_optimizer_state_of_equal_training_is_bitwise_equal_and_one_ulp_is_told_apart():
     """What ``--recover.save_final_parameters`` writes to ``final_optimizer/`` (final_parameters.optimizer_state)
-    as the bitwise tests compare it (replica_runs.bitwise_equal): every AdamW moment and step count by parameter
+    as the bitwise tests compare it (compare.bitwise_equal): every AdamW moment and step count by parameter
     name, the param groups, the schedule's position and rates."""
-    from replica_runs import bitwise_equal
+    from titan_recover.compare import bitwise_equal
 
     from titan_recover.recover.modes.final_parameters import optimizer_state
 

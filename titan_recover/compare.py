@@ -87,6 +87,24 @@ def parameter_difference(reference: str | pathlib.Path, other: str | pathlib.Pat
     return ParameterDifference(name, len(files), tensors, different, max_abs)
 
 
+def bitwise_equal(a, b) -> bool:
+    """Nested dicts, lists and tuples of tensors and plain values equal bit for bit (tensors also in dtype): how
+    runs' saved optimizer and schedule states (``final_optimizer/``) are compared. A list equals a tuple of the same
+    items: a state transfer sends the param groups as JSON, which turns AdamW's ``betas`` tuple into a list."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and torch.equal(a, b))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(bitwise_equal(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(bitwise_equal(x, y) for x, y in zip(a, b)))
+    return type(a) is type(b) and a == b
+
+
 def event_marks(run: str | pathlib.Path) -> dict[int, list[str]]:
     """The resilience events of a run folder by step (``<run>/events.jsonl``; routine events left out, each kind
     once per step): an event's own step, else the step being trained when it was written (the first step whose
