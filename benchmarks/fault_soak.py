@@ -32,6 +32,7 @@ import argparse
 import json
 import pathlib
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -161,6 +162,26 @@ def describe_fired(fired: list[dict]) -> str:
     return ", ".join(f"{e['kind']} r{e.get('replica')}.{e.get('rank')} s{e['step']} {e['phase']}" for e in fired)
 
 
+def summarise(text: str) -> str:
+    """The faults that fired in a soak's printed output (its ``fired N [...]`` lists), counted by kind, phase and
+    rank, and how often replica 0 was hit and in how many jobs: the figures docs/benchmarks.md quotes."""
+    counts: dict[str, dict[str, int]] = {"kind": {}, "phase": {}, "rank": {}}
+    replica0 = jobs_with_replica0 = 0
+    for line in text.splitlines():
+        match = re.search(r"fired \d+ \[(.*?)\], admitted", line)
+        if not match:
+            continue
+        fired = [item.split() for item in match.group(1).split(", ") if item]
+        for kind, where, _step, phase in fired:
+            for key, value in (("kind", kind), ("phase", phase), ("rank", where.split(".")[1])):
+                counts[key][value] = counts[key].get(value, 0) + 1
+        hits = sum(where.startswith("r0.") for _, where, _, _ in fired)
+        replica0 += hits
+        jobs_with_replica0 += hits > 0
+    parts = [" ".join(f"{key}_{value}={n}" for value, n in sorted(counts[key].items())) for key in counts]
+    return " ".join(parts) + f" replica0_hits={replica0} jobs_with_replica0_hit={jobs_with_replica0}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=12)
@@ -173,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rejoin-wait-s", type=float, default=150.0,
                         help="[recover] rejoin_wait_s: the others hold a step boundary this long for a restarted "
                              "group, so that it rejoins (and can be hit again) however slowly this machine starts it")
+    parser.add_argument("--summarise", metavar="FILE", help="count what fired in an earlier output; runs nothing")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
     add_out_argument(parser, __file__)
     args = parser.parse_args(argv)
+    if args.summarise:
+        print(summarise(pathlib.Path(args.summarise).read_text()))
+        return 0
     args.kinds = [k for k in args.kinds.split(",") if k]
     unknown = sorted(set(args.kinds) - set(KINDS))
     if unknown or not args.kinds:

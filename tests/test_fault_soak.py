@@ -84,3 +84,11 @@ def test_a_job_passes_only_with_every_step_every_loss_and_every_saved_state_equa
 
     none = write_job(tmp_path / "none", losses, {})
     assert soak.judge(none, reference, states, steps=3)[0] == ["no final state saved"]
+
+
+def test_the_summary_counts_what_fired_by_kind_phase_and_rank_and_replica_0s_hits():
+    text = ("seed 1 [...]: fired 2 [kill r0.1 s3 commit, hang r2.0 s5 transfer], admitted [(0, 4)], 3 final states\n"
+            "seed 2 [...]: fired 1 [kill r0.0 s2 forward], admitted [], 2 final states\n"
+            "seed 3 [...]: fired 0 [], admitted [], 3 final states\n")
+    assert soak.summarise(text) == ("kind_hang=1 kind_kill=2 phase_commit=1 phase_forward=1 phase_transfer=1 rank_0=2 "
+                                    "rank_1=1 replica0_hits=2 jobs_with_replica0_hit=2")
