@@ -313,10 +313,13 @@ def _gloo_pair(store, config, timeout_s, cls=PolledGlooGroup):
 
 
 class _SlowLink(PolledGlooGroup):
-    """A member behind a slow link: each piece leaves after ``bytes / rate`` seconds (10 MiB/s)."""
+    """A member behind a slow link: each piece leaves after ``bytes / rate`` seconds (10 MiB/s), or as soon as the
+    epoch's fault flag is up (its peer gave up: what it sends next fails at once, as on a real link)."""
 
     def _issue(self, i, batch, root, staging):
-        time.sleep(sum(v.numel() * v.element_size() for _, (_, _, v) in batch) / (10 * 2**20))
+        leaves = time.monotonic() + sum(v.numel() * v.element_size() for _, (_, _, v) in batch) / (10 * 2**20)
+        while time.monotonic() < leaves and not self.store.check([GroupKeys.fault(self.epoch)]):
+            time.sleep(0.01)
         return super()._issue(i, batch, root, staging)
 
 

@@ -274,10 +274,10 @@ def test_time_triggered_fault_fires_once_per_job_at_its_offset(tmp_path):
 
 
 def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
-    """The coordinator (in-process, with its real store) watches two members, with a heartbeat timeout of 1 s. It
-    stalls 1.5 s while no beat comes in (as when its store's server thread was not scheduled and the members' beats
-    queued behind): nobody is declared dead. Then replica 1 stops beating while the coordinator watches: declared
-    dead once it watched 1 s of silence, with what the coordinator saw in the event.
+    """The coordinator (in-process, with its real store) watches two members, with a heartbeat timeout of 0.5 s. It
+    stalls 0.75 s while no beat comes in (as when its store's server thread was not scheduled and the members'
+    beats queued behind): nobody is declared dead. Then replica 1 stops beating while the coordinator watches:
+    declared dead once it watched 0.5 s of silence, with what the coordinator saw in the event.
 
     The wall time is compared with the watch's own account, measured in the same run: it never counts more than
     the wall time passed, it counts at most one look past the timeout, and the wall time up to the deciding look
@@ -287,7 +287,7 @@ def test_coordinator_does_not_hold_its_own_stall_against_the_members(tmp_path):
     from titan_recover.recover.events import read_events
     from titan_recover.recover.groups.keys import GroupKeys
 
-    timeout_s = 1.0
+    timeout_s = 0.5
     config = RecoverConfig(replicas=2, heartbeat_timeout_s=timeout_s, join_window_s=0.3)
     coordinator = Coordinator(config, job_store(), replicas=2, ranks_per_replica=1, run_dir=str(tmp_path))
     coordinator._publish(0, (0, 1), (), "all replicas registered", timing={})
@@ -858,9 +858,10 @@ def test_an_admission_barrier_waits_while_the_transfer_moves_and_not_once_it_sta
                 if moves:
                     job.add(moving, 1)
 
-        def barrier(key):  # group 1's ranks come once their part of the transfer is through
-            if key[0] == 1:
-                time.sleep(4 * timeout)
+        def barrier(key):  # group 1's ranks come once their part of the transfer is through (or failed: the flag)
+            arrives = time.monotonic() + 4 * timeout
+            while key[0] == 1 and time.monotonic() < arrives and not job.check([GroupKeys.fault(0)]):
+                time.sleep(0.01)
             return syncs[key].commit_barrier("admit5", moving=moving)
 
         threading.Thread(target=donor, daemon=True).start()
