@@ -6,13 +6,15 @@ gloo broadcast of the same number of bytes in one tensor between the same two pr
 Two processes; the state is a stack of ``--layers`` square linear layers of width ``--width`` with AdamW state after
 one step (about 12 bytes per parameter: fp32 weights + two fp32 moments; the defaults make 2.3 GiB, so one raw
 broadcast lasts long enough on loopback to be timed stably: at 1.1 GiB and 5 rounds one run's round ratios spread
-from 0.49 to 1.07, docs/benchmarks.md). ``--rounds`` interleaved rounds: each round times one
-transfer, one raw broadcast and one transfer without its digests (``checksummed=False``: what the xxHash3 of every
-chunk on both sides costs) back to back, each first in turn. Each round gives a ratio (raw / transfer of that round,
-and raw / transfer without digests); printed: median, min and max of the times and the ratios, and every round;
-then one thread's xxHash3 of the whole state and one copy of it in memory (the host's memory speed, which bounds a
-loopback transfer: each byte is copied into the kernel and out again), and the CPU seconds each side used for each
-kind (``getrusage``, every thread of the process, gloo's included): whether the cores were free for the digests.
+from 0.49 to 1.07, docs/benchmarks.md). ``--rounds`` interleaved rounds: each round times one transfer, one raw
+broadcast, one transfer without its digests (``digest=None``: what the xxHash3 of every chunk on both sides costs) and
+one with "cached digests" (:func:`cached_digest`: as many bytes hashed, of a 1 MiB buffer that stays in cache: the
+digests' hashing without their reads of the state's memory) back to back, each first in turn. Each round gives a
+ratio (raw / that round's transfer of each kind); printed: median, min and max of the times and the ratios, and
+every round; then the CPU seconds each side used for each kind (``getrusage``, every thread of the process, gloo's
+included: whether the cores were free for the digests), one thread's xxHash3 of the whole state, and the host's
+memory speed: one copy of the state's bytes in a process alone and with both processes copying at once, against
+the copies a loopback broadcast makes (each byte into the kernel by the donor, out of it by the joiner).
 
     python benchmarks/state_transfer.py [--width 2048] [--layers 48] [--rounds 11] [--chunk-mb 64] [--in-flight 2]
                                         [--device cpu] [--out FILE]
@@ -22,16 +24,17 @@ host -> gloo -> pinned host -> device through the transfer's ring (docs/phoenix.
 tensor's, the target's reference.
 
 Last line: ``transfer_mb_s=... raw_mb_s=... transfer_ratio=... transfer_ratio_min=... transfer_ratio_max=...
-unverified_ratio=... transfer_s=... raw_s=... unverified_s=... hash_s=... copy_s=... state_mb=...`` (throughputs from
-the median times; ``transfer_ratio``: the median of the rounds' ratios, ``unverified_ratio`` the same without
-digests). Target (issue "rejoin from peers' memory"): transfer_ratio >= 0.8. Output also written to
-docs/results/state_transfer.txt (benchmarks/report.py). benchmarks/rejoin.py runs this and adds the time to full
-strength with a spare or a restart.
+unverified_ratio=... cached_ratio=... transfer_s=... raw_s=... unverified_s=... cached_s=... hash_s=... copy_alone_s=...
+copy_together_s=... state_mb=...`` (throughputs from the median times; ``transfer_ratio``: the median of the rounds'
+ratios, ``unverified_ratio`` and ``cached_ratio`` the same without digests and with cached ones). Target (issue
+"rejoin from peers' memory"): transfer_ratio >= 0.8. Output also written to docs/results/state_transfer.txt
+(benchmarks/report.py). benchmarks/rejoin.py runs this and adds the time to full strength with a spare or a restart.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import pathlib
@@ -46,8 +49,32 @@ sys.path.insert(0, str(ROOT))
 
 from report import add_out_argument, recorded  # noqa: E402
 
-KINDS = ("transfer", "raw", "unverified")
-"""What each round times: the state transfer, a raw broadcast of as many bytes, the transfer without its digests."""
+KINDS = ("transfer", "raw", "unverified", "cached")
+"""What each round times: the state transfer, a raw broadcast of as many bytes, the transfer without its digests, and
+the transfer with its digests' hashing but not their reads of memory (:func:`cached_digest`)."""
+LABELS = {"transfer": "transfer", "raw": "raw broadcast", "unverified": "transfer without digests",
+          "cached": "digests of cached bytes"}
+CACHED_BYTES = 2**20
+"""The buffer :func:`cached_digest` hashes over and over: small enough to stay in a core's cache."""
+
+
+@functools.cache
+def _cached_buffer():
+    import numpy as np
+
+    return np.ones(CACHED_BYTES, dtype=np.uint8)
+
+
+def cached_digest(data) -> int:
+    """The digests' work without their reads of memory: xxHash3 over a cache-resident buffer of CACHED_BYTES, as
+    many bytes as ``data`` holds (both sides compute the same value, so the transfer verifies)."""
+    import xxhash
+
+    value, left = 0, data.numel()
+    while left > 0:
+        value ^= xxhash.xxh3_64_intdigest(_cached_buffer()[: min(left, CACHED_BYTES)])
+        left -= CACHED_BYTES
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 class _Step:
@@ -74,7 +101,7 @@ def _member(port: int, replica: int, args, results) -> None:
     from torch.distributed import TCPStore
 
     from titan_recover.recover.ftpg.base import build_group, FTPGConfig
-    from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum, TrainingState, transfer
+    from titan_recover.recover.phoenix.state_transfer import checksum, TrainingState, transfer
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -96,6 +123,7 @@ def _member(port: int, replica: int, args, results) -> None:
     if replica == 1:
         state.ensure_optimizer_state()
     total = sum(t.numel() * t.element_size() for t in state.tensors())
+    digests = {"transfer": checksum, "unverified": None, "cached": cached_digest}
     raw = torch.zeros(total // 4, dtype=torch.float32)
 
     def broadcast(t):
@@ -116,24 +144,42 @@ def _member(port: int, replica: int, args, results) -> None:
             else:
                 transfer(state, broadcast, is_donor=replica == 0, chunk_bytes=args.chunk_mb * 2**20,
                          broadcast_many=lambda tensors, on_each: group.broadcast_many_(tensors, 0, on_each),
-                         checksummed=kind == "transfer")
+                         digest=digests[kind])
             barrier()
             if device.type == "cuda":  # the joiner's last host-to-device copy is done
                 torch.cuda.synchronize(device)
             timings[kind].append(time.perf_counter() - start)
             cpu[kind].append(_cpu_s() - used)
-    # what each side's digests cost alone: xxHash3 over every byte of the state, on this process's one thread
-    start = time.perf_counter()
-    for view in (bytes_view(t.cpu()) for t in state.tensors()):  # the ring hashes host chunks, on CPU as on GPU
-        checksum(view)
-    timings["hash"] = [time.perf_counter() - start]
-    # the host's memory speed: one copy of the state's bytes between two buffers of this process
-    copy = torch.empty_like(raw)
-    copy.copy_(raw)  # first touch of the pages outside the timing
-    start = time.perf_counter()
-    copy.copy_(raw)
-    timings["copy"] = [time.perf_counter() - start]
+    timings.update(_host_figures(state, raw, replica, barrier))
     results.put((replica, total, timings, cpu))
+
+
+def _host_figures(state, raw, replica: int, barrier) -> dict[str, list[float]]:
+    """What the host gives the two processes, timed on each: ``hash``, xxHash3 over every byte of the state once
+    (each side's digests alone; the ring hashes host chunks, on CPU as on GPU); ``copy_alone``, one copy of the
+    state's bytes between two buffers of this process while the other process waits; ``copy_together``, the same
+    copy with both processes copying at once (the host's memory bandwidth shared, as in a loopback transfer)."""
+    import torch
+
+    from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum
+
+    figures: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for view in (bytes_view(t.cpu()) for t in state.tensors()):
+        checksum(view)
+    figures["hash"] = [time.perf_counter() - start]
+    copy = torch.empty_like(raw)
+    copy.copy_(raw)  # first touch of the pages outside the timings
+    figures["copy_alone"], figures["copy_together"] = [], []
+    for _ in range(3):
+        for alone in (0, 1, None):  # the donor alone, the joiner alone, both at once
+            barrier()
+            if alone in (replica, None):
+                start = time.perf_counter()
+                copy.copy_(raw)
+                figures["copy_alone" if alone is not None else "copy_together"].append(time.perf_counter() - start)
+            barrier()
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,33 +226,48 @@ def measure(args) -> None:
             p.join(30)
             if p.is_alive():
                 p.kill()
+    report(args, got)
+
+
+def report(args, got: dict[int, tuple]) -> None:
+    """The table and the headline, from each side's (state bytes, timings, CPU seconds)."""
     total, timings, _ = got[1]  # the joiner's clock: from before the first byte to its last check
     mb = total / 2**20
     medians = {kind: statistics.median(timings[kind]) for kind in KINDS}
-    ratios = [raw / moved for raw, moved in zip(timings["raw"], timings["transfer"])]
-    bare = [raw / moved for raw, moved in zip(timings["raw"], timings["unverified"])]
+    ratios = {kind: [raw / moved for raw, moved in zip(timings["raw"], timings[kind])] for kind in KINDS}
     print(f"state {mb:.1f} MB ({args.layers} x {args.width}^2 parameters + AdamW state) on {args.device}, chunks of "
-          f"{args.chunk_mb} MB, "
-          f"{args.rounds} interleaved rounds; seconds on the joiner's clock")
+          f"{args.chunk_mb} MB, {args.rounds} interleaved rounds; seconds on the joiner's clock")
     print(f"{'':26s} {'median [min, max]':26s} per round")
-    for label, values in (("transfer", timings["transfer"]), ("raw broadcast", timings["raw"]),
-                          ("transfer without digests", timings["unverified"]), ("ratio raw / transfer", ratios),
-                          ("ratio raw / no digests", bare)):
+    rows = [(LABELS[kind], timings[kind]) for kind in KINDS]
+    rows += [("ratio raw / transfer", ratios["transfer"]), ("ratio raw / no digests", ratios["unverified"]),
+             ("ratio raw / cached digests", ratios["cached"])]
+    for label, values in rows:
         print(f"{label:26s} {spread(values):26s} " + " ".join(f"{v:.3f}" for v in values))
     print("CPU seconds each side used (all its threads), median over the rounds, and the cores both kept busy:")
-    for kind, label in zip(KINDS, ("transfer", "raw broadcast", "transfer without digests")):
+    for kind in KINDS:
         donor, joiner = (statistics.median(got[r][2][kind]) for r in (0, 1))
-        print(f"  {label:26s} donor {donor:.3f}  joiner {joiner:.3f}  cores busy "
+        print(f"  {LABELS[kind]:26s} donor {donor:.3f}  joiner {joiner:.3f}  cores busy "
               f"{(donor + joiner) / medians[kind]:.2f} of {os.cpu_count()}")
-    hash_s, copy_s = timings["hash"][0], timings["copy"][0]
+    hash_s = timings["hash"][0]
     print(f"xxHash3 of the whole state on one thread, once: {hash_s:.3f} s ({mb / hash_s:.0f} MB/s); each side hashes "
-          f"every chunk as it arrives, on the cores the two processes' transfer uses")
-    print(f"one copy of the state's bytes in the joiner's memory: {copy_s:.3f} s ({mb / copy_s:.0f} MB/s)")
+          f"every chunk as it arrives, on the cores the two processes' transfer uses; 'cached digests' hash as many "
+          f"bytes of a {CACHED_BYTES // 2**20} MiB buffer that stays in cache: the same hashing, none of its reads")
+    alone = statistics.median(got[0][1]["copy_alone"] + got[1][1]["copy_alone"])
+    together = statistics.median(got[0][1]["copy_together"] + got[1][1]["copy_together"])
+    print(f"one copy of the state's bytes in a process's memory (median of both sides, 3 each): alone {alone:.3f} s "
+          f"({mb / alone:.0f} MB/s); both processes at once {together:.3f} s each ({2 * mb / together:.0f} MB/s "
+          f"together, {2 * alone / together:.2f}x one alone)")
+    print(f"the raw broadcast's {mb / medians['raw']:.0f} MB/s of payload is {2 * mb / medians['raw']:.0f} MB/s of "
+          f"copies (the donor's into the kernel, the joiner's out of it), "
+          f"{2 * mb / medians['raw'] / (2 * mb / together):.2f} of what two processes copying at once reach")
     print(f"transfer_mb_s={mb / medians['transfer']:.1f} raw_mb_s={mb / medians['raw']:.1f} "
-          f"transfer_ratio={statistics.median(ratios):.3f} transfer_ratio_min={min(ratios):.3f} "
-          f"transfer_ratio_max={max(ratios):.3f} unverified_ratio={statistics.median(bare):.3f} "
-          f"transfer_s={medians['transfer']:.3f} raw_s={medians['raw']:.3f} "
-          f"unverified_s={medians['unverified']:.3f} hash_s={hash_s:.3f} copy_s={copy_s:.3f} state_mb={mb:.1f}")
+          f"transfer_ratio={statistics.median(ratios['transfer']):.3f} "
+          f"transfer_ratio_min={min(ratios['transfer']):.3f} transfer_ratio_max={max(ratios['transfer']):.3f} "
+          f"unverified_ratio={statistics.median(ratios['unverified']):.3f} "
+          f"cached_ratio={statistics.median(ratios['cached']):.3f} transfer_s={medians['transfer']:.3f} "
+          f"raw_s={medians['raw']:.3f} unverified_s={medians['unverified']:.3f} cached_s={medians['cached']:.3f} "
+          f"hash_s={hash_s:.3f} copy_alone_s={alone:.3f} copy_together_s={together:.3f} state_mb={mb:.1f}")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,7 @@ import torch
 
 from titan_recover.recover.phoenix.staging import HostCopies
 from titan_recover.recover.phoenix.state_transfer import (
-    ChecksumError, plan_ring, StateMismatch, TrainingState, transfer,
+    checksum, ChecksumError, plan_ring, StateMismatch, TrainingState, transfer,
 )
 
 
@@ -96,7 +96,7 @@ class DeferredCopies(StagedCopies):
 
 
 def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_bytes: int = 2**20, tamper=None,
-                 ring: int = 4, copies=None, windows=None, checksummed: bool = True):
+                 ring: int = 4, copies=None, windows=None, digest=checksum):
     """Donor and receiver each call transfer(); returns (donor stats, receiver stats or the exception). ``copies``:
     a factory of each side's staging; ``windows``: a list that records every window each side issued, as the
     set of host storages it used."""
@@ -119,7 +119,7 @@ def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_
             pipe.put(t.clone())
         results["donor"] = transfer(donor.state(), broadcast, is_donor=True, chunk_bytes=chunk_bytes,
                                     direct_bytes=direct_bytes, ring=ring, broadcast_many=many(broadcast),
-                                    copies=copies() if copies else None, checksummed=checksummed)
+                                    copies=copies() if copies else None, digest=digest)
 
     def receiver_side():
         count = {"n": 0}
@@ -133,7 +133,7 @@ def run_transfer(donor: Replica, receiver: Replica, *, chunk_bytes: int, direct_
         try:
             results["receiver"] = transfer(receiver.state(), broadcast, is_donor=False, ring=ring,
                                            broadcast_many=many(broadcast), copies=copies() if copies else None,
-                                           checksummed=checksummed)
+                                           digest=digest)
         except Exception as error:  # noqa: BLE001 - handed to the test
             results["receiver"] = error
 
@@ -265,11 +265,11 @@ def test_a_damaged_header_fails_its_checksum_and_no_metadata_is_loaded():
 
 
 def test_without_digests_the_same_bytes_arrive_and_a_flipped_bit_goes_unseen():
-    """``checksummed=False`` (what benchmarks/state_transfer.py times to price the digests) hashes nothing: a clean
+    """``digest=None`` (what benchmarks/state_transfer.py times to price the digests) hashes nothing: a clean
     transfer is still bitwise, and the flip the digests catch above is loaded as it came."""
     donor, joiner = Replica(seed=0), Replica(seed=1)
     donor.train_step(0)
-    _, received = run_transfer(donor, joiner, chunk_bytes=128, checksummed=False)
+    _, received = run_transfer(donor, joiner, chunk_bytes=128, digest=None)
     assert not isinstance(received, Exception), received
     assert all(torch.equal(a, b) for a, b in zip(donor.state().tensors(), joiner.state().tensors(), strict=True))
 
@@ -281,10 +281,34 @@ def test_without_digests_the_same_bytes_arrive_and_a_flipped_bit_goes_unseen():
 
     other = Replica(seed=2)
     _, received = run_transfer(donor, other, chunk_bytes=128, tamper=flip_a_bit_of_the_third_chunk,
-                               checksummed=False)
+                               digest=None)
     assert not isinstance(received, Exception), received
     assert other.step == donor.step == 1
     assert not all(torch.equal(a, b) for a, b in zip(donor.state().tensors(), other.state().tensors(), strict=True))
+
+
+def test_a_digest_passed_in_sees_every_byte_once_on_each_side_and_is_what_the_receiver_checks():
+    """The ``digest`` both sides compute (the benchmark's hash of a cache-resident buffer): it is given every chunk's
+    bytes once per side (and the header's text), and the receiver compares its values with the donor's, so one
+    that differs between the sides fails the transfer."""
+    donor, joiner = Replica(seed=0), Replica(seed=1)
+    donor.train_step(0)
+    seen: dict[str, int] = {}
+
+    def counting(data: torch.Tensor) -> int:
+        side = threading.current_thread().name
+        seen[side] = seen.get(side, 0) + data.numel()
+        return 7
+    stats, received = run_transfer(donor, joiner, chunk_bytes=128, digest=counting)
+    assert not isinstance(received, Exception), received
+    assert len(seen) == 2 and len(set(seen.values())) == 1, seen  # both sides, the same bytes
+    assert stats.bytes < next(iter(seen.values())) < stats.bytes + 2**16  # every chunk once, and the header
+    assert all(torch.equal(a, b) for a, b in zip(donor.state().tensors(), joiner.state().tensors(), strict=True))
+
+    def by_side(data: torch.Tensor) -> int:
+        return int("donor_side" in threading.current_thread().name)  # the thread of run_transfer's donor
+    _, received = run_transfer(donor, Replica(seed=2), chunk_bytes=128, digest=by_side)
+    assert isinstance(received, ChecksumError) and "chunk(s)" in str(received), received
 
 
 def test_the_ring_plan_gives_every_window_at_most_ring_staged_chunks_and_reuses_the_buffers_in_turn():

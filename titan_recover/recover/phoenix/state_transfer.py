@@ -209,14 +209,17 @@ class TransferStats:
 def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
              chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_bytes: int = DEFAULT_DIRECT_BYTES,
              broadcast_many: Callable[..., None] | None = None, ring: int = DEFAULT_RING,
-             copies: HostCopies | None = None, checksummed: bool = True) -> TransferStats:
+             copies: HostCopies | None = None,
+             digest: Callable[[torch.Tensor], int] | None = checksum) -> TransferStats:
     """Make every participant's state equal to the donor's (a collective: every participant calls it).
     ``broadcast_many(tensors, on_each)`` (optional): broadcast a list of tensors in order, all in flight at once,
     calling ``on_each(i)`` as each one is through (the fault-tolerant group's ``broadcast_many_``); default: one
     ``broadcast`` after the other. ``ring``: at most this many host buffers for the chunks that need one (the
     :class:`ChunkRing`); ``copies``: how bytes reach host memory (default: :func:`copies_for` the tensors).
-    ``checksummed=False``: no chunk is hashed and nothing is verified (every participant must pass the same; only
-    ``benchmarks/state_transfer.py`` does, to measure what the digests cost).
+    ``digest``: what each side computes of every chunk's host bytes (and of the header) and the receivers compare
+    with the donor's, :func:`checksum` (the job's transfers never pass another); None: nothing is hashed or verified.
+    Every participant must pass the same. Only ``benchmarks/state_transfer.py`` passes others, to price the digests
+    (None) and to tell their hashing from their reads of memory (a hash of a cache-resident buffer as long).
 
     On the wire: the header (:func:`_exchange_header`), the chunks in order, the donor's digests in one tensor (one
     per chunk, then the header's: the metadata is loaded only after both verified)."""
@@ -231,9 +234,9 @@ def transfer(state: TrainingState, broadcast: Broadcast, *, is_donor: bool,
                                     direct_bytes=direct_bytes)
     pieces = plan_pieces(sizes, header["chunk_bytes"], header["direct_bytes"])
     chunks = ChunkRing(pieces, views, copies or copies_for(tensors), ring=ring, is_donor=is_donor,
-                       checksummed=checksummed)
+                       digest=digest)
     digests = chunks.run(broadcast_many or _one_after_another(broadcast))
-    header_digest = checksum(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)) if checksummed else 0
+    header_digest = digest(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)) if digest else 0
     computed = torch.cat([digests, torch.tensor([header_digest], dtype=torch.int64)])
     donors = computed.clone()
     broadcast(donors)
@@ -316,9 +319,9 @@ class ChunkRing:
     receiver's host-to-device copy of the previous one overlap, and at most ``ring`` buffers ever exist."""
 
     def __init__(self, pieces: list[tuple[bool, list[Segment]]], views: list[torch.Tensor], copies: HostCopies, *,
-                 ring: int, is_donor: bool, checksummed: bool = True):
+                 ring: int, is_donor: bool, digest: Callable[[torch.Tensor], int] | None = checksum):
         self.pieces, self.views, self.copies, self.ring, self.is_donor = pieces, views, copies, ring, is_donor
-        self.checksummed = checksummed
+        self.digest = digest
         staged = [not (direct and copies.in_place(views[segments[0][0]])) for direct, segments in pieces]
         self.windows, self.slots = plan_ring(staged, ring)
         self.staged = [i for i, needs_buffer in enumerate(staged) if needs_buffer]
@@ -352,8 +355,8 @@ class ChunkRing:
         staged = self.slots[chunk] is not None
         if staged and not self.is_donor:
             self._write_back(chunk, buffer)
-        if self.checksummed:
-            self.digests[chunk] = checksum(buffer)  # the host bytes that went through
+        if self.digest is not None:
+            self.digests[chunk] = self.digest(buffer)  # the host bytes that went through
         if staged and self.is_donor:  # hashed: the buffer may take the chunk that uses it next
             following = self.ordinal[chunk] + self.ring
             if following < len(self.staged):
