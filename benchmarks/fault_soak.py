@@ -10,7 +10,8 @@ state transfer to a restarted group, which fires only where a transfer happens a
 same replica hits its next start. Hit groups are restarted (``max_restarts``) and receive the state from a peer's
 memory; the others hold the next step boundary for them (``--rejoin-wait-s``, default 150 s, far above a restart
 here), so that every hit group comes back before the job ends and later faults can hit it, its rejoin or the
-transfer.
+transfer. ``--coordinator`` adds a fault of the coordinator to every schedule (its launcher restarts it and it
+resumes from the job's store): mid-step, or as it forms or publishes an epoch after a replica fault.
 
 Every job is in exact mode (float64 accumulation: a step's loss does not depend on which replica computed which
 microbatch, docs/invariant.md), so "the same trajectory" is bitwise. A job passes when it exits 0, every step is
@@ -19,7 +20,7 @@ state it saved (parameter shards, optimizer state, learning-rate schedule; a res
 end saves its own) equals the reference's rank's bit for bit (``compare.bitwise_equal``).
 
     python benchmarks/fault_soak.py [--seeds 12] [--first-seed 0] [--replicas 3] [--ranks 1] [--steps 10]
-                                    [--max-faults 3] [--kinds kill,hang,raise] [--rejoin-wait-s 150]
+                                    [--max-faults 3] [--kinds kill,hang,raise] [--coordinator] [--rejoin-wait-s 150]
 
 Prints one line per job (its schedule, the faults that fired and where, the admissions, the verdict and what
 differed) and, last, ``jobs=... passed=... faults=... fired=... admissions=... max_rel_loss_diff=...``. A job that
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.compare import bitwise_equal, LOSS  # noqa: E402
-from titan_recover.recover.chaos.config import STEP_PHASES  # noqa: E402
+from titan_recover.recover.chaos.config import PROCESS_PHASES, STEP_PHASES  # noqa: E402
 from titan_recover.recover.events import read_jsonl  # noqa: E402
 
 PHASES = (*STEP_PHASES, "transfer")
@@ -54,6 +55,9 @@ REJOIN_STEPS = 2
 """Steps between two faults of one replica: its next start is admitted after the step after the fault at the
 earliest (the others hold that boundary for it, ``--rejoin-wait-s``), so it trains from two steps after."""
 KINDS = ("kill", "hang", "raise")
+COORDINATOR_PHASES = PROCESS_PHASES["coordinator"]
+"""``step``: mid-step, once every member it watches is there; ``epoch``: about to form an epoch after a fault;
+``publish``: between writing an epoch's state ahead and the members reading it (docs/replica_groups.md)."""
 
 
 def draw_schedule(rng: random.Random, *, replicas: int, ranks: int, steps: int, max_faults: int,
@@ -79,6 +83,27 @@ def draw_schedule(rng: random.Random, *, replicas: int, ranks: int, steps: int, 
                          "incarnation": last[replica]["incarnation"] + 1 if replica in last else 0}
         faults.append(last[replica])
     return sorted(faults, key=lambda f: f["step"])
+
+
+def draw_coordinator_fault(rng: random.Random, *, steps: int, replica_faults: int, kinds: list[str]) -> dict:
+    """One fault of the coordinator's first start (its launcher restarts it, and it resumes from the store): a kind,
+    and a phase: ``step`` at a step from 2 to ``steps - 1``, or ``epoch`` / ``publish`` at an epoch from 1 to twice
+    the replica faults (each fault forms an epoch and each admission another; it fires only where the job forms one
+    that late), so that it lands on the recoveries the replica faults start, mid-way included."""
+    phase = rng.choice(COORDINATOR_PHASES)
+    step = rng.randint(2, steps - 1) if phase == "step" else rng.randint(1, max(1, 2 * replica_faults))
+    return {"kind": rng.choice(kinds), "process": "coordinator", "step": step, "phase": phase, "incarnation": 0}
+
+
+def draw(seed: int, args) -> list[dict]:
+    """The job's schedule for ``seed``: the replica faults (the same with or without ``--coordinator``), then the
+    coordinator's fault if asked for."""
+    rng = random.Random(seed)
+    faults = draw_schedule(rng, replicas=args.replicas, ranks=args.ranks, steps=args.steps,
+                           max_faults=args.max_faults, kinds=args.kinds)
+    if args.coordinator:
+        faults.append(draw_coordinator_fault(rng, steps=args.steps, replica_faults=len(faults), kinds=args.kinds))
+    return faults
 
 
 def job_args(folder: pathlib.Path, args, faults: list[dict]) -> list[str]:
@@ -153,13 +178,18 @@ def judge(folder: pathlib.Path, reference: dict[int, float], reference_state: di
 
 
 def describe(faults: list[dict]) -> str:
-    return ", ".join(f"{f['kind']} r{f['replica']}.{f['rank']}#{f['incarnation']} s{f['step']} {f['phase']}"
-                     for f in faults)
+    return ", ".join(f"{f['kind']} {_where(f)}#{f['incarnation']} s{f['step']} {f['phase']}" for f in faults)
 
 
 def describe_fired(fired: list[dict]) -> str:
-    """The ``fault_injected`` events: what fired where, as the replica logged it."""
-    return ", ".join(f"{e['kind']} r{e.get('replica')}.{e.get('rank')} s{e['step']} {e['phase']}" for e in fired)
+    """The ``fault_injected`` events: what fired where, as the replica (or the coordinator) logged it."""
+    return ", ".join(f"{e['kind']} {_where(e)} s{e['step']} {e['phase']}" for e in fired)
+
+
+def _where(fault: dict) -> str:
+    """``r<replica>.<rank>``, or the process a fault of a process that trains nothing hit."""
+    process = fault.get("process", "trainer")
+    return f"r{fault.get('replica')}.{fault.get('rank')}" if process == "trainer" else process
 
 
 def summarise(text: str) -> str:
@@ -173,7 +203,7 @@ def summarise(text: str) -> str:
             continue
         fired = [item.split() for item in match.group(1).split(", ") if item]
         for kind, where, _step, phase in fired:
-            for key, value in (("kind", kind), ("phase", phase), ("rank", where.split(".")[1])):
+            for key, value in (("kind", kind), ("phase", phase), ("rank", where.split(".")[-1])):
                 counts[key][value] = counts[key].get(value, 0) + 1
         hits = sum(where.startswith("r0.") for _, where, _, _ in fired)
         replica0 += hits
@@ -191,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--max-faults", type=int, default=3)
     parser.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to draw from, comma-separated")
+    parser.add_argument("--coordinator", action="store_true",
+                        help="also one fault of the coordinator a job (kind from --kinds; after the replica faults "
+                             "are drawn, so a seed's replica faults stay the same)")
     parser.add_argument("--rejoin-wait-s", type=float, default=150.0,
                         help="[recover] rejoin_wait_s: the others hold a step boundary this long for a restarted "
                              "group, so that it rejoins (and can be hit again) however slowly this machine starts it")
@@ -225,8 +258,7 @@ def soak(args) -> int:
     totals = {"passed": 0, "faults": 0, "fired": 0, "admissions": 0}
     worst = 0.0
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        faults = draw_schedule(random.Random(seed), replicas=args.replicas, ranks=args.ranks, steps=args.steps,
-                               max_faults=args.max_faults, kinds=args.kinds)
+        faults = draw(seed, args)
         folder = keep / f"seed{seed}"
         code, wall, output = run_job(folder, args, faults)
         events = read_jsonl(folder / "events.jsonl") if (folder / "events.jsonl").exists() else []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import random
@@ -37,6 +38,25 @@ def test_a_schedule_spares_a_replica_and_hits_a_replicas_later_starts_in_order_w
     assert {f["replica"] for faults in drawn for f in faults} == {0, 1, 2}
     assert {f["phase"] for faults in drawn for f in faults} == set(soak.PHASES)
     assert {f["rank"] for faults in drawn for f in faults} == {0, 1}
+
+
+def test_a_coordinator_fault_lands_in_any_of_its_phases_and_leaves_the_replica_faults_as_they_were():
+    args = argparse.Namespace(replicas=3, ranks=1, steps=10, max_faults=3, kinds=list(soak.KINDS))
+    plain = [soak.draw(seed, argparse.Namespace(**vars(args), coordinator=False)) for seed in range(200)]
+    with_it = [soak.draw(seed, argparse.Namespace(**vars(args), coordinator=True)) for seed in range(200)]
+    assert plain == schedules(200, ranks=1)  # the replica faults a seed drew before the option existed
+    for replica_faults, faults in zip(plain, with_it):
+        *same, coordinator = faults
+        assert same == replica_faults and all(f.get("process", "trainer") == "trainer" for f in same)
+        assert coordinator["process"] == "coordinator" and coordinator["incarnation"] == 0
+        assert coordinator["kind"] in soak.KINDS and coordinator["phase"] in soak.COORDINATOR_PHASES
+        if coordinator["phase"] == "step":
+            assert 2 <= coordinator["step"] <= 9
+        else:  # an epoch the replica faults can form: each forms one, each admission another
+            assert 1 <= coordinator["step"] <= 2 * len(same)
+    drawn = [faults[-1] for faults in with_it]
+    assert {f["phase"] for f in drawn} == set(soak.COORDINATOR_PHASES) and {f["kind"] for f in drawn} == set(soak.KINDS)
+    assert soak.describe([drawn[0]]).startswith(f"{drawn[0]['kind']} coordinator#0 s")
 
 
 def write_job(folder: pathlib.Path, losses: dict[tuple[int, int], float], state: dict[str, dict]) -> pathlib.Path:
@@ -89,6 +109,8 @@ def test_a_job_passes_only_with_every_step_every_loss_and_every_saved_state_equa
 def test_the_summary_counts_what_fired_by_kind_phase_and_rank_and_replica_0s_hits():
     text = ("seed 1 [...]: fired 2 [kill r0.1 s3 commit, hang r2.0 s5 transfer], admitted [(0, 4)], 3 final states\n"
             "seed 2 [...]: fired 1 [kill r0.0 s2 forward], admitted [], 2 final states\n"
-            "seed 3 [...]: fired 0 [], admitted [], 3 final states\n")
-    assert soak.summarise(text) == ("kind_hang=1 kind_kill=2 phase_commit=1 phase_forward=1 phase_transfer=1 rank_0=2 "
-                                    "rank_1=1 replica0_hits=2 jobs_with_replica0_hit=2")
+            "seed 3 [...]: fired 0 [], admitted [], 3 final states\n"
+            "seed 4 [...]: fired 1 [raise coordinator s2 publish], admitted [], 3 final states\n")
+    assert soak.summarise(text) == ("kind_hang=1 kind_kill=2 kind_raise=1 phase_commit=1 phase_forward=1 "
+                                    "phase_publish=1 phase_transfer=1 rank_0=2 rank_1=1 rank_coordinator=1 "
+                                    "replica0_hits=2 jobs_with_replica0_hit=2")
