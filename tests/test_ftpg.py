@@ -3,6 +3,7 @@ real processes (no TorchTitan): errors instead of hangs, fast release."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import multiprocessing as mp
@@ -136,6 +137,37 @@ def test_a_backend_reports_a_missing_member_as_a_fault():
     results = _in_threads(member, (0, 1))  # replica 2 never comes
     assert all(isinstance(results[r], FaultDetected) for r in (0, 1)), results
     assert "did not arrive" in fault_time_and_reason(store.get(GroupKeys.fault(0)))[1]
+
+
+def test_a_flag_raised_while_gloo_waits_for_a_peer_that_never_came_is_seen_at_once(monkeypatch):
+    """A broadcast to a peer lost before it built its group (a joiner that died): gloo waits on its own thread for
+    the peer's address, up to the group's timeout. The flag raised meanwhile (by another client, 0.3 s in) ends
+    the broadcast at the next poll, and the member's own store client answers meanwhile: gloo waits on a client of
+    its own. On the member's client the flag was seen only at the group's timeout (20 s)."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    client, other = (TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=30)) for _ in range(2))
+    group = PolledGlooGroup(client, config=FTPGConfig(), epoch=4, members=(0, 1), replica=0, rank=0, timeout_s=20.0)
+    raising = threading.Timer(0.3, lambda: raise_fault_flag(other, 4, "replica 1 rank(s) [0]: no heartbeat"))
+    raising.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(FaultDetected, match="broadcast in epoch 4 abandoned: replica 1 rank.s. .0.: no heartbeat"):
+            group.broadcast_(torch.ones(4), root_replica=0)
+        assert time.monotonic() - started < 10.0  # half the group's timeout: its flag polls were answered
+        client.set("still", "answering")
+        assert client.get("still") == b"answering"
+    finally:
+        raising.join()
+        # the peer comes after all, so that gloo's wait for it ends now and the group can go (not 20 s later)
+        peer = PolledGlooGroup(other, config=FTPGConfig(), epoch=4, members=(0, 1), replica=1, rank=0, timeout_s=5.0)
+        with contextlib.suppress(FaultDetected):  # it receives the abandoned broadcast, or the closing's error
+            peer.broadcast_(torch.zeros(4), root_replica=0)
+        for done in (group, peer):
+            done.close()
+            done.releasing.join(10)
+            assert not done.releasing.is_alive()
 
 
 def test_the_backend_is_checked_against_the_registry():
