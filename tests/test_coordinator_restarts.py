@@ -50,6 +50,30 @@ def test_the_coordinator_killed_during_an_epoch_change_is_restarted_and_finishes
     assert processes_of_run(str(tmp_path)) == []
 
 
+def test_a_group_restarted_while_the_coordinator_hangs_enters_only_an_epoch_that_admits_it(tmp_path, exact_reference):
+    """Replica 1 is killed in step 3 and the coordinator hangs (stopped) as it is about to form epoch 1: the
+    launcher restarts replica 1, whose new start asks to join while epoch 0, which lists replica 1 for its lost
+    start, is still the current one; the coordinator is restarted once its beat stood still for 15 s, handles
+    the loss and admits the new start. The new start waits for that admission and enters with its first restart.
+    Found by ``benchmarks/fault_soak.py --coordinator``: the new start took epoch 0 for its own and failed, and its
+    next start took the admission made for the failed one, was declared dead and failed too: three restarts for
+    one fault."""
+    hang = {**coordinator_fault("epoch", 1), "kind": "hang"}
+    faults = [{"kind": "kill", "replica": 1, "rank": 0, "step": 3, "phase": "forward"}, hang]
+    proc, events = run_replicas(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=faults,
+                                extra=(*EXACT, "--recover.max_restarts", "3", "--recover.rejoin_wait_s", "150",
+                                       "--recover.coordinator_timeout_s", "15"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(e["start"], e["action"]) for e in of(events, "coordinator_started")] == [(0, "form_first"), (1, "resume")]
+    asked = [e for e in of(events, "join_requested", replica=1)]
+    resumed = of(events, "coordinator_started")[1]["time"]
+    assert asked and asked[0]["time"] < resumed  # the new start asked while the coordinator hung (the case here)
+    assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(1, 1)]
+    assert [e["incarnation"] for e in asked] == [1]
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert processes_of_run(str(tmp_path)) == []
+
+
 BUDGET = 1000
 
 

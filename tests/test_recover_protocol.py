@@ -212,10 +212,13 @@ def test_spares_hold_quota_only_while_an_active_replica_is_missing():
 
 def test_admission_value_and_incarnations_round_trip():
     from titan_recover.recover.groups.member import incarnation_from_env
-    from titan_recover.recover.groups.protocol import decode_admission, encode_admission
+    from titan_recover.recover.groups.protocol import admitted_incarnations, decode_admission, encode_admission
 
     assert decode_admission(encode_admission(7, (1, 3))) == (7, (1, 3))
     assert decode_admission(b"7|") == (7, ())
+    assert decode_admission(encode_admission(7, (1, 3), (2, 1))) == (7, (1, 3))  # the coordinator's admitted/e{e}
+    assert admitted_incarnations(encode_admission(7, (1, 3), (2, 1))) == {1: 2, 3: 1}
+    assert admitted_incarnations(encode_admission(7, (1, 3))) == {}
     beat = Heartbeat(1.5, 1.25, 4, "phase,with,commas", incarnation=2)
     assert Heartbeat.decode(beat.encode()) == beat
     assert incarnation_from_env({}) == 0
@@ -1061,6 +1064,39 @@ def test_a_joining_groups_ranks_all_enter_the_epoch_its_leader_was_admitted_to()
     for member in (leader, other):
         with pytest.raises(JobOver, match="the job ended before this replica was admitted"):
             member.wait_for_admission(5.0)
+
+
+def test_a_joiner_enters_only_an_epoch_that_admitted_its_own_start():
+    """Start 2 of replica 1 asks to join while the coordinator (hung, restarting) has not yet handled the loss of
+    start 0: the current epoch still lists replica 1, with no admission. Then the coordinator admits the request
+    start 1 left before it was lost too. Start 2 takes neither for its own (it would train in an epoch the
+    coordinator watches another start in, and be declared dead): it waits, and enters the epoch admitting it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.member import ReplicaMember
+    from titan_recover.recover.groups.protocol import encode_admission, encode_members
+
+    job = job_store()
+    joiner = ReplicaMember(RecoverConfig(replicas=2), replica=1, rank=0, ranks_per_replica=1,
+                           address=f"127.0.0.1:{job.port}", incarnation=2)
+    job.set(GroupKeys.members(0), encode_members((0, 1), "all replicas registered"))
+    job.set(GroupKeys.EPOCH, "0")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(joiner.wait_for_admission, 20.0)
+        time.sleep(0.3)  # it looked at epoch 0, which lists replica 1 (start 0's), and went on waiting
+        job.set(GroupKeys.members(1), encode_members((0,), "replica 1 rank(s) [0]: no heartbeat"))
+        job.set(GroupKeys.admitted(2), encode_admission(4, (1,), (1,)))  # start 1's request, start 1 lost
+        job.set(GroupKeys.members(2), encode_members((0, 1), "admitted [1] after step 4"))
+        job.set(GroupKeys.EPOCH, "2")
+        time.sleep(0.3)
+        assert not waiting.done()
+        job.set(GroupKeys.members(3), encode_members((0,), "replica 1 rank(s) [0]: no heartbeat"))
+        job.set(GroupKeys.admitted(4), encode_admission(5, (1,), (2,)))
+        job.set(GroupKeys.members(4), encode_members((0, 1), "admitted [1] after step 5"))
+        job.set(GroupKeys.EPOCH, "4")
+        assert waiting.result(timeout=20) == (4, (0, 1), "admitted [1] after step 5", "5|1|2")
+    assert joiner.epoch == 4 and joiner.admitted
 
 
 def test_an_admission_that_keeps_failing_leaves_the_joiners_out_and_the_members_train_on():

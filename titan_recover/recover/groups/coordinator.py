@@ -420,8 +420,10 @@ class Coordinator:
         it stops the job."""
         for replica in state.removed:
             write_dropped(self.store, replica, state.dropped[replica])
-        if state.admitted is not None:
-            self.store.set(GroupKeys.admitted(state.epoch), encode_admission(*state.admitted))
+        if state.admitted is not None:  # with the start of each replica admitted: only that start may enter
+            step, replicas = state.admitted
+            self.store.set(GroupKeys.admitted(state.epoch),
+                           encode_admission(step, replicas, [state.incarnation.get(r, 0) for r in replicas]))
         if state.stop:  # before the members: a rank woken by the members key sees the stop that came with them
             self.store.set(GroupKeys.STOP, state.stop)
         if state.cold:  # the step first: a launcher reads it once it sees the cold restart

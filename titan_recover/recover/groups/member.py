@@ -22,7 +22,9 @@ from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 
 from titan_recover.recover.groups.keys import decode_entered, encode_entered, GroupKeys
 from titan_recover.recover.groups.liveness import encode_group_beat, Heartbeat
-from titan_recover.recover.groups.protocol import decode_admission, decode_members, encode_members
+from titan_recover.recover.groups.protocol import (
+    admitted_incarnations, decode_admission, decode_members, encode_members,
+)
 from titan_recover.recover.stores import connect, read_keys
 
 if TYPE_CHECKING:  # the [recover] section composes this package's users: only its type is named here
@@ -303,18 +305,18 @@ class ReplicaMember:
         if self.group_store is not None and not self.leader:
             return self._admitted_by_leader(timeout_s)
         try:
-            epoch, raw = self._wait_admitted(timeout_s)
+            epoch, raw, admission = self._wait_admitted(timeout_s)
         except JobOver as over:
             self._pass_on_admission(encode_entered(None, stop=str(over)), "")
             raise
-        admission = self._admission_into(epoch)
         if self.group_store is not None:
             self.group_store.set(GroupKeys.members(epoch), raw)  # the ledger's first epoch (entered_members_of)
         self._pass_on_admission(encode_entered(epoch, raw), admission)
         return self._enter_admitted(epoch, raw, admission)
 
-    def _wait_admitted(self, timeout_s: float) -> tuple[int, bytes]:
-        """The leader's wait for the first epoch that includes this replica: (epoch, its members' stored value)."""
+    def _wait_admitted(self, timeout_s: float) -> tuple[int, bytes, str]:
+        """The leader's wait for the first epoch that includes this replica by an admission of this start: (epoch,
+        its members' stored value, the admission)."""
         deadline = time.monotonic() + timeout_s
         for slice_s in wait_slices():
             self.progress()
@@ -323,8 +325,9 @@ class ReplicaMember:
             epoch = self.current_epoch()
             if epoch > self.epoch:
                 raw = self.store.get(GroupKeys.members(epoch))
-                if self.replica in decode_members(raw)[0]:
-                    return epoch, raw
+                admission = self._admission_into(epoch) if self.replica in decode_members(raw)[0] else None
+                if admission is not None:
+                    return epoch, raw, admission
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"replica {self.replica} rank {self.rank}: not admitted within {timeout_s} s "
@@ -332,15 +335,19 @@ class ReplicaMember:
                 )
             wait_for_key(self.store, GroupKeys.members(epoch + 1), max(0.01, min(slice_s, deadline - time.monotonic())))
 
-    def _admission_into(self, epoch: int) -> str:
-        """The admission that let this replica into ``epoch`` or an epoch before it (the admitting epoch may already
-        be behind a newer one: a fault during the admission)."""
+    def _admission_into(self, epoch: int) -> str | None:
+        """The admission that let this start of the replica into ``epoch`` or an epoch before it (the admitting
+        epoch may already be behind a newer one: a fault during the admission), or None: the replica is a member
+        of ``epoch`` for another start of it, an earlier one whose loss the coordinator has not handled yet (it was
+        slow, or restarting) or one whose request it admitted after that start was lost; this start waits on for
+        an epoch that admits it."""
         for admitting in range(epoch, -1, -1):
             if self.store.check([GroupKeys.admitted(admitting)]):
                 raw = self.store.get(GroupKeys.admitted(admitting)).decode()
                 if self.replica in decode_admission(raw)[1]:
-                    return raw
-        raise RuntimeError(f"replica {self.replica} is a member of epoch {epoch} without an admission")
+                    start = admitted_incarnations(raw).get(self.replica, self.incarnation)
+                    return raw if start == self.incarnation else None
+        return None
 
     def _pass_on_admission(self, entered: str, admission: str) -> None:
         if self.group_store is not None:

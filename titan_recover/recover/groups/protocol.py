@@ -119,14 +119,29 @@ def ready_to_join(
     return tuple(ready)
 
 
-def encode_admission(step: int, replicas: Iterable[int]) -> str:
-    return f"{step}|" + ",".join(str(r) for r in replicas)
+def encode_admission(step: int, replicas: Iterable[int], incarnations: Iterable[int] | None = None) -> str:
+    """``step|replicas`` (the members' ``admission/e{e}``), or ``step|replicas|incarnations`` (the coordinator's
+    ``admitted/e{e}``: which start of each replica it admitted)."""
+    text = f"{step}|" + ",".join(str(r) for r in replicas)
+    return text if incarnations is None else text + "|" + ",".join(str(n) for n in incarnations)
 
 
 def decode_admission(raw: bytes | str) -> tuple[int, tuple[int, ...]]:
+    """(step, replicas) of :func:`encode_admission`'s value."""
     text = raw.decode() if isinstance(raw, bytes) else raw
-    step, _, replicas = text.partition("|")
+    step, _, rest = text.partition("|")
+    replicas = rest.partition("|")[0]
     return int(step), tuple(int(r) for r in replicas.split(",") if r)
+
+
+def admitted_incarnations(raw: bytes | str) -> dict[int, int]:
+    """Replica -> the start of it an ``admitted/e{e}`` value admitted (empty for a value without them)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    _, _, rest = text.partition("|")
+    replicas, _, incarnations = rest.partition("|")
+    if not incarnations:
+        return {}
+    return dict(zip((int(r) for r in replicas.split(",") if r), (int(n) for n in incarnations.split(","))))
 
 
 def active_replicas(members: Iterable[int], active: int) -> tuple[int, ...]:
