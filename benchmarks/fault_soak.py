@@ -17,7 +17,8 @@ Every job is in exact mode (float64 accumulation: a step's loss does not depend 
 microbatch, docs/invariant.md), so "the same trajectory" is bitwise. A job passes when it exits 0, every step is
 logged, every loss any replica logged equals the reference's loss of that step (``==``), and every rank's final
 state it saved (parameter shards, optimizer state, learning-rate schedule; a restarted group admitted before the
-end saves its own) equals the reference's rank's bit for bit (``compare.bitwise_equal``).
+end saves its own) equals the reference's rank's bit for bit (``compare.bitwise_equal``), and no group spent a
+restart on anything but a fault that hit it (no start beyond the group's faults asked to join).
 
     python benchmarks/fault_soak.py [--seeds 12] [--first-seed 0] [--replicas 3] [--ranks 1] [--steps 10]
                                     [--max-faults 3] [--kinds kill,hang,raise] [--coordinator] [--rejoin-wait-s 150]
@@ -177,6 +178,23 @@ def judge(folder: pathlib.Path, reference: dict[int, float], reference_state: di
     return problems, max_rel, len(state)
 
 
+def restarts_beyond_faults(events: list[dict]) -> list[str]:
+    """A group's start that asked to join beyond the faults that hit the group (each fault ends one start, which
+    its launcher restarts once): a restart spent on something else, which a job with fewer restarts left would
+    have lost the group to. Empty when every start that asked to join followed a fault of its group."""
+    fired: dict[int, int] = {}
+    for e in events:
+        if e["event"] == "fault_injected" and e.get("process", "trainer") == "trainer":
+            fired[e["replica"]] = fired.get(e["replica"], 0) + 1
+    problems = []
+    for replica in sorted({e["replica"] for e in events if e["event"] == "join_requested"}):
+        start = max(e["incarnation"] for e in events if e["event"] == "join_requested" and e["replica"] == replica)
+        if start > fired.get(replica, 0):
+            problems.append(f"replica {replica}: start {start} asked to join after {fired.get(replica, 0)} "
+                            f"fault(s) of its group")
+    return problems
+
+
 def describe(faults: list[dict]) -> str:
     return ", ".join(f"{f['kind']} {_where(f)}#{f['incarnation']} s{f['step']} {f['phase']}" for f in faults)
 
@@ -266,6 +284,7 @@ def soak(args) -> int:
         admitted = [e for e in events if e["event"] == "replica_admitted"]
         problems, max_rel, files = judge(folder, reference, reference_state, args.steps) if code == 0 else (
             [f"exit {code}: {output[-600:]!r}"], float("nan"), 0)
+        problems += restarts_beyond_faults(events)
         worst = max(worst, max_rel) if max_rel == max_rel else worst
         totals["faults"] += len(faults)
         totals["fired"] += len(fired)

@@ -106,6 +106,20 @@ def test_a_job_passes_only_with_every_step_every_loss_and_every_saved_state_equa
     assert soak.judge(none, reference, states, steps=3)[0] == ["no final state saved"]
 
 
+def test_a_restart_spent_on_anything_but_a_fault_of_the_group_fails_the_job():
+    def fault(replica):
+        return {"event": "fault_injected", "replica": replica, "rank": 0, "kind": "kill"}
+
+    def asked(replica, start):
+        return {"event": "join_requested", "replica": replica, "rank": 0, "incarnation": start}
+    coordinator = {"event": "fault_injected", "kind": "hang", "process": "coordinator"}
+    # one kill of replica 1, its one restart asked to join; replica 2 killed twice, its second start never came back
+    assert soak.restarts_beyond_faults([fault(1), coordinator, asked(1, 1), fault(2), asked(2, 1), fault(2)]) == []
+    # the soak's first finding: one kill of replica 1 and the coordinator hung; starts 2 and 3 asked to join
+    seen = [fault(1), coordinator, asked(1, 1), asked(1, 2), asked(1, 3)]
+    assert soak.restarts_beyond_faults(seen) == ["replica 1: start 3 asked to join after 1 fault(s) of its group"]
+
+
 def test_the_summary_counts_what_fired_by_kind_phase_and_rank_and_replica_0s_hits():
     text = ("seed 1 [...]: fired 2 [kill r0.1 s3 commit, hang r2.0 s5 transfer], admitted [(0, 4)], 3 final states\n"
             "seed 2 [...]: fired 1 [kill r0.0 s2 forward], admitted [], 2 final states\n"
