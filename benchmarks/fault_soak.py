@@ -5,9 +5,9 @@ One failure-free reference job, then ``--seeds`` jobs of the same config, each u
 script's generator (the project only executes it: the chaos monkey fires what it is given, no recovery code chooses
 a fault). A schedule is 1 to ``--max-faults`` faults on replicas chosen at random, replica 0 included, one replica
 always spared (with none left the state is gone: a job restart from a checkpoint, not what is soaked here); each
-fault a kind from ``--kinds``, a step, and a phase among every phase of a step and ``transfer`` (in the middle of a
-state transfer to a restarted group, which fires only where a transfer happens at that step). A second fault on the
-same replica hits its next start. Hit groups are restarted (``max_restarts``) and receive the state from a peer's
+fault a kind from ``--kinds`` (kill, hang, raise; ``stall`` with ``--progress-timeout-s``), a step, and a phase
+among every phase of a step and ``transfer`` (in the middle of a state transfer to a restarted group, which fires
+only where a transfer happens at that step). A second fault on the same replica hits its next start. Hit groups are restarted (``max_restarts``) and receive the state from a peer's
 memory; the others hold the next step boundary for them (``--rejoin-wait-s``, default 150 s, far above a restart
 here), so that every hit group comes back before the job ends and later faults can hit it, its rejoin or the
 transfer. ``--coordinator`` adds a fault of the coordinator to every schedule (its launcher restarts it and it
@@ -22,6 +22,7 @@ restart on anything but a fault that hit it (no start beyond the group's faults 
 
     python benchmarks/fault_soak.py [--seeds 12] [--first-seed 0] [--replicas 3] [--ranks 1] [--steps 10]
                                     [--max-faults 3] [--kinds kill,hang,raise] [--coordinator] [--rejoin-wait-s 150]
+                                    [--progress-timeout-s S]
 
 Prints one line per job (its schedule, the faults that fired and where, the admissions, the verdict and what
 differed) and, last, ``jobs=... passed=... faults=... fired=... admissions=... max_rel_loss_diff=...``. A job that
@@ -56,6 +57,10 @@ REJOIN_STEPS = 2
 """Steps between two faults of one replica: its next start is admitted after the step after the fault at the
 earliest (the others hold that boundary for it, ``--rejoin-wait-s``), so it trains from two steps after."""
 KINDS = ("kill", "hang", "raise")
+"""The kinds drawn by default."""
+ALL_KINDS = (*KINDS, "stall")
+"""``stall`` too (the main thread stuck, the heartbeat alive): found by ``[recover] progress_timeout_s`` only, so it
+needs ``--progress-timeout-s`` (the default, 120 s, would make every stalled job last minutes)."""
 COORDINATOR_PHASES = PROCESS_PHASES["coordinator"]
 """``step``: mid-step, once every member it watches is there; ``epoch``: about to form an epoch after a fault;
 ``publish``: between writing an epoch's state ahead and the members reading it (docs/replica_groups.md)."""
@@ -116,7 +121,8 @@ def job_args(folder: pathlib.Path, args, faults: list[dict]) -> list[str]:
             "--recover.quota.exact", "--recover.save_final_parameters",
             "--recover.max_restarts", str(args.max_faults), "--recover.heartbeat_timeout_s", "2.0",
             "--recover.join_window_s", "0.3", "--recover.rejoin_wait_s", str(args.rejoin_wait_s),
-            "--dump_folder", str(folder), "--chaos.faults", fault_toml]
+            "--dump_folder", str(folder), "--chaos.faults", fault_toml,
+            *(["--recover.progress_timeout_s", str(args.progress_timeout_s)] if args.progress_timeout_s else [])]
 
 
 def run_job(folder: pathlib.Path, args, faults: list[dict]) -> tuple[int, float, str]:
@@ -238,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=1, help="processes per replica group (FSDP2 over them)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--max-faults", type=int, default=3)
-    parser.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to draw from, comma-separated")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"fault kinds to draw from, comma-separated, of {', '.join(ALL_KINDS)}")
+    parser.add_argument("--progress-timeout-s", type=float, default=None,
+                        help="[recover] progress_timeout_s of every job (needed with stall, which only it finds)")
     parser.add_argument("--coordinator", action="store_true",
                         help="also one fault of the coordinator a job (kind from --kinds; after the replica faults "
                              "are drawn, so a seed's replica faults stay the same)")
@@ -253,9 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         print(summarise(pathlib.Path(args.summarise).read_text()))
         return 0
     args.kinds = [k for k in args.kinds.split(",") if k]
-    unknown = sorted(set(args.kinds) - set(KINDS))
+    unknown = sorted(set(args.kinds) - set(ALL_KINDS))
     if unknown or not args.kinds:
-        parser.error(f"--kinds takes some of {', '.join(KINDS)}, got {args.kinds}")
+        parser.error(f"--kinds takes some of {', '.join(ALL_KINDS)}, got {args.kinds}")
+    if "stall" in args.kinds and not args.progress_timeout_s:
+        parser.error("--kinds stall needs --progress-timeout-s (a stalled main thread is found by the progress "
+                     "timeout only; the default, 120 s, would make every stalled job last minutes), e.g. 20")
     if args.replicas < 2 or args.ranks < 1 or args.steps < 3 or args.max_faults < 1 or args.seeds < 1:
         parser.error("need --replicas >= 2 (one is spared), --ranks >= 1, --steps >= 3, --max-faults >= 1 and "
                      "--seeds >= 1")
