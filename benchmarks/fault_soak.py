@@ -7,11 +7,12 @@ a fault). A schedule is 1 to ``--max-faults`` faults on replicas chosen at rando
 always spared (with none left the state is gone: a job restart from a checkpoint, not what is soaked here); each
 fault a kind from ``--kinds`` (kill, hang, raise; ``stall`` with ``--progress-timeout-s``), a step, and a phase
 among every phase of a step and ``transfer`` (in the middle of a state transfer to a restarted group, which fires
-only where a transfer happens at that step). A second fault on the same replica hits its next start. Hit groups are restarted (``max_restarts``) and receive the state from a peer's
-memory; the others hold the next step boundary for them (``--rejoin-wait-s``, default 150 s, far above a restart
-here), so that every hit group comes back before the job ends and later faults can hit it, its rejoin or the
-transfer. ``--coordinator`` adds a fault of the coordinator to every schedule (its launcher restarts it and it
-resumes from the job's store): mid-step, or as it forms or publishes an epoch after a replica fault.
+only where a transfer happens at that step). A second fault on the same replica hits its next start. Hit groups
+are restarted (``max_restarts``) and receive the state from a peer's memory; the others hold the next step boundary
+for them (``--rejoin-wait-s``, default 150 s, far above a restart here), so that every hit group comes back before
+the job ends and later faults can hit it, its rejoin or the transfer. ``--coordinator`` adds a fault of the
+coordinator to every schedule (its launcher restarts it and it resumes from the job's store): mid-step, or as it
+forms or publishes an epoch after a replica fault.
 
 Every job is in exact mode (float64 accumulation: a step's loss does not depend on which replica computed which
 microbatch, docs/invariant.md), so "the same trajectory" is bitwise. A job passes when it exits 0, every step is
