@@ -841,6 +841,34 @@ def test_the_commit_barrier_counts_groups_in_the_job_store_and_passes_the_decisi
     assert not job.check([GroupKeys.fault(0)])
 
 
+def test_ranks_waiting_in_a_commit_barrier_stamp_their_progress_so_none_is_taken_for_hung(monkeypatch):
+    """Group 1 never counts in (its main thread is stuck); group 0's ranks wait in the barrier until its timeout.
+    While they wait, each stamps its progress at every slice of the wait (slices of 0.1 s here): no gap between
+    stamps comes near the wait (1 s). Unstamped, a wait longer than ``progress_timeout_s`` had the coordinator
+    declare the waiting ranks hung as well, and a stall of one group lost the job every group (the fault soak)."""
+    import itertools
+
+    from titan_recover.recover.groups import replica_sync
+    from titan_recover.recover.groups.keys import GroupKeys
+
+    monkeypatch.setattr(replica_sync, "wait_slices", lambda: itertools.repeat(0.1), raising=False)
+    syncs, job, _ = _two_groups_of_two(RecoverConfig(replicas=2, heartbeat_interval_s=0.02, join_window_s=0.05,
+                                                     heartbeat_timeout_s=0.1, collective_timeout_s=1.0))
+    waiting = {key: sync for key, sync in syncs.items() if key[0] == 0}
+    stamps = {key: [] for key in waiting}
+    for key, sync in waiting.items():
+        monkeypatch.setattr(sync.member, "progress", lambda *a, key=key, **k: stamps[key].append(time.monotonic()))
+    started = time.monotonic()
+    decisions = _barrier_in_threads(waiting, 3)
+    ended = time.monotonic()
+    assert set(decisions.values()) == {"abort"}  # timed out waiting for group 1, and said so
+    assert "commit barrier of step 3 timed out" in job.get(GroupKeys.fault(0)).decode()
+    assert ended - started >= 1.0
+    for key, times in stamps.items():
+        gaps = [b - a for a, b in zip([started, *times], [*times, ended])]
+        assert max(gaps) < 0.6, (key, gaps)  # stamped all along, not once before a 1 s wait
+
+
 def test_an_admission_barrier_waits_while_the_transfer_moves_and_not_once_it_stands_still():
     """Group 1 reaches the admission's barrier only after 4 timeouts (a long state transfer); group 0 waits for
     it: as long as the transfer's counter moves (a chunk every fifth of a timeout) the wait goes on and the
