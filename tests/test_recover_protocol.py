@@ -848,10 +848,10 @@ def test_ranks_waiting_in_a_commit_barrier_stamp_their_progress_so_none_is_taken
     declare the waiting ranks hung as well, and a stall of one group lost the job every group (the fault soak)."""
     import itertools
 
-    from titan_recover.recover.groups import replica_sync
+    from titan_recover.recover.groups import member
     from titan_recover.recover.groups.keys import GroupKeys
 
-    monkeypatch.setattr(replica_sync, "wait_slices", lambda: itertools.repeat(0.1), raising=False)
+    monkeypatch.setattr(member, "wait_slices", lambda: itertools.repeat(0.1))
     syncs, job, _ = _two_groups_of_two(RecoverConfig(replicas=2, heartbeat_interval_s=0.02, join_window_s=0.05,
                                                      heartbeat_timeout_s=0.1, collective_timeout_s=1.0))
     waiting = {key: sync for key, sync in syncs.items() if key[0] == 0}

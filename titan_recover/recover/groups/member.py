@@ -273,14 +273,23 @@ class ReplicaMember:
         :func:`wait_slices` (this rank's progress recorded between them, with ``progress``). Once ``timeout_s``
         passed without it, raises ``error`` with a sentence naming ``waiting_for``, the ``bound`` (the setting it
         follows) and ``then``."""
+        if self.wait_alive(self.group_store, key, timeout_s, **progress):
+            return self.group_store.get(key)
+        raise error(f"replica {self.replica} rank {self.rank}: its group's leader (rank 0) passed on no "
+                    f"{waiting_for} within {timeout_s} s ({bound}): {then}")
+
+    def wait_alive(self, store: Store, key: str, timeout_s: float, **progress) -> bool:
+        """Wait up to ``timeout_s`` for ``key`` in ``store`` (True once it is there) in :func:`wait_slices`, this
+        rank's progress recorded before each (with ``progress``): a rank waiting on its peers is alive, not hung.
+        Unrecorded, a wait longer than ``progress_timeout_s`` (a commit barrier waiting for a stuck group, or out a
+        long state transfer) had the coordinator declare the waiting ranks hung too (the fault soak)."""
         deadline = time.monotonic() + timeout_s
         for slice_s in wait_slices():
             self.progress(**progress)
-            if wait_for_key(self.group_store, key, max(0.01, min(slice_s, deadline - time.monotonic()))):
-                return self.group_store.get(key)
+            if wait_for_key(store, key, max(0.01, min(slice_s, deadline - time.monotonic()))):
+                return True
             if time.monotonic() > deadline:
-                raise error(f"replica {self.replica} rank {self.rank}: its group's leader (rank 0) passed on no "
-                            f"{waiting_for} within {timeout_s} s ({bound}): {then}")
+                return False
 
     def _enter(self, entered: str) -> tuple[int, tuple[int, ...], str]:
         """Enter the epoch a wait ended with (``entered``); raise if it is a stop or leaves this replica out."""

@@ -35,8 +35,6 @@ from titan_recover.recover.groups.member import (
     pass_on,
     propose_decision,
     ReplicaMember,
-    wait_for_key,
-    wait_slices,
 )
 from titan_recover.recover.groups.protocol import CommitDecision, decide_commit, ready_to_join
 from titan_recover.recover.stores import read_keys
@@ -387,28 +385,14 @@ class ReplicaSync:
         counter (in the job's store) changed meanwhile; False once a wait ended with it standing still."""
         timeout = self.config.collective_timeout_s
         if self._moving is None:
-            return self._wait_alive(store, key, timeout)
+            return self.member.wait_alive(store, key, timeout)
         seen = self.member.store.add(self._moving, 0)
-        while not self._wait_alive(store, key, timeout):
+        while not self.member.wait_alive(store, key, timeout):
             now = self.member.store.add(self._moving, 0)
             if now == seen:
                 return False
             seen = now
         return True
-
-    def _wait_alive(self, store, key: str, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for ``key`` in slices (:func:`wait_slices`), stamping the main thread's progress
-        before each: a rank waiting on its peers is alive, not hung. Without the stamps a barrier that waits longer
-        than ``progress_timeout_s`` (for a peer whose main thread is stuck, for a long state transfer) had the
-        coordinator declare the waiting ranks hung too, and the job lost every group at once (the fault soak)."""
-        deadline = time.monotonic() + timeout_s
-        for slice_s in wait_slices():
-            self.member.progress()
-            left = deadline - time.monotonic()
-            if wait_for_key(store, key, max(0.01, min(slice_s, left))):
-                return True
-            if left <= slice_s:
-                return False
 
     def _timed_out(self, step: int | str, waiting_for: str) -> str:
         raise_fault_flag(self.member.store, self.epoch, f"replica {self.member.replica} rank {self.member.rank}: "
