@@ -180,12 +180,14 @@ def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
                  while_running=None) -> list[subprocess.CompletedProcess]:
     """Start one launcher per node (``node_args[i]``: node ``i``'s arguments) at once and wait for all of them; on
     timeout every launcher gets SIGTERM, then SIGKILL, and every process of the run is killed. Their output goes to
-    files, not pipes: nothing blocks on a full pipe while another launcher is waited for. ``while_running(procs)``,
-    if given, is called once they all started (to signal one, say)."""
-    commands = [launcher_command(*args) for args in node_args]  # (starts the launcher server, named in os.environ)
+    files, not pipes: nothing blocks on a full pipe while another launcher is waited for. ``while_running(procs,
+    start)``, if given, is called once they all started (to signal one, say); ``start(args)`` starts one more
+    launcher (a node's replacement), appended to ``procs`` and waited for as well."""
+    launcher_command()  # starts the launcher server (named in os.environ) before the environment is copied
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as the one-node reference: bitwise results need equal threads
     deadline = time.monotonic() + timeout
-    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in node_args]
+    launched: list[tuple[str, ...]] = []
+    outputs: list[tuple] = []
     procs: list[subprocess.Popen] = []
 
     def read(i: int) -> tuple[str, str]:
@@ -195,12 +197,18 @@ def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
             texts.append(f.read())
         return texts[0], texts[1]
 
+    def start(args: tuple[str, ...]) -> subprocess.Popen:
+        outputs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
+        launched.append(args)
+        procs.append(subprocess.Popen(launcher_command(*args), cwd=ROOT, env=env, stdout=outputs[-1][0],
+                                      stderr=outputs[-1][1], text=True))
+        return procs[-1]
+
     try:
-        for i, command in enumerate(commands):
-            procs.append(subprocess.Popen(command, cwd=ROOT, env=env,
-                                          stdout=outputs[i][0], stderr=outputs[i][1], text=True))
+        for args in node_args:
+            start(args)
         if while_running is not None:
-            while_running(procs)
+            while_running(procs, start)
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -218,7 +226,7 @@ def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
         raise AssertionError("launchers timed out:\n" +
                              "\n".join(out[-2000:] + err[-2000:] for out, err in texts)) from None
     results = [subprocess.CompletedProcess(args, proc.returncode, *read(i))
-               for i, (args, proc) in enumerate(zip(node_args, procs))]
+               for i, (args, proc) in enumerate(zip(launched, procs))]
     for out, err in outputs:
         out.close()
         err.close()

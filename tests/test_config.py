@@ -737,11 +737,52 @@ def test_a_cold_restart_is_published_with_its_step_and_every_group_is_started_to
     job = ReplicaJob(config, None, [], 1, 0)
     job.store, started = store, []
     job.slots = [ReplicaSlot(0, restarts_left=1), ReplicaSlot(1, restarts_left=0)]
+    for slot in job.slots:
+        slot.incarnation = job.next_start(slot.index)  # their first starts
     monkeypatch.setattr(job, "_start", lambda cmd, env, *args, **kwargs: started.append(env))
     job._pass()
     assert job.restart_every_group() and not job.restart_every_group()  # once per cold restart
     assert [env[FOUNDING_STEP_ENV] for env in started if "TITAN_RECOVER_REPLICA" in env] == ["4"]
     assert store.get(GroupKeys.founding(3, 0)) == b"1" and store.get(GroupKeys.founding(3, 1)) == b"-1"
+
+
+def test_a_launcher_replacing_a_lost_nodes_numbers_its_groups_starts_after_the_lost_ones(tmp_path, monkeypatch):
+    """Every start of a group takes its number from the job's counter, whichever node's launcher makes it: node 1's
+    launcher starts group 2 (start 0) and restarts it (start 1), then is lost; the launcher that replaces it starts
+    the group as start 2, never as a start the job has seen (which would be taken for the lost one: ended as
+    dropped, refused admission)."""
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.groups.member import INCARNATION_ENV
+    from titan_recover.recover.launcher import ReplicaJob
+    from titan_recover.recover.nodes import NodePlan
+
+    store, started = HashStore(), []
+    config = build_config(None, ["--recover.replicas", "3", "--recover.max_restarts", "1", "--dump_folder", str(tmp_path)])
+
+    def node_1() -> ReplicaJob:
+        job = ReplicaJob(config, None, [], 1, 0)
+        job.plan, job.store = NodePlan(2, 1, range(2, 3)), store
+        monkeypatch.setattr(job, "_start", lambda cmd, env, *args, **kwargs: started.append(env) or _Exited())
+        return job
+
+    lost = node_1()
+    lost.start_replicas()
+    lost.restart_if_crashed(lost.slots[0], over=False)
+    replacement = node_1()
+    replacement.start_replicas()
+    assert [env[INCARNATION_ENV] for env in started] == ["0", "1", "2"]
+    assert replacement.slots[0].incarnation == 2 and int(store.add(GroupKeys.starts(2), 0)) == 3
+
+
+class _Exited:
+    """A started process that already exited with an error (for a launcher's restart)."""
+
+    returncode, pid = 1, -1
+
+    def poll(self) -> int:
+        return self.returncode
 
 
 def test_a_taken_port_for_the_jobs_store_is_named_as_such(tmp_path):

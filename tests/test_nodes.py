@@ -26,14 +26,18 @@ def output(proc) -> str:
 
 def sigterm_once_step_3_committed(folder, nodes: list[int]):
     """For ``launch_nodes``: SIGTERM to the launchers of ``nodes``, back to back, once step 3 was committed."""
-    def preempt(procs) -> None:
-        deadline = time.monotonic() + 180
-        while not any(e["event"] == "step_committed" and e["step"] >= 3 for e in read_events(folder / "events.jsonl")):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 3 committed"
-            time.sleep(0.1)
+    def preempt(procs, start) -> None:
+        wait_for_commit(folder, 3, procs)
         for node in nodes:
             procs[node].send_signal(signal.SIGTERM)
     return preempt
+
+
+def wait_for_commit(folder, step: int, procs) -> None:
+    deadline = time.monotonic() + 180
+    while not any(e["event"] == "step_committed" and e["step"] >= step for e in read_events(folder / "events.jsonl")):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no step {step} committed"
+        time.sleep(0.1)
 
 
 def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmitted(tmp_path, exact_reference):
@@ -61,6 +65,41 @@ def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmi
     formed = {e["epoch"]: e for e in of(events, "epoch_formed")}
     assert sorted(formed) == [0, 1, 2]  # the kill and the admission; the coordinator's restart changed nothing
     assert formed[1]["members"] == [0, 1] and formed[1]["removed"] == [2]
+    assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]
+    logged = metrics_by_replica(tmp_path)
+    assert sorted(logged[0]) == sorted(logged[1]) == list(range(1, STEPS + 1))
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert processes_of_run(str(tmp_path)) == []
+
+
+def test_two_nodes_a_lost_node_replaced_by_a_new_launcher_rejoins_with_a_peers_state(tmp_path, exact_reference):
+    """3 replica groups of 1 rank on 2 nodes (node 1: group 2): node 1's launcher is SIGKILLed once
+    step 3 was committed (a lost host: no notice; its group dies with it), and a new launcher of node rank 1 is
+    started in its place, as a cluster's scheduler would on a spare host. The lost group's microbatches are
+    computed by replicas 0 and 1 in the same step (which hold a step boundary for its return, ``rejoin_wait_s``); the
+    replacement's group, start 1 of replica 2 (the job's counter of its starts: never a number the job has seen), is
+    admitted with a peer's state from memory, spending no restart. Both live launchers exit 0 and every replica ends
+    bitwise equal to the failure-free one-node run."""
+    args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
+                            extra=("--recover.quota.exact", "--recover.max_restarts", "1",
+                                   "--recover.rejoin_wait_s", "150"))
+    options = node_options(2, f"127.0.0.1:{free_port()}")
+
+    def lose_node_1_and_replace_it(procs, start) -> None:
+        wait_for_commit(tmp_path, 3, procs)
+        procs[1].kill()
+        procs[1].wait()
+        start((*args, *options[1]))
+
+    node0, lost, replacement = launch_nodes(tmp_path, [(*args, *o) for o in options],
+                                            while_running=lose_node_1_and_replace_it)
+    assert lost.returncode == -signal.SIGKILL
+    assert node0.returncode == 0, output(node0)
+    assert replacement.returncode == 0, output(replacement)
+    assert "node 1 of 2: replica group 2" in replacement.stderr
+    assert "dropped" not in replacement.stderr and "restarting" not in replacement.stderr, replacement.stderr
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["removed"] for e in of(events, "epoch_formed") if e["removed"]] == [[2]]
     assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]
     logged = metrics_by_replica(tmp_path)
     assert sorted(logged[0]) == sorted(logged[1]) == list(range(1, STEPS + 1))

@@ -167,7 +167,6 @@ def test_a_beacon_left_by_an_earlier_job_in_the_same_run_folder_is_not_this_star
     another process). Before this start's rank writes its own, the observer reads it as not written yet: it neither
     stops watching (a gone PID read as an exited rank) nor judges the earlier job's timestamps."""
     import threading
-    import time
 
     from titan_recover.recover.scout import beacon as beacon_module
     from titan_recover.recover.scout.observer import Observer

@@ -88,10 +88,11 @@ class ReplicaSlot:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def count_restart(self) -> None:
-        """The next start: one restart fewer left, one incarnation more (the caller starts it)."""
+    def count_restart(self, incarnation: int | None = None) -> None:
+        """The next start: one restart fewer left, and ``incarnation`` (default: one more than the last); the caller
+        starts it."""
         self.restarts_left -= 1
-        self.incarnation += 1
+        self.incarnation = self.incarnation + 1 if incarnation is None else incarnation
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

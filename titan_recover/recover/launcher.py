@@ -359,7 +359,13 @@ class ReplicaJob(StopControl, SyncerSupervision):
             self.start_syncer()
         self.slots = [ReplicaSlot(i, self.recover.max_restarts) for i in self.plan.groups]
         for slot in self.slots:
+            slot.incarnation = self.next_start(slot.index)
             self.start_replica(slot)
+
+    def next_start(self, replica: int) -> int:
+        """The incarnation of ``replica``'s next start, taken from the job's counter of its starts: 0 for the job's
+        first; a launcher that replaces a lost node's numbers its groups' first starts after the lost ones."""
+        return self.store.add(GroupKeys.starts(replica), 1) - 1
 
     def start_replica(self, slot: ReplicaSlot, founding_step: int | None = None) -> None:
         """The current start (incarnation) of ``slot``'s torchrun, and its hang observer if localisation asks.
@@ -412,7 +418,7 @@ class ReplicaJob(StopControl, SyncerSupervision):
         neither over nor stopping; what is left of its previous start is killed first."""
         if self.restartable(slot, over):
             kill_all(processes_of_run(self.run_dir, replica=slot.index, incarnation=slot.incarnation))
-            slot.count_restart()
+            slot.count_restart(self.next_start(slot.index))
             where = f"; its output: {self.log_path(f'replica_{slot.index}')}" if self.logs else ""
             print(f"[titan_recover] replica {slot.index} exited with {slot.proc.returncode}: restarting it "
                   f"(start {slot.incarnation}, {slot.restarts_left} restart(s) left){where}", file=sys.stderr,
@@ -484,7 +490,7 @@ class ReplicaJob(StopControl, SyncerSupervision):
             if slot.restarts_left == 0:
                 self.store.set(GroupKeys.founding(cold, slot.index), "-1")
                 continue
-            slot.count_restart()
+            slot.count_restart(self.next_start(slot.index))
             self.store.set(GroupKeys.founding(cold, slot.index), str(slot.incarnation))  # before it can look
             print(f"[titan_recover] every replica was lost: restarting replica {slot.index} from the checkpoint of "
                   f"step {step} (start {slot.incarnation}, {slot.restarts_left} restart(s) left)", file=sys.stderr,

@@ -188,6 +188,13 @@ class GroupKeys:
         return f"join_request/{replica}/{rank}"
 
     @staticmethod
+    def starts(replica: int) -> str:
+        """A counter: the starts of ``replica`` made so far, by any node's launcher. Each start takes the next number
+        as its incarnation, so that a launcher replacing a lost node's never reuses the number of a start the job
+        has seen (a reused one would be taken for that start: ended as dropped, or refused admission)."""
+        return f"starts/{replica}"
+
+    @staticmethod
     def dropped(replica: int) -> str:
         """``"{incarnation}|{time}"``: the start of ``replica`` last removed from an epoch, and when (the launcher
         ends it and may restart it)."""
