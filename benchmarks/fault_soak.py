@@ -12,18 +12,24 @@ are restarted (``max_restarts``) and receive the state from a peer's memory; the
 for them (``--rejoin-wait-s``, default 150 s, far above a restart here), so that every hit group comes back before
 the job ends and later faults can hit it, its rejoin or the transfer. ``--coordinator`` adds a fault of the
 coordinator to every schedule (its launcher restarts it and it resumes from the job's store): mid-step, or as it
-forms or publishes an epoch after a replica fault.
+forms or publishes an epoch after a replica fault. ``--nodes N --node-loss`` runs every job as N launchers (two
+launchers on this machine are two nodes, docs/deploy.md "Running on many nodes") and loses one node a job: its
+launcher SIGKILLed once a step drawn at random was committed (its groups die with it), a new launcher of the same
+node rank started in its place 0-5 s later (its groups rejoin with a peer's state). Any node on an etcd store
+(``--store etcd://...``), a node other than 0 on the embedded one (node 0 hosts it); never a node whose loss, with
+the replica faults, could leave no replica alive (then the job has no node loss).
 
 Every job is in exact mode (float64 accumulation: a step's loss does not depend on which replica computed which
 microbatch, docs/invariant.md), so "the same trajectory" is bitwise. A job passes when it exits 0, every step is
 logged, every loss any replica logged equals the reference's loss of that step (``==``), and every rank's final
 state it saved (parameter shards, optimizer state, learning-rate schedule; a restarted group admitted before the
 end saves its own) equals the reference's rank's bit for bit (``compare.bitwise_equal``), and no group spent a
-restart on anything but a fault that hit it (no start beyond the group's faults asked to join).
+restart on anything but a fault that hit it (no start beyond the group's faults asked to join; a node's loss
+counts as a fault of each of its groups).
 
     python benchmarks/fault_soak.py [--seeds 12] [--first-seed 0] [--replicas 3] [--ranks 1] [--steps 10]
                                     [--max-faults 3] [--kinds kill,hang,raise] [--coordinator] [--rejoin-wait-s 150]
-                                    [--progress-timeout-s S]
+                                    [--progress-timeout-s S] [--nodes N --node-loss] [--store etcd://HOST:PORT]
 
 Prints one line per job (its schedule, the faults that fired and where, the admissions, the verdict and what
 differed) and, last, ``jobs=... passed=... faults=... fired=... admissions=... max_rel_loss_diff=...``. A job that
@@ -38,6 +44,7 @@ import pathlib
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +57,7 @@ from report import add_out_argument, recorded  # noqa: E402
 from titan_recover.compare import bitwise_equal, LOSS  # noqa: E402
 from titan_recover.recover.chaos.config import PROCESS_PHASES, STEP_PHASES  # noqa: E402
 from titan_recover.recover.events import read_jsonl  # noqa: E402
+from titan_recover.recover.nodes import node_groups  # noqa: E402
 
 PHASES = (*STEP_PHASES, "transfer")
 ALWAYS = tuple(p for p in STEP_PHASES if p != "rebuild")
@@ -113,6 +121,26 @@ def draw(seed: int, args) -> list[dict]:
     return faults
 
 
+def draw_node_loss(seed: int, args, faults: list[dict]) -> dict | None:
+    """The node a job loses (``--node-loss``), from a generator of its own (the faults stay as they were): a node
+    (0 only on an etcd store) whose groups leave some replica that no fault hits on the other nodes; lost once step
+    2 to ``steps - 2`` was committed, replaced 0-5 s later. None if no node qualifies."""
+    if args.nodes < 2 or not args.node_loss:
+        return None
+    rng = random.Random(f"{seed}/node")
+    unhit = set(range(args.replicas)) - {f["replica"] for f in faults if f.get("process", "trainer") == "trainer"}
+    nodes = [n for n in range(0 if args.store else 1, args.nodes)
+             if unhit - set(node_groups(args.replicas, args.nodes, n))]
+    if not nodes:
+        return None
+    return {"node": rng.choice(nodes), "after_step": rng.randint(2, args.steps - 2),
+            "replace_after_s": round(rng.uniform(0, 5), 1)}
+
+
+def lost_groups(loss: dict | None, args) -> list[int]:
+    return list(node_groups(args.replicas, args.nodes, loss["node"])) if loss else []
+
+
 def job_args(folder: pathlib.Path, args, faults: list[dict]) -> list[str]:
     fault_toml = "[" + ", ".join("{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.items()) + "}"
                                  for f in faults) + "]"
@@ -123,7 +151,8 @@ def job_args(folder: pathlib.Path, args, faults: list[dict]) -> list[str]:
             "--recover.max_restarts", str(args.max_faults), "--recover.heartbeat_timeout_s", "2.0",
             "--recover.join_window_s", "0.3", "--recover.rejoin_wait_s", str(args.rejoin_wait_s),
             "--dump_folder", str(folder), "--chaos.faults", fault_toml,
-            *(["--recover.progress_timeout_s", str(args.progress_timeout_s)] if args.progress_timeout_s else [])]
+            *(["--recover.progress_timeout_s", str(args.progress_timeout_s)] if args.progress_timeout_s else []),
+            *(["--recover.store", args.store] if args.store else [])]
 
 
 def run_job(folder: pathlib.Path, args, faults: list[dict]) -> tuple[int, float, str]:
@@ -146,6 +175,62 @@ def run_job(folder: pathlib.Path, args, faults: list[dict]) -> tuple[int, float,
         kill_all(processes_of_run(str(folder)))
         return 124, time.monotonic() - start, f"no end after {args.timeout:.0f} s: {output[-2000:]}"
     return proc.returncode, time.monotonic() - start, output[-4000:]
+
+
+def run_nodes(folder: pathlib.Path, args, faults: list[dict], loss: dict | None) -> tuple[int, float, str]:
+    """Run one job as ``--nodes`` launchers, losing and replacing ``loss``'s node; (the largest exit code of the
+    launchers that were not lost, wall seconds, the end of every launcher's output). Past ``--timeout`` every
+    launcher and any process of the run left is killed."""
+    from titan_recover.recover.children import kill_all, processes_of_run
+
+    endpoint = []
+    if not args.store:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            endpoint = ["--rdzv-endpoint", f"127.0.0.1:{s.getsockname()[1]}"]
+    folder.mkdir(parents=True, exist_ok=True)
+    start, procs, outputs = time.monotonic(), {}, []
+
+    def launch(node: int, name: str) -> subprocess.Popen:
+        outputs.append((name, tempfile.TemporaryFile("w+")))
+        return subprocess.Popen([*job_args(folder, args, faults), "--nnodes", str(args.nodes), "--node-rank",
+                                 str(node), *endpoint], cwd=ROOT, stdout=outputs[-1][1], stderr=subprocess.STDOUT,
+                                text=True)
+
+    for node in range(args.nodes):
+        procs[f"node {node}"] = launch(node, f"node {node}")
+    deadline = start + args.timeout
+    if loss is not None and _committed(folder, loss["after_step"], procs.values(), deadline):
+        lost = procs.pop(f"node {loss['node']}")
+        lost.kill()
+        lost.wait()
+        time.sleep(loss["replace_after_s"])
+        procs[f"node {loss['node']} (replacement)"] = launch(loss["node"], f"node {loss['node']} (replacement)")
+    codes = []
+    for proc in procs.values():
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(124)
+    if 124 in codes:
+        for proc in procs.values():
+            proc.kill()
+        kill_all(processes_of_run(str(folder)))
+    text = ""
+    for name, out in outputs:
+        out.seek(0)
+        text += f"--- {name}\n{out.read()[-1500:]}"
+        out.close()
+    return max(codes), time.monotonic() - start, text
+
+
+def _committed(folder: pathlib.Path, step: int, procs, deadline: float) -> bool:
+    """Wait until ``step`` was committed (True), or a launcher ended or the deadline passed first (False)."""
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if any(e["event"] == "step_committed" and e["step"] >= step for e in read_jsonl(folder / "events.jsonl")):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def losses(folder: pathlib.Path) -> list[tuple[int, int, float]]:
@@ -185,11 +270,12 @@ def judge(folder: pathlib.Path, reference: dict[int, float], reference_state: di
     return problems, max_rel, len(state)
 
 
-def restarts_beyond_faults(events: list[dict]) -> list[str]:
+def restarts_beyond_faults(events: list[dict], lost: list[int] = ()) -> list[str]:
     """A group's start that asked to join beyond the faults that hit the group (each fault ends one start, which
-    its launcher restarts once): a restart spent on something else, which a job with fewer restarts left would
-    have lost the group to. Empty when every start that asked to join followed a fault of its group."""
-    fired: dict[int, int] = {}
+    its launcher restarts once; the groups of a lost node, ``lost``, had one more, started by the node's
+    replacement): a restart spent on something else, which a job with fewer restarts left would have lost the
+    group to. Empty when every start that asked to join followed a fault of its group."""
+    fired: dict[int, int] = {replica: 1 for replica in lost}
     for e in events:
         if e["event"] == "fault_injected" and e.get("process", "trainer") == "trainer":
             fired[e["replica"]] = fired.get(e["replica"], 0) + 1
@@ -255,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rejoin-wait-s", type=float, default=150.0,
                         help="[recover] rejoin_wait_s: the others hold a step boundary this long for a restarted "
                              "group, so that it rejoins (and can be hit again) however slowly this machine starts it")
+    parser.add_argument("--nodes", type=int, default=1, help="launchers a job (two on this machine are two nodes)")
+    parser.add_argument("--node-loss", action="store_true",
+                        help="with --nodes >= 2: lose one node a job (its launcher SIGKILLed) and start a new one")
+    parser.add_argument("--store", default="", help="[recover] store (etcd://HOST:PORT): node 0 may be lost too")
     parser.add_argument("--summarise", metavar="FILE", help="count what fired in an earlier output; runs nothing")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
     add_out_argument(parser, __file__)
@@ -269,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     if "stall" in args.kinds and not args.progress_timeout_s:
         parser.error("--kinds stall needs --progress-timeout-s (a stalled main thread is found by the progress "
                      "timeout only; the default, 120 s, would make every stalled job last minutes), e.g. 20")
+    if args.node_loss and args.nodes < 2:
+        parser.error("--node-loss needs --nodes >= 2")
+    if args.nodes > args.replicas:
+        parser.error(f"--nodes {args.nodes} is more than --replicas {args.replicas}: each group runs on one node")
     if args.replicas < 2 or args.ranks < 1 or args.steps < 3 or args.max_faults < 1 or args.seeds < 1:
         parser.error("need --replicas >= 2 (one is spared), --ranks >= 1, --steps >= 3, --max-faults >= 1 and "
                      "--seeds >= 1")
@@ -279,31 +373,37 @@ def main(argv: list[str] | None = None) -> int:
 def soak(args) -> int:
     """Run the reference and the jobs; print a line each and the headline; 1 if any job failed."""
     keep = pathlib.Path(tempfile.mkdtemp(prefix="fault_soak."))
-    code, wall, output = run_job(keep / "reference", args, [])
+    code, wall, output = (run_nodes(keep / "reference", args, [], None) if args.nodes > 1 else
+                          run_job(keep / "reference", args, []))
     if code != 0:
         raise RuntimeError(f"the failure-free reference failed (exit {code}):\n{output}")
     reference = {step: loss for replica, step, loss in losses(keep / "reference") if replica == 0}
     reference_state = final_state(keep / "reference")
-    print(f"{args.replicas} replicas x {args.ranks} rank(s), tiny, {args.steps} steps, exact mode, max_restarts "
+    nodes = f" on {args.nodes} nodes" + (" (embedded store)" if not args.store else " (etcd)") if args.nodes > 1 else ""
+    print(f"{args.replicas} replicas x {args.ranks} rank(s){nodes}, tiny, {args.steps} steps, exact mode, max_restarts "
           f"{args.max_faults}; reference {wall:.0f} s, {len(reference_state)} ranks' final states", flush=True)
-    totals = {"passed": 0, "faults": 0, "fired": 0, "admissions": 0}
+    totals = {"passed": 0, "faults": 0, "fired": 0, "admissions": 0, "node_losses": 0}
     worst = 0.0
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         faults = draw(seed, args)
+        loss = draw_node_loss(seed, args, faults)
         folder = keep / f"seed{seed}"
-        code, wall, output = run_job(folder, args, faults)
+        code, wall, output = run_nodes(folder, args, faults, loss) if args.nodes > 1 else run_job(folder, args, faults)
         events = read_jsonl(folder / "events.jsonl") if (folder / "events.jsonl").exists() else []
         fired = [e for e in events if e["event"] == "fault_injected"]
         admitted = [e for e in events if e["event"] == "replica_admitted"]
         problems, max_rel, files = judge(folder, reference, reference_state, args.steps) if code == 0 else (
             [f"exit {code}: {output[-600:]!r}"], float("nan"), 0)
-        problems += restarts_beyond_faults(events)
+        problems += restarts_beyond_faults(events, lost_groups(loss, args))
         worst = max(worst, max_rel) if max_rel == max_rel else worst
         totals["faults"] += len(faults)
+        totals["node_losses"] += loss is not None
         totals["fired"] += len(fired)
         totals["admissions"] += len(admitted)
         totals["passed"] += not problems
-        print(f"seed {seed:3d} [{describe(faults)}]: fired {len(fired)} [{describe_fired(fired)}], admitted "
+        lost = (f", node {loss['node']} lost after s{loss['after_step']} and replaced {loss['replace_after_s']} s "
+                f"later" if loss else "")
+        print(f"seed {seed:3d} [{describe(faults)}]{lost}: fired {len(fired)} [{describe_fired(fired)}], admitted "
               f"{[(e['replica'], e['after_step']) for e in admitted]}, {files} final states, {wall:.0f} s: "
               + ("bitwise equal" if not problems else "FAILED: " + "; ".join(problems) + f" (kept in {folder})"),
               flush=True)
@@ -311,7 +411,8 @@ def soak(args) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     jobs = args.seeds
     print(f"jobs={jobs} passed={totals['passed']} faults={totals['faults']} fired={totals['fired']} "
-          f"admissions={totals['admissions']} max_rel_loss_diff={worst:.3e}")
+          f"admissions={totals['admissions']} max_rel_loss_diff={worst:.3e}"
+          + (f" node_losses={totals['node_losses']}" if args.node_loss else ""))
     if totals["passed"] == jobs:
         shutil.rmtree(keep, ignore_errors=True)
     return 0 if totals["passed"] == jobs else 1

@@ -120,6 +120,30 @@ def test_a_restart_spent_on_anything_but_a_fault_of_the_group_fails_the_job():
     assert soak.restarts_beyond_faults(seen) == ["replica 1: start 3 asked to join after 1 fault(s) of its group"]
 
 
+def test_a_lost_node_leaves_some_replica_no_fault_hits_and_node_0_only_on_etcd():
+    args = argparse.Namespace(replicas=3, ranks=1, steps=10, max_faults=3, kinds=list(soak.KINDS), coordinator=True,
+                              nodes=2, node_loss=True, store="")
+    drawn = {seed: (soak.draw(seed, args), soak.draw_node_loss(seed, args, soak.draw(seed, args)))
+             for seed in range(200)}
+    assert soak.draw_node_loss(7, args, drawn[7][0]) == drawn[7][1]  # a function of the seed
+    for faults, loss in drawn.values():
+        hit = {f["replica"] for f in faults if f.get("process", "trainer") == "trainer"}
+        if loss is None:  # node 1 runs group 2; with both 0 and 1 hit its loss could leave nobody
+            assert hit >= {0, 1}
+            continue
+        assert loss["node"] == 1 and {0, 1} - hit and 2 <= loss["after_step"] <= 8
+        assert 0 <= loss["replace_after_s"] <= 5 and soak.lost_groups(loss, args) == [2]
+    on_etcd = argparse.Namespace(**{**vars(args), "store": "etcd://127.0.0.1:2379"})
+    nodes = {soak.draw_node_loss(seed, on_etcd, faults)["node"] for seed, (faults, _) in drawn.items()
+             if soak.draw_node_loss(seed, on_etcd, faults) is not None}
+    assert nodes == {0, 1}
+    assert soak.draw_node_loss(0, argparse.Namespace(**{**vars(args), "node_loss": False}), []) is None
+    # the groups of the lost node had one start more (the replacement's), which is no restart spent
+    asked = [{"event": "join_requested", "replica": 2, "rank": 0, "incarnation": 1}]
+    assert soak.restarts_beyond_faults(asked, lost=[2]) == []
+    assert soak.restarts_beyond_faults(asked) == ["replica 2: start 1 asked to join after 0 fault(s) of its group"]
+
+
 def test_the_summary_counts_what_fired_by_kind_phase_and_rank_and_replica_0s_hits():
     text = ("seed 1 [...]: fired 2 [kill r0.1 s3 commit, hang r2.0 s5 transfer], admitted [(0, 4)], 3 final states\n"
             "seed 2 [...]: fired 1 [kill r0.0 s2 forward], admitted [], 2 final states\n"

@@ -162,6 +162,41 @@ def test_two_nodes_on_etcd_the_standby_coordinator_takes_over(tmp_path, etcd_ser
     assert processes_of_run(str(tmp_path)) == []
 
 
+def test_two_nodes_on_etcd_node_0_lost_and_replaced_the_job_goes_on_and_its_groups_rejoin(tmp_path, etcd_server,
+                                                                                          exact_reference):
+    """3 replica groups on 2 nodes on etcd (node 0: groups 0-1; node 1: group 2): node 0's launcher is SIGKILLed once
+    step 3 was committed (its groups and its coordinator die with it), and a new node-0 launcher is started in its
+    place. The job's announcement outlives node 0 (node 1's launcher keeps it), so the replacement joins the running
+    job instead of naming a second one on the same run folder; node 1's coordinator leads (if node 0's did), replica
+    2 computes every microbatch of the lost groups, and the replacement's groups are admitted as their starts 1 with
+    replica 2's state. Both live launchers exit 0 and every replica ends bitwise equal to the failure-free run."""
+    args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
+                            extra=("--recover.quota.exact", "--recover.max_restarts", "1",
+                                   "--recover.rejoin_wait_s", "150", "--recover.store", f"etcd://{etcd_server}"))
+    options = node_options(2)
+
+    def lose_node_0_and_replace_it(procs, start) -> None:
+        wait_for_commit(tmp_path, 3, procs)
+        procs[0].kill()
+        procs[0].wait()
+        start((*args, *options[0]))
+
+    lost, node1, replacement = launch_nodes(tmp_path, [(*args, *o) for o in options],
+                                            while_running=lose_node_0_and_replace_it)
+    assert lost.returncode == -signal.SIGKILL
+    assert node1.returncode == 0, output(node1)
+    assert replacement.returncode == 0, output(replacement)
+    job = [line for line in node1.stderr.splitlines() if "the job's store: etcd://" in line][0].split("store: ")[1]
+    assert f"node 0 of 2: replica groups 0-1; the job's store: {job}" in replacement.stderr, replacement.stderr
+    assert "restarting" not in replacement.stderr, replacement.stderr
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["removed"] for e in of(events, "epoch_formed") if e["removed"]] == [[0, 1]]
+    assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(0, 1), (1, 1)]
+    assert sorted(metrics_by_replica(tmp_path)[2]) == list(range(1, STEPS + 1))
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert processes_of_run(str(tmp_path)) == []
+
+
 def test_two_nodes_on_etcd_both_preempted_at_once_stop_the_job_with_a_checkpoint(tmp_path, etcd_server):
     """2 replica groups on 2 nodes on etcd (neither node's loss ends the job), ``preemption_grace_s``: SIGTERM to both
     launchers at once, what a whole job's preemption sends. Each marks itself preempted; one whose marks leave fewer

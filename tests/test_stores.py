@@ -446,6 +446,41 @@ def test_a_standby_takes_over_when_the_leader_dies(etcd_server):
     assert not store.check(["coordinator"])
 
 
+def test_a_jobs_announcement_outlives_node_0s_launcher_so_a_replacement_finds_the_running_job(etcd_server):
+    """etcd: node 0 announces its job; node 1's launcher keeps the announcement as a standby. Node 0's launcher
+    goes (its lease revoked): node 1's takes the key with the same name, so a node 0 started in its place finds the
+    job running and joins it, instead of naming a second job on the same run folder. A job whose verdict is recorded
+    is not running (its launchers are ending). One launcher per node: a second claim of a node that is held is
+    refused, naming the holder; once the holder resigns, it succeeds."""
+    from titan_recover.recover.groups.keys import GroupKeys
+    from titan_recover.recover.job_store import (announce_job, Announcement, claim_node, NoJobStore, running_job)
+    from titan_recover.recover.stores import job_url
+
+    url, run = f"etcd://{etcd_server}", f"run-{uuid.uuid4().hex}"
+    assert running_job(url, run, 5) is None
+    node0 = announce_job(url, run, "job-a", 5)
+    node1 = Announcement(url, run, "job-a", 5).stand_by()
+    try:
+        assert running_job(url, run, 5) == "job-a" and not node1.election.is_leader
+        node0.resign()  # node 0's launcher is gone (a killed one's lease lapses within its TTL instead)
+        deadline = time.monotonic() + 10
+        while not node1.election.is_leader and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert node1.election.is_leader and running_job(url, run, 5) == "job-a"
+        job = job_url(url, run, "job-a")
+        claim = claim_node(job, 0, 5)
+        with pytest.raises(NoJobStore, match=r"node 0 of this job is still running \(its launcher: .*/pid\d+\): one "
+                                             r"launcher per --node-rank"):
+            claim_node(job, 0, 5, wait_s=0.3)
+        claim.resign()
+        claim_node(job, 0, 5, wait_s=5).resign()
+        open_store(job, timeout=TIMEOUT).set(GroupKeys.FINISHED, "trained")
+        assert running_job(url, run, 5) is None
+    finally:
+        node1.resign()
+    assert not open_store(job_url(url, run), timeout=TIMEOUT).check(["launcher"])
+
+
 @pytest.mark.multiprocess
 def test_a_leader_whose_lease_is_revoked_knows_it_and_resigning_hands_over_at_once(etcd_server):
     from etcd3gw.lease import Lease

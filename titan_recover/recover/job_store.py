@@ -5,9 +5,13 @@
   wait for it (:func:`join_embedded`), bounded by ``startup_timeout_s``.
 * etcd (``[recover] store = "etcd://..."``): nobody hosts anything. Node 0's launcher picks the job's name (the run
   folder's name, then its start time) and announces it under the run folder's prefix, bound to a lease it keeps
-  alive (:func:`announce_job`): the announcement lives as long as node 0's launcher, so another node never joins a
-  job that is over, and a second job on the same run folder is refused while the first one's node 0 lives. The
-  other nodes read it (:func:`announced_job`); every process of the job then opens :func:`~.stores.job_url`.
+  alive (:func:`announce_job`). The other nodes read it (:func:`announced_job`) and keep it too, as standby
+  candidates of the same key with the same name (:class:`Announcement`): the announcement lives as long as any
+  launcher of the job, node 0's or not, so another node never joins a job that is over, a second job on the same
+  run folder is refused while any node of the first one lives, and a launcher started in place of a lost node,
+  node 0 included, finds the running job and joins it (:func:`running_job`). Each launcher holds its node's key
+  (:func:`claim_node`): a second launcher for a node that still runs is refused. Every process of the job then
+  opens :func:`~.stores.job_url`.
 
 Then node 0 publishes its resolved config (:func:`publish_config`) and every other node refuses to start with a
 different one (:func:`agree_config`, ``ConfigMismatch`` naming the first differing key).
@@ -15,19 +19,26 @@ different one (:func:`agree_config`, ``ConfigMismatch`` naming the first differi
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 
 from torch.distributed import DistError, Store, TCPStore
 
+from titan_recover.recover.groups.keys import GroupKeys
 from titan_recover.recover.nodes import first_difference, NodeKeys
 from titan_recover.recover.stores import host_port, job_url, open_store
 
+logger = logging.getLogger(__name__)
+
 ANNOUNCEMENT = "launcher"
-"""Under the run folder's etcd prefix: the name of the job whose node 0 launcher lives (a lease-bound key)."""
+"""Under the run folder's etcd prefix: the name of the job some launcher of which lives (a lease-bound key)."""
 ANNOUNCE_TTL_S = 2
+RECAMPAIGN_S = 1.0
+"""A standby of the announcement campaigns in turns this long, looking between them whether it should stop."""
 
 
 class NoJobStore(RuntimeError):
@@ -68,28 +79,78 @@ def new_job_name(now: float | None = None) -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"-{int(now * 1000) % 1000:03d}-{os.getpid()}"
 
 
-def announce_job(url: str, run: str, job: str, timeout_s: float):
-    """Node 0 on etcd: hold the run folder's announcement key with the job's name for as long as this process
-    lives (a :class:`~.stores.leader.LeaderElection`, refreshed by a thread). A job of the same run folder whose
-    node 0 still lives holds it: NoJobStore naming it after twice the lease's time to live (a launcher killed just
-    before releases it within that). ``timeout_s``: the store's. Returns the election (``resign()`` at the end)."""
-    from titan_recover.recover.stores.leader import LeaderElection
+class Announcement:
+    """One launcher's hold on the run folder's announcement of its job: node 0 of a new job takes the key at once
+    (:meth:`take`); every other launcher of the job campaigns for it on a thread (:meth:`stand_by`), with the same
+    name, and takes it when the holder's lease lapses (the holder's launcher was lost). :meth:`resign` at the end."""
 
+    def __init__(self, url: str, run: str, job: str, timeout_s: float):
+        from titan_recover.recover.stores.leader import LeaderElection
+
+        self.url, self.run, self.job = url, run, job
+        self.store = open_store(job_url(url, run), timeout=timedelta(seconds=timeout_s))
+        self.election = LeaderElection(self.store, ANNOUNCEMENT, job, ttl_s=ANNOUNCE_TTL_S)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def take(self) -> None:
+        """Hold the announcement now; NoJobStore naming the job that holds it after twice the lease's time to live
+        (a launcher killed just before releases it within that)."""
+        try:
+            self.election.campaign(timedelta(seconds=2 * self.election.ttl_s + 1))
+        except TimeoutError:
+            self.election.resign()
+            held = self.store.get(ANNOUNCEMENT).decode() if self.store.check([ANNOUNCEMENT]) else "?"
+            raise NoJobStore(f"job {held} of run folder {self.run!r} is still running on {self.url} (a launcher of "
+                             f"it holds {job_url(self.url, self.run)}/{ANNOUNCEMENT}): wait for it, start this "
+                             "launcher with the same config to replace one of its nodes, or use another "
+                             "dump_folder") from None
+
+    def stand_by(self) -> "Announcement":
+        """Campaign on a thread until this launcher holds the announcement or resigns."""
+        self._thread = threading.Thread(target=self._campaign, name="announcement", daemon=True)
+        self._thread.start()
+        return self
+
+    def _campaign(self) -> None:
+        while not self._stop.is_set() and not self.election.is_leader:
+            try:
+                self.election.campaign(timedelta(seconds=RECAMPAIGN_S))
+            except TimeoutError:
+                continue
+            except Exception as error:  # noqa: BLE001 - the job runs on; only a replacement's lookup needs it
+                logger.warning("this launcher stopped keeping the announcement of job %s: %s", self.job, error)
+                return
+
+    def resign(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=RECAMPAIGN_S + 10)
+        self.election.resign()
+
+
+def announce_job(url: str, run: str, job: str, timeout_s: float) -> Announcement:
+    """Node 0 of a new job on etcd: hold the run folder's announcement key with the job's name (NoJobStore if
+    another job's launcher holds it). ``timeout_s``: the store's."""
+    announcement = Announcement(url, run, job, timeout_s)
+    announcement.take()
+    return announcement
+
+
+def running_job(url: str, run: str, timeout_s: float) -> str | None:
+    """The job announced for the run folder now (no wait), unless it has finished (its verdict recorded: its
+    launchers are ending); None if none."""
     store = open_store(job_url(url, run), timeout=timedelta(seconds=timeout_s))
-    election = LeaderElection(store, ANNOUNCEMENT, job, ttl_s=ANNOUNCE_TTL_S)
-    try:
-        election.campaign(timedelta(seconds=2 * election.ttl_s + 1))
-    except TimeoutError:
-        election.resign()
-        held = store.get(ANNOUNCEMENT).decode() if store.check([ANNOUNCEMENT]) else "?"
-        raise NoJobStore(f"job {held} of run folder {run!r} is still running on {url} (its node 0 launcher holds "
-                         f"{job_url(url, run)}/{ANNOUNCEMENT}): wait for it, or use another dump_folder") from None
-    return election
+    if not store.check([ANNOUNCEMENT]):
+        return None
+    job = store.get(ANNOUNCEMENT).decode()
+    finished = open_store(job_url(url, run, job), timeout=timedelta(seconds=timeout_s)).check([GroupKeys.FINISHED])
+    return None if finished else job
 
 
 def announced_job(url: str, run: str, wait_s: float) -> str:
-    """Another node on etcd: the name of the job node 0's launcher announced for the run folder, waiting up to
-    ``wait_s`` for it; NoJobStore after that."""
+    """Another node on etcd: the name of the job announced for the run folder, waiting up to ``wait_s`` for node
+    0's launcher to announce it; NoJobStore after that."""
     where = job_url(url, run)
     try:
         store = open_store(where, timeout=timedelta(seconds=wait_s))
@@ -97,6 +158,26 @@ def announced_job(url: str, run: str, wait_s: float) -> str:
     except DistError as e:
         raise NoJobStore(f"no job announced at {where}/{ANNOUNCEMENT} after {wait_s:g} s: is node 0's launcher "
                          f"running, with the same dump_folder and recover.store? ({str(e).splitlines()[0]})") from None
+
+
+def claim_node(url: str, rank: int, timeout_s: float, wait_s: float = 2 * ANNOUNCE_TTL_S + 1):
+    """etcd: hold node ``rank``'s key in the job's store (``url``) while this launcher lives, naming its host and
+    process; NoJobStore naming the holder if another launcher of that node still runs after ``wait_s`` (default
+    twice the lease's time to live: a launcher lost just before releases it within that). Returns the election
+    (``resign()``)."""
+    from titan_recover.recover.stores.leader import LeaderElection
+
+    store = open_store(url, timeout=timedelta(seconds=timeout_s))
+    me = f"{socket.gethostname()}/pid{os.getpid()}"
+    election = LeaderElection(store, NodeKeys.launcher(rank), me, ttl_s=ANNOUNCE_TTL_S)
+    try:
+        election.campaign(timedelta(seconds=wait_s))
+    except TimeoutError:
+        election.resign()
+        held = store.get(NodeKeys.launcher(rank)).decode() if store.check([NodeKeys.launcher(rank)]) else "?"
+        raise NoJobStore(f"node {rank} of this job is still running (its launcher: {held}): one launcher per "
+                         "--node-rank; start a replacement only once the node's launcher is gone") from None
+    return election
 
 
 def publish_config(store: Store, config_text: str, start: str) -> None:

@@ -38,9 +38,9 @@ from titan_recover.recover.chaos.config import JOB_START_ENV
 from titan_recover.recover.diloco.rules import DilocoKeys, warming
 from titan_recover.recover.events import NODE_ENV
 from titan_recover.recover.groups.keys import GroupKeys, parse_dropped
-from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, await_acks, ConfigMismatch,
-                                             host_embedded, join_embedded, new_job_name, NoJobStore, publish_config,
-                                             run_segment)
+from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, Announcement, await_acks,
+                                             claim_node, ConfigMismatch, host_embedded, join_embedded, new_job_name,
+                                             NoJobStore, publish_config, running_job, run_segment)
 from titan_recover.recover.launcher_stop import StopControl
 from titan_recover.recover.launcher_syncer import SyncerSupervision
 from titan_recover.recover.nodes import agreed_text, NodeKeys, NodePlan, single_node
@@ -114,7 +114,9 @@ class ReplicaJob(StopControl, SyncerSupervision):
         """Its URL, as every process of the job opens it: ``HOST:PORT`` of the embedded TCPStore, or the etcd URL of
         this job's keys."""
         self.announcement = None
-        """On etcd, node 0: the lease-bound announcement of the job's name under the run folder's prefix."""
+        """On etcd: this launcher's hold on the announcement of the job's name under the run folder's prefix."""
+        self.node_claim = None
+        """On etcd: this launcher's hold on its node's key in the job's store (one launcher per node)."""
         self._leaders: dict[str, str] = {}
         """Each role's leader as this launcher last read it (etcd: the coordinator's and the syncer's keys)."""
         self._deposed: dict[str, tuple[str, float | None]] = {}
@@ -204,15 +206,16 @@ class ReplicaJob(StopControl, SyncerSupervision):
         at most: NoJobStore), or etcd. Then node 0 publishes its resolved config and start time, and every other
         node checks its own config against it (ConfigMismatch) before anything starts."""
         recover, plan = self.recover, self.plan
+        joined = plan.rank != 0
         if recover.store:
-            self.join_etcd_job()
+            joined = self.join_etcd_job()
         elif plan.rank == 0:
             self.host_store()
         else:
             host, port = plan.endpoint
             self.store, self.address = join_embedded(host, port, recover.startup_timeout_s, recover.agree_timeout_s)
         agreed = agreed_text(self.config_text, self.ranks)
-        if plan.rank == 0:
+        if not joined:
             publish_config(self.store, agreed, self.base_env[JOB_START_ENV])
         else:
             self.base_env[JOB_START_ENV] = agree_config(self.store, agreed, recover.startup_timeout_s)
@@ -231,17 +234,25 @@ class ReplicaJob(StopControl, SyncerSupervision):
             raise NoJobStore(f"node 0 could not host the job's store on port {port} ({str(error).splitlines()[0]}): "
                              f"is another job using it? Choose a free port ({where})") from None
 
-    def join_etcd_job(self) -> None:
-        """An etcd store: node 0 names the job (the run folder's name, then its start) and announces it while it
-        lives; the other nodes read the announcement. Every process opens the job's own prefix."""
+    def join_etcd_job(self) -> bool:
+        """An etcd store: node 0 of a new job names it (the run folder's name, then its start) and announces it;
+        every other launcher reads the announcement and keeps it alive with the others, so that it lasts while any
+        node of the job lives. A node 0 that finds a job running (a replacement of the lost node 0) joins it as
+        the other nodes do. Then each holds its node's key. Every process opens the job's own prefix. True if this
+        launcher joined a job that node 0 named (it adopts the published config and start)."""
         recover, run = self.recover, run_segment(self.run_dir)
-        if self.plan.rank == 0:
+        job = running_job(recover.store, run, recover.agree_timeout_s) if self.plan.rank == 0 else None
+        joined = self.plan.rank != 0 or job is not None
+        if not joined:
             job = new_job_name()
             self.announcement = announce_job(recover.store, run, job, recover.agree_timeout_s)
         else:
-            job = announced_job(recover.store, run, recover.startup_timeout_s)
+            job = job or announced_job(recover.store, run, recover.startup_timeout_s)
+            self.announcement = Announcement(recover.store, run, job, recover.agree_timeout_s).stand_by()
         self.address = job_url(recover.store, run, job)
+        self.node_claim = claim_node(self.address, self.plan.rank, recover.agree_timeout_s)
         self.store = connect(self.address, recover.agree_timeout_s)
+        return joined
 
     # ---- starts ------------------------------------------------------------------------------------------
     @property
@@ -669,8 +680,9 @@ class ReplicaJob(StopControl, SyncerSupervision):
         kill_all(processes_of_run(self.run_dir, node=self.plan.rank))
         if self.notice is not None:
             self.notice.remove()
-        if self.announcement is not None:
-            self.announcement.resign()
+        for held in (self.announcement, self.node_claim):
+            if held is not None:
+                held.resign()
 
 
 def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_per_replica: int,

@@ -25,6 +25,13 @@ class NodeKeys:
     """Node 0's start time (``time.time()``): time-triggered chaos faults count from it on every node."""
 
     @staticmethod
+    def launcher(node: int) -> str:
+        """etcd: held (a lease-bound key) by the launcher running node ``node`` of the job, naming its host and
+        process: a second launcher for the same node is refused while it lives; a replacement takes it once the
+        lost one's lease lapsed."""
+        return f"nodes/launcher/{node}"
+
+    @staticmethod
     def ack(node: int) -> str:
         """Written by node ``node``'s launcher once it read the job's verdict: its exit code."""
         return f"nodes/ack/{node}"
