@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -131,15 +132,18 @@ def test_a_snapshot_restores_a_fresh_replica_and_a_failed_send_keeps_the_previou
 
 def test_a_keeper_that_is_gone_leaves_a_start_without_snapshots_not_a_failed_start():
     """The buddy keeper died (its port closed): the rank starts, its restore finds nothing and says so, and the
-    durable checkpoint is what the job resumes from."""
+    durable checkpoint is what the job resumes from, at once: a refused connection is not retried until the
+    requests' timeout (a TCPStore client alone retries it for all of ``timeout_s`` and once more after a back-off:
+    over 60 s at the default)."""
     from torch.distributed import TCPStore as Store
 
     closed = Store("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     address = f"127.0.0.1:{closed.port}"
     del closed  # the keeper is gone
-    # a connection refused is retried until the timeout (and once more after a back-off): kept short
-    snapshots = Snapshots(Replica(seed=0).state(), keepers=[address], rank=0, ranks=1, local_ranks=1, timeout_s=0.2)
+    snapshots = Snapshots(Replica(seed=0).state(), keepers=[address], rank=0, ranks=1, local_ranks=1, timeout_s=60)
+    started = time.monotonic()
     assert snapshots.restore(durable_step=0) is None
+    assert time.monotonic() - started < 10  # 60 s and more without the connection's probe; ~ms with it
 
 
 def test_ranks_restore_a_snapshot_only_if_every_rank_picked_it_and_read_it_whole(keeper):

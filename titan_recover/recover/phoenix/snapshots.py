@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import zlib
@@ -46,6 +47,9 @@ from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum, S
 
 logger = logging.getLogger(__name__)
 
+CONNECT_S = 5.0
+"""How long a keeper's host may take to accept a connection before the keeper counts as gone (a live one accepts in
+well under a millisecond on a cluster network; a closed port refuses at once)."""
 KEEPERS_ENV = "TITAN_RECOVER_SNAPSHOT_KEEPERS"
 """Comma-separated HOST:PORT of the keepers, one per node in node order (set by the launcher's
 :func:`titan_recover.recover.phoenix.keeper.run_with_keeper` on one node)."""
@@ -161,11 +165,20 @@ class SnapshotKeys:
         return f"snapshot/owner/{rank}"  # the job whose snapshots of this rank the keeper holds
 
 
-def _connect(address: str, timeout_s: float):
+def _connect(address: str, timeout_s: float, connect_s: float = CONNECT_S):
+    """A client of the keeper at ``address``, ``timeout_s`` for each request. A keeper that is gone is told at
+    once (a closed port refuses the connection) or after ``connect_s`` (a host that does not answer): ConnectionError.
+    The TCPStore client alone would retry a refused connection until ``timeout_s``, and once more after a back-off:
+    a restore from a lost node's keeper waited a minute and more before the job went on from its durable
+    checkpoint."""
     from torch.distributed import TCPStore
 
     host, _, port = address.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")  # an IPv6 host, as store URLs write it
+    try:
+        socket.create_connection((host, int(port)), timeout=min(timeout_s, connect_s)).close()
+    except OSError as error:
+        raise ConnectionError(f"snapshot keeper at {address} unreachable: {error}") from None
     return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
