@@ -779,6 +779,44 @@ def test_nccl_connects_each_epoch_at_its_first_collective_and_issues_every_piece
         first.allreduce_sum_(torch.ones(4))
 
 
+def test_a_flag_raised_while_nccl_waits_for_a_root_that_never_came_is_seen_at_once():
+    """A non-root rank builds its communicator by waiting in the store for the root's unique id (NCCL's own
+    exchange: a blocking ``get``, up to the store's timeout); the root is a joiner of a lower replica that died
+    before it built its group. The flag raised meanwhile (by another client, 0.3 s in) ends the collective at the
+    next poll, the member's own store client answers meanwhile, and the communicator that arrives later (the root
+    came after all) is aborted and let go by the connecting thread. Without the connection on a thread of its own
+    (and a store client of its own) the flag was seen only at the store's timeout (30 s)."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    client, other = (TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=30)) for _ in range(2))
+
+    class WaitsForTheRoot(_FakeNccl):
+        def _connect(self, store, group_rank, size):
+            assert group_rank == 1
+            store.get("unique_id")  # as NCCL's non-root ranks do
+            super()._connect(store, group_rank, size)
+
+    group = WaitsForTheRoot(client, config=FTPGConfig(chunk_mb=16 / 2**20, poll_s=0.01), epoch=4, members=(0, 1),
+                            replica=1, rank=0, timeout_s=20.0)
+    raising = threading.Timer(0.3, lambda: raise_fault_flag(other, 4, "replica 0 rank(s) [0]: no heartbeat"))
+    raising.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(FaultDetected, match=r"allreduce \(connecting\) in epoch 4 abandoned: replica 0 rank.s. "
+                                                r".0.: no heartbeat"):
+            group.allreduce_sum_(torch.ones(4))
+        assert time.monotonic() - started < 10.0  # half the group's timeout: its flag polls were answered
+        client.set("still", "answering")
+        assert client.get("still") == b"answering"
+    finally:
+        raising.join()
+    other.set(GroupKeys.group_prefix(4, 0) + "/unique_id", "from the root")  # it came after all
+    deadline = time.monotonic() + 10
+    while not (group.communicators and group.communicators[0].aborted) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert group.communicators[0].aborted and group.pg is None  # the failed group's late communicator let go
+
+
 def test_a_broadcasts_callback_reads_each_tensor_only_after_the_stream_finished_its_last_piece(monkeypatch):
     """NCCL's pieces complete on the device; ``on_each(i)`` reads tensor ``i`` on the host (a state transfer
     hashes it), so the caller's stream is synchronized once tensor ``i``'s last piece completed, before the
@@ -995,11 +1033,12 @@ def test_nccl_without_progress_for_the_timeout_aborts_and_raises_the_flag(monkey
             time.sleep(0.001)
 
     def complete_some():
-        until(lambda: made and len(group.pg.works) == 3)
+        # the connection's deadline, then the collective's (made once its pieces are issued)
+        until(lambda: len(made) == 2 and group.pg is not None and len(group.pg.works) == 3)
         for k, work in enumerate(group.pg.works[:2]):
             clock[0] += 0.9 * timeout_s  # within the deadline
             work.completed = True
-            until(lambda: made[0].pieces == k + 1)  # the group saw it: its deadline moved
+            until(lambda: made[1].pieces == k + 1)  # the group saw it: its deadline moved
         clock[0] += 1.1 * timeout_s  # past the deadline, with nothing completing
         done.set()
 

@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Iterable
 
 import torch
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed import PrefixStore
 from torch._C._distributed_c10d import (
     AllreduceCoalescedOptions,
     AllreduceOptions,
@@ -45,6 +45,7 @@ from titan_recover.recover.ftpg.polled import (
     pieces_of,
     PolledGroup,
     Progress,
+    rendezvous_client,
 )
 from titan_recover.recover.ftpg.staging import discard_staging, HostStaging, staging_for
 from titan_recover.recover.groups.keys import GroupKeys
@@ -217,16 +218,6 @@ class PolledGlooGroup(PolledGroup):
             self.closing = threading.Thread(target=close_connections, daemon=True, name=CLOSE_THREAD,
                                             args=(self.pg, peers))
             self.closing.start()
-
-
-def rendezvous_client(store: Store) -> Store:
-    """The store client a gloo group connects its peers through: a connection of its own to a TCPStore. gloo
-    connects lazily, on its own thread, and waits there for a peer's address (a blocking ``get``, up to the group's
-    timeout); a TCPStore client answers one request at a time, so on the member's client a peer that never came
-    (lost before it built its group) would hold every request of the member's behind that wait, the fault flag's
-    included: a flag raised at once was seen only at the group's timeout (``tests/test_ftpg.py``). Any other store
-    as it is (a HashStore waits without holding its lock; the etcd store gives each thread its own connection)."""
-    return store.clone() if isinstance(store, TCPStore) else store
 
 
 def close_connections(pg: ProcessGroupGloo, peers: list[int]) -> int | None:

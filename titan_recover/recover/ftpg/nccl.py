@@ -27,9 +27,11 @@ Why this and not ``torch.distributed.shrink_group`` or a communicator in a subpr
 from __future__ import annotations
 
 import os
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Callable
 
 import torch
 from torch.distributed import PrefixStore, Store
@@ -37,7 +39,8 @@ from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, Reduc
 
 from titan_recover.platform import synchronize
 from titan_recover.recover.ftpg.base import register_backend
-from titan_recover.recover.ftpg.polled import check_contiguous, let_go, pieces_of, PolledGroup, Progress
+from titan_recover.recover.ftpg.polled import (check_contiguous, let_go, pieces_of, PolledGroup, Progress,
+                                               rendezvous_client)
 from titan_recover.recover.groups.keys import GroupKeys
 
 _QUERY_S = 0.0005
@@ -51,6 +54,8 @@ issued at once, so any finite bound would fail a big collective that still makes
 (:class:`~.polled.Progress`) and the fault flag end a stuck one, by aborting the communicator."""
 
 ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+CONNECT_THREAD = "titan-recover-nccl-connect"
+"""The thread on which a group's communicator is built and connected (:class:`_Connecting`)."""
 RELEASE_THREAD = "titan-recover-nccl-release"
 """The thread on which a communicator a group is done with is aborted (if asked) and destroyed (:func:`_let_go`)."""
 
@@ -66,12 +71,29 @@ class NcclGroup(PolledGroup):
                              f"{self.device} (use backend = \"auto\" or \"gloo\")")
         self.pg = None
         """The communicator, connected by the first collective (inside its guard)."""
+        self._lock = threading.Lock()
+        """Between the thread that connects the communicator and a fault's abort on the caller's thread."""
 
-    def _communicator(self):
+    def _communicator(self, name: str):
+        """Connect the communicator (first collective of the group) on a thread of its own, waited for as a piece
+        is: the fault flag and the progress deadline end the wait. A rank other than the communicator's root waits
+        in the store for the root's unique id, blocking, up to the store's timeout; a root lost before it built its
+        group (a joiner of a lower replica that died) would otherwise hold this thread, and the flag, that long. A
+        communicator that arrives after the group failed is aborted and let go by the connecting thread."""
         if self.pg is None:
-            prefix = PrefixStore(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.store)
-            self._connect(prefix, self.group_rank, len(self.members))
+            prefix = PrefixStore(GroupKeys.group_prefix(self.epoch, self.rank, self.tag),
+                                 rendezvous_client(self.store))
+            self._wait(f"{name} (connecting)", _Connecting(lambda: self._connect_unless_failed(prefix)),
+                       Progress(self.timeout_s))
         return self.pg
+
+    def _connect_unless_failed(self, store: Store) -> None:
+        try:
+            self._connect(store, self.group_rank, len(self.members))
+        finally:
+            with self._lock:
+                if self.failed and self.pg is not None:  # the caller gave up meanwhile: nobody else will let it go
+                    _let_go(self, abort=True)
 
     def _connect(self, store: Store, group_rank: int, size: int) -> None:
         """A new non-blocking communicator of this epoch in :attr:`pg`, then connected: a peer lost while it connects
@@ -120,7 +142,7 @@ class NcclGroup(PolledGroup):
     def _collective(self, name: str, tensors: list[torch.Tensor], root: int | None, on_each=None,
                     before_piece=None) -> None:
         pieces = pieces_of(tensors, self.config.chunk_bytes)
-        self._communicator()
+        self._communicator(name)
         works = []
         for piece in pieces:
             if before_piece is not None:  # queued on the caller's stream, which NCCL's stream waits for
@@ -163,9 +185,34 @@ class NcclGroup(PolledGroup):
         return True
 
     def _abort(self) -> None:
-        if self.pg is not None:
-            self.pg.abort()
-            _let_go(self)  # a failed group is never used again (its ``failed`` says so)
+        with self._lock:  # a communicator still connecting is let go by its thread (failed is set first)
+            if self.pg is not None:
+                self.pg.abort()
+                _let_go(self)  # a failed group is never used again (its ``failed`` says so)
+
+
+class _Connecting:
+    """A communicator's connection on a thread of its own, as a piece the caller's wait polls
+    (:meth:`PolledGroup._wait`): complete once the thread ended; ``wait()`` raises what it raised."""
+
+    def __init__(self, connect: Callable[[], None]):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(connect,), daemon=True, name=CONNECT_THREAD)
+        self.thread.start()
+
+    def _run(self, connect: Callable[[], None]) -> None:
+        try:
+            connect()
+        except BaseException as error:  # noqa: BLE001 (raised on the caller's thread by wait())
+            self.error = error
+
+    def is_completed(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def _let_go(group: NcclGroup, abort: bool = False) -> None:

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch.distributed import Store
+from torch.distributed import Store, TCPStore
 
 from titan_recover.recover.ftpg.base import FaultDetected, FaultTolerantGroup, FTPGConfig
 from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
@@ -86,6 +86,17 @@ def let_go(owner: Any, attribute: str, *, name: str,
     thread = threading.Thread(target=release, daemon=True, name=name)
     thread.start()
     return thread
+
+
+def rendezvous_client(store: Store) -> Store:
+    """The store client a group connects its peers through: a connection of its own to a TCPStore. gloo connects
+    lazily, on its own thread, and waits there for a peer's address (a blocking ``get``, up to the group's timeout);
+    NCCL's non-root ranks wait the same way for the root's unique id (on a thread of the group's, :mod:`.nccl`). A
+    TCPStore client answers one request at a time, so on the member's client a peer that never came (lost before it
+    built its group) would hold every request of the member's behind that wait, the fault flag's included: with
+    gloo a flag raised at once was seen only at the group's timeout (``tests/test_ftpg.py``). Any other store as it
+    is (a HashStore waits without holding its lock; the etcd store gives each thread its own connection)."""
+    return store.clone() if isinstance(store, TCPStore) else store
 
 
 class Progress:
