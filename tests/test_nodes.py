@@ -72,6 +72,22 @@ def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmi
     assert processes_of_run(str(tmp_path)) == []
 
 
+def lose_a_node_and_replace_it(folder, args: tuple[str, ...], options: list[tuple[str, ...]], node: int):
+    """Launch one launcher per node; once step 3 was committed, SIGKILL ``node``'s and start a new launcher of that
+    node rank in its place. Returns the launchers' results, in node order, the replacement's last; the lost one
+    ended by the SIGKILL and the replacement exited 0 (asserted)."""
+    def lose_and_replace(procs, start) -> None:
+        wait_for_commit(folder, 3, procs)
+        procs[node].kill()
+        procs[node].wait()
+        start((*args, *options[node]))
+
+    results = launch_nodes(folder, [(*args, *o) for o in options], while_running=lose_and_replace)
+    assert results[node].returncode == -signal.SIGKILL
+    assert results[-1].returncode == 0, output(results[-1])
+    return results
+
+
 def test_two_nodes_a_lost_node_replaced_by_a_new_launcher_rejoins_with_a_peers_state(tmp_path, exact_reference):
     """3 replica groups of 1 rank on 2 nodes (node 1: group 2): node 1's launcher is SIGKILLed once
     step 3 was committed (a lost host: no notice; its group dies with it), and a new launcher of node rank 1 is
@@ -83,19 +99,9 @@ def test_two_nodes_a_lost_node_replaced_by_a_new_launcher_rejoins_with_a_peers_s
     args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
                             extra=("--recover.quota.exact", "--recover.max_restarts", "1",
                                    "--recover.rejoin_wait_s", "150"))
-    options = node_options(2, f"127.0.0.1:{free_port()}")
-
-    def lose_node_1_and_replace_it(procs, start) -> None:
-        wait_for_commit(tmp_path, 3, procs)
-        procs[1].kill()
-        procs[1].wait()
-        start((*args, *options[1]))
-
-    node0, lost, replacement = launch_nodes(tmp_path, [(*args, *o) for o in options],
-                                            while_running=lose_node_1_and_replace_it)
-    assert lost.returncode == -signal.SIGKILL
+    endpoint = f"127.0.0.1:{free_port()}"
+    node0, _, replacement = lose_a_node_and_replace_it(tmp_path, args, node_options(2, endpoint), node=1)
     assert node0.returncode == 0, output(node0)
-    assert replacement.returncode == 0, output(replacement)
     assert "node 1 of 2: replica group 2" in replacement.stderr
     assert "dropped" not in replacement.stderr and "restarting" not in replacement.stderr, replacement.stderr
     events = read_events(tmp_path / "events.jsonl")
@@ -173,19 +179,8 @@ def test_two_nodes_on_etcd_node_0_lost_and_replaced_the_job_goes_on_and_its_grou
     args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
                             extra=("--recover.quota.exact", "--recover.max_restarts", "1",
                                    "--recover.rejoin_wait_s", "150", "--recover.store", f"etcd://{etcd_server}"))
-    options = node_options(2)
-
-    def lose_node_0_and_replace_it(procs, start) -> None:
-        wait_for_commit(tmp_path, 3, procs)
-        procs[0].kill()
-        procs[0].wait()
-        start((*args, *options[0]))
-
-    lost, node1, replacement = launch_nodes(tmp_path, [(*args, *o) for o in options],
-                                            while_running=lose_node_0_and_replace_it)
-    assert lost.returncode == -signal.SIGKILL
+    _, node1, replacement = lose_a_node_and_replace_it(tmp_path, args, node_options(2), node=0)
     assert node1.returncode == 0, output(node1)
-    assert replacement.returncode == 0, output(replacement)
     job = [line for line in node1.stderr.splitlines() if "the job's store: etcd://" in line][0].split("store: ")[1]
     assert f"node 0 of 2: replica groups 0-1; the job's store: {job}" in replacement.stderr, replacement.stderr
     assert "restarting" not in replacement.stderr, replacement.stderr
