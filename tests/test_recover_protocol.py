@@ -71,6 +71,35 @@ def test_liveness_watch_hung_restarted_and_forgotten():
     assert watch.ages(0, [0], 1) == {0: None}
 
 
+def test_a_stale_beat_of_an_earlier_start_never_takes_a_members_place():
+    """Start 0 of replica 0 was dropped while stopped (its node frozen) and start 1 admitted; start 0 is thawed and
+    its heartbeat thread writes a beat or two under the group's key before its launcher ends it. That is no news of
+    start 1: the member stays alive while its own beats come between, is judged by the time its own beat stood still,
+    and is dead once only the stale writer beats for the timeout. A member just admitted whose first read shows the
+    stale beat is watched from then on like one that has not beaten yet. Before, the first stale read declared the
+    healthy member dead (found by freezing a node's processes, replacing the node, then thawing them)."""
+    watch = LivenessWatch(heartbeat_timeout_s=2.0, progress_timeout_s=10.0, max_gap_s=0.25)
+    stale = beating(50.0, incarnation=0)
+    for i in range(30):  # the member's beats and the stale one's interleave
+        watch.look(0.1 * i, {(0, 0): beating(0.1 * i, incarnation=1) if i % 2 else stale}, {0: 1})
+        assert watch.judge(0, [0], 1).alive, i
+    for i in range(30, 60):  # the member is gone; only the stale writer beats: dead after 2 s of watched time
+        watch.look(0.1 * i, {(0, 0): stale}, {0: 1})
+        if i < 50:
+            assert watch.judge(0, [0], 1).alive, i
+    assert watch.judge(0, [0], 1).dead_ranks == (0,)
+    fresh = LivenessWatch(heartbeat_timeout_s=2.0, progress_timeout_s=10.0, max_gap_s=0.25)
+    fresh.look(0.0, {(0, 0): stale}, {0: 1})
+    assert fresh.judge(0, [0], 1).alive and fresh.ages(0, [0], 1)[0] == (0.0, 0.0)
+    fresh.look(0.1, {(0, 0): beating(0.1, incarnation=1)}, {0: 1})
+    assert fresh.ages(0, [0], 1)[0] == (0.0, 0.0)
+    # without the expected start (the diloco syncer), an earlier start than the one last seen is stale all the same
+    syncer = LivenessWatch(heartbeat_timeout_s=2.0, progress_timeout_s=10.0, max_gap_s=0.25)
+    syncer.look(0.0, {(0, 0): beating(0.0, incarnation=1)})
+    syncer.look(0.1, {(0, 0): stale})
+    assert syncer.judge(0, [0], 1).alive and syncer.ages(0, [0], 1)[0][0] == pytest.approx(0.1)
+
+
 def test_watched_time_sits_out_stalls():
     window = WatchedTime(max_gap_s=0.25, now=10.0)
     for now in (10.1, 10.2, 12.2, 12.3):

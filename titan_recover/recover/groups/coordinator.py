@@ -269,7 +269,7 @@ class Coordinator:
         raw = self._read_beats([GroupKeys.heartbeat(m) for m in ranks])
         now = time.monotonic()  # after the read: what it returned is the store's state at about this time
         beats = group_beats(dict(zip(ranks, raw)), ranks, self.incarnation)
-        self.watch.look(now, beats)
+        self.watch.look(now, beats, self.incarnation)
         if self.chaos:
             self._inject("step", min(beat.step for beat in beats.values()))
         for replica in ranks:

@@ -152,14 +152,27 @@ class LivenessWatch:
         self.time: WatchedTime | None = None
         """The watch's own time (None until the first look): ``unwatched_s`` is the stalls it sat out."""
 
-    def look(self, now: float, beats: dict[tuple[int, int], Heartbeat]) -> float:
+    def look(self, now: float, beats: dict[tuple[int, int], Heartbeat],
+             expected: dict[int, int] | None = None) -> float:
         """Record what one read of the store returned at ``now`` (coordinator clock, after the read):
-        (replica, rank) -> its beat. Returns the time this look counted."""
+        (replica, rank) -> its beat. ``expected``: replica -> the start (incarnation) watched, if known (default:
+        the one last recorded). A beat of an earlier start than that is a stale writer's (a start that was dropped
+        and has not ended yet: stopped, frozen with its node, then thawed) and shows nothing of the watched start,
+        whose beat counts as unchanged for this look; before, it was taken for the watched start's end and a
+        healthy member was declared dead. Returns the time this look counted."""
         if self.time is None:
             self.time = WatchedTime(self.max_gap_s, now)
         counted = self.time.tick(now)
         for key, beat in beats.items():
             seen = self._watched.get(key)
+            watched = (expected or {}).get(key[0], seen.beat.incarnation if seen is not None else None)
+            if watched is not None and beat.incarnation < watched:
+                if seen is None or seen.beat.incarnation != watched:  # nothing of the watched start seen yet
+                    self._watched[key] = _Watched(absent_beat(watched))
+                else:
+                    seen.quiet_s += counted
+                    seen.still_s += counted
+                continue
             if seen is None or seen.beat.incarnation != beat.incarnation:
                 self._watched[key] = _Watched(beat)
                 continue
