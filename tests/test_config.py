@@ -776,6 +776,31 @@ def test_a_launcher_replacing_a_lost_nodes_numbers_its_groups_starts_after_the_l
     assert replacement.slots[0].incarnation == 2 and int(store.add(GroupKeys.starts(2), 0)) == 3
 
 
+def test_a_launcher_whose_node_key_names_another_launcher_ends(tmp_path):
+    """Many nodes: each launcher (node 0's too on etcd) names itself in its node's key, and a launcher started in its
+    place overwrites it. A launcher that finds another named there (it was stopped or cut off meanwhile) ends with
+    its own processes only (they carry its process id), never the replacement's on the same host."""
+    from torch.distributed import HashStore
+
+    from titan_recover.recover.children import LAUNCHER_ENV
+    from titan_recover.recover.job_store import launcher_identity, NodeReplaced
+    from titan_recover.recover.launcher import ReplicaJob
+    from titan_recover.recover.nodes import NodeKeys, NodePlan
+
+    config = build_config(None, ["--recover.replicas", "3", "--dump_folder", str(tmp_path)])
+    job = ReplicaJob(config, None, [], 1, 0, plan=NodePlan(2, 1, range(2, 3)))
+    job.store = HashStore()
+    assert job.owns_node_key and job.base_env[LAUNCHER_ENV] == str(os.getpid())
+    job.store.set(NodeKeys.launcher(1), launcher_identity())
+    job._pass()  # its own name: it carries on
+    job.store.set(NodeKeys.launcher(1), "spare-host/pid42")
+    with pytest.raises(NodeReplaced, match=r"node 1's launcher was replaced by spare-host/pid42 \(this one, .*/pid\d+, "
+                                           r"was stopped or cut off meanwhile\)"):
+        job._pass()
+    node0 = ReplicaJob(config, None, [], 1, 0, plan=NodePlan(2, 0, range(0, 2)))
+    assert not node0.owns_node_key  # it hosts the embedded store: nobody replaces it
+
+
 class _Exited:
     """A started process that already exited with an error (for a launcher's restart)."""
 

@@ -4,6 +4,7 @@ coordinator, each node runs and restarts its own replica groups, and both exit w
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -13,7 +14,7 @@ from conftest import EXACT_REFERENCE, free_port
 from replica_runs import (assert_all_equal_reference, launch_nodes, metrics_by_replica, node_options, of,
                           replica_job_args)
 from titan_recover.recover.events import read_events
-from titan_recover.recover.children import processes_of_run
+from titan_recover.recover.children import LAUNCHER_ENV, processes_of_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -109,6 +110,49 @@ def test_two_nodes_a_lost_node_replaced_by_a_new_launcher_rejoins_with_a_peers_s
     assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]
     logged = metrics_by_replica(tmp_path)
     assert sorted(logged[0]) == sorted(logged[1]) == list(range(1, STEPS + 1))
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert processes_of_run(str(tmp_path)) == []
+
+
+def test_two_nodes_a_frozen_node_replaced_then_thawed_ends_by_itself_and_evicts_nobody(tmp_path, exact_reference):
+    """Node 1 (group 2) freezes once step 2 was committed: its launcher and every process it started are stopped
+    (SIGSTOP; a host that hangs, or is cut off, then comes back). The coordinator drops group 2, a new node-1 launcher
+    is started in its place and its group admitted; then the frozen processes resume. The thawed start of replica 2
+    writes its old beat under the group's key: that is no news of the member (the replacement's start), which is not
+    dropped; the thawed launcher finds another launcher named in its node's key and ends, with its own processes
+    only, restarting nothing. The two live launchers exit 0, the thawed one 1 saying why, and every replica ends
+    bitwise equal to the failure-free one-node run."""
+    args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
+                            extra=("--recover.quota.exact", "--recover.max_restarts", "1",
+                                   "--recover.rejoin_wait_s", "150"))
+    options = node_options(2, f"127.0.0.1:{free_port()}")
+
+    def freeze_replace_and_thaw(procs, start) -> None:
+        wait_for_commit(tmp_path, 2, procs)
+        frozen = processes_of_run(str(tmp_path), node=1)
+        with open(f"/proc/{frozen[0]}/environ", "rb") as environ:  # every process of node 1 names its launcher
+            launcher = [int(v.split(b"=")[1]) for v in environ.read().split(b"\0")
+                        if v.startswith(LAUNCHER_ENV.encode() + b"=")][0]
+        frozen.append(launcher)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        start((*args, *options[1]))
+        deadline = time.monotonic() + 180
+        while not of(read_events(tmp_path / "events.jsonl"), "replica_admitted"):
+            assert time.monotonic() < deadline and procs[-1].poll() is None, "the replacement was not admitted"
+            time.sleep(0.1)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+
+    node0, thawed, replacement = launch_nodes(tmp_path, [(*args, *o) for o in options],
+                                              while_running=freeze_replace_and_thaw)
+    assert node0.returncode == 0, output(node0)
+    assert replacement.returncode == 0, output(replacement)
+    assert thawed.returncode == 1, output(thawed)
+    assert "node 1's launcher was replaced by" in thawed.stderr and "restarting" not in thawed.stderr, thawed.stderr
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["removed"] for e in of(events, "epoch_formed") if e["removed"]] == [[2]]  # the replacement stayed
+    assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]
     assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
     assert processes_of_run(str(tmp_path)) == []
 

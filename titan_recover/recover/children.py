@@ -40,13 +40,20 @@ def spawn(cmd: list[str], env: dict, prefix: str, death_signal: int = signal.SIG
     return proc
 
 
+LAUNCHER_ENV = "TITAN_RECOVER_LAUNCHER"
+"""The process id of the launcher that started a process (inherited by everything it starts): a launcher ends only
+its own processes, never those of a launcher that replaced it on the same host."""
+
+
 def processes_of_run(run_dir: str, replica: int | None = None, incarnation: int | None = None,
-                     node: int | None = None) -> list[int]:
-    """PIDs whose environment carries this run's marker (and the replica's, incarnation's and node's, if given);
-    Linux /proc."""
+                     node: int | None = None, launcher: int | None = None) -> list[int]:
+    """PIDs whose environment carries this run's marker (and the replica's, incarnation's, node's and launcher's,
+    if given); Linux /proc."""
     markers = {f"{RUN_DIR_ENV}={run_dir}".encode()}
     if node is not None:
         markers.add(f"{NODE_ENV}={node}".encode())
+    if launcher is not None:
+        markers.add(f"{LAUNCHER_ENV}={launcher}".encode())
     if replica is not None:
         markers.add(f"{REPLICA_ENV}={replica}".encode())
     if incarnation is not None:

@@ -45,6 +45,10 @@ class NoJobStore(RuntimeError):
     """The job's store (or, on etcd, node 0's announcement of the job) did not appear in time."""
 
 
+class NodeReplaced(RuntimeError):
+    """Another launcher took this node's place in the job (this one was stopped or cut off meanwhile)."""
+
+
 class ConfigMismatch(ValueError):
     """This node's resolved config differs from node 0's."""
 
@@ -160,6 +164,11 @@ def announced_job(url: str, run: str, wait_s: float) -> str:
                          f"running, with the same dump_folder and recover.store? ({str(e).splitlines()[0]})") from None
 
 
+def launcher_identity() -> str:
+    """How a launcher names itself in its node's key (``NodeKeys.launcher``): its host and process id."""
+    return f"{socket.gethostname()}/pid{os.getpid()}"
+
+
 def claim_node(url: str, rank: int, timeout_s: float, wait_s: float = 2 * ANNOUNCE_TTL_S + 1):
     """etcd: hold node ``rank``'s key in the job's store (``url``) while this launcher lives, naming its host and
     process; NoJobStore naming the holder if another launcher of that node still runs after ``wait_s`` (default
@@ -168,8 +177,7 @@ def claim_node(url: str, rank: int, timeout_s: float, wait_s: float = 2 * ANNOUN
     from titan_recover.recover.stores.leader import LeaderElection
 
     store = open_store(url, timeout=timedelta(seconds=timeout_s))
-    me = f"{socket.gethostname()}/pid{os.getpid()}"
-    election = LeaderElection(store, NodeKeys.launcher(rank), me, ttl_s=ANNOUNCE_TTL_S)
+    election = LeaderElection(store, NodeKeys.launcher(rank), launcher_identity(), ttl_s=ANNOUNCE_TTL_S)
     try:
         election.campaign(timedelta(seconds=wait_s))
     except TimeoutError:

@@ -30,8 +30,8 @@ from dataclasses import asdict
 
 from torch.distributed import DistError, Store
 
-from titan_recover.recover.children import (BeatWatch, cpu_threads_per_process, kill_all, processes_of_run,
-                                            ReplicaSlot, signal_group, spawn)
+from titan_recover.recover.children import (BeatWatch, cpu_threads_per_process, kill_all, LAUNCHER_ENV,
+                                            processes_of_run, ReplicaSlot, signal_group, spawn)
 from titan_recover.recover.groups.member import (COORDINATOR_ENV, FOUNDING_STEP_ENV, INCARNATION_ENV, REPLICA_ENV,
                                                  RUN_DIR_ENV)
 from titan_recover.recover.chaos.config import JOB_START_ENV
@@ -39,8 +39,9 @@ from titan_recover.recover.diloco.rules import DilocoKeys, warming
 from titan_recover.recover.events import NODE_ENV
 from titan_recover.recover.groups.keys import GroupKeys, parse_dropped
 from titan_recover.recover.job_store import (agree_config, announce_job, announced_job, Announcement, await_acks,
-                                             claim_node, ConfigMismatch, host_embedded, join_embedded, new_job_name,
-                                             NoJobStore, publish_config, running_job, run_segment)
+                                             claim_node, ConfigMismatch, host_embedded, join_embedded,
+                                             launcher_identity, new_job_name, NodeReplaced, NoJobStore, publish_config,
+                                             running_job, run_segment)
 from titan_recover.recover.launcher_stop import StopControl
 from titan_recover.recover.launcher_syncer import SyncerSupervision
 from titan_recover.recover.nodes import agreed_text, NodeKeys, NodePlan, single_node
@@ -132,7 +133,7 @@ class ReplicaJob(StopControl, SyncerSupervision):
 
     def _base_env(self) -> dict:
         env = dict(os.environ, **{RUN_DIR_ENV: self.run_dir, "TORCH_GLOO_LAZY_INIT": "1", "PYTHONUNBUFFERED": "1",
-                                  NODE_ENV: str(self.plan.rank)})
+                                  NODE_ENV: str(self.plan.rank), LAUNCHER_ENV: str(os.getpid())})
         env.setdefault(JOB_START_ENV, repr(time.time()))  # time-triggered faults count from here (node 0's start)
         if self.notice is not None:
             env[NOTICE_FILE_ENV] = self.notice.path
@@ -214,6 +215,8 @@ class ReplicaJob(StopControl, SyncerSupervision):
         else:
             host, port = plan.endpoint
             self.store, self.address = join_embedded(host, port, recover.startup_timeout_s, recover.agree_timeout_s)
+        if self.owns_node_key and not recover.store:  # (on etcd, claim_node holds it)
+            self.store.set(NodeKeys.launcher(plan.rank), launcher_identity())
         agreed = agreed_text(self.config_text, self.ranks)
         if not joined:
             publish_config(self.store, agreed, self.base_env[JOB_START_ENV])
@@ -293,7 +296,21 @@ class ReplicaJob(StopControl, SyncerSupervision):
             keys.append(GroupKeys.COORDINATOR_LEADER)
         if self.syncer is not None:
             keys += [DilocoKeys.SYNCER_BEAT, *([DilocoKeys.SYNCER_LEADER] if self.recover.store else [])]
+        if self.owns_node_key:
+            keys.append(NodeKeys.launcher(self.plan.rank))
         self._seen = dict(zip(keys, read_keys(self.store, keys)))
+        if self.owns_node_key:
+            holder = (self._seen[NodeKeys.launcher(self.plan.rank)] or b"").decode()
+            if holder and holder != launcher_identity():
+                raise NodeReplaced(f"node {self.plan.rank}'s launcher was replaced by {holder} (this one, "
+                                   f"{launcher_identity()}, was stopped or cut off meanwhile): ending this "
+                                   "launcher's processes")
+
+    @property
+    def owns_node_key(self) -> bool:
+        """This launcher names itself in its node's key, and ends if another launcher does (many nodes: on etcd
+        every node, held by a lease; on the embedded store every node but 0, which hosts the store)."""
+        return self.plan.many and (bool(self.recover.store) or self.plan.rank != 0)
 
     def _read(self, key: str) -> bytes | None:
         """``key``'s value (None: absent): as the current pass read it, or from the store."""
@@ -677,7 +694,7 @@ class ReplicaJob(StopControl, SyncerSupervision):
             time.sleep(0.05)
         for child in self.children:
             signal_group(child, signal.SIGKILL)
-        kill_all(processes_of_run(self.run_dir, node=self.plan.rank))
+        kill_all(processes_of_run(self.run_dir, node=self.plan.rank, launcher=os.getpid()))
         if self.notice is not None:
             self.notice.remove()
         for held in (self.announcement, self.node_claim):
@@ -714,7 +731,7 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
     except ConfigMismatch as e:
         print(f"titan_recover: config error: {e}", file=sys.stderr, flush=True)
         return 2
-    except NoJobStore as e:
+    except (NoJobStore, NodeReplaced) as e:
         print(f"titan_recover: {e}", file=sys.stderr, flush=True)
         return 1
     except DistError as e:
