@@ -266,7 +266,7 @@ class ReplicaJob(StopControl, SyncerSupervision):
     @property
     def coordinator_identity(self) -> str:
         """How this node's current coordinator start names itself in the leader election (etcd)."""
-        return f"{socket.gethostname()}/node{self.plan.rank}/start{self.coordinator.incarnation}"
+        return f"{socket.gethostname()}:{os.getpid()}/node{self.plan.rank}/start{self.coordinator.incarnation}"
 
     def start_coordinator(self) -> None:
         """The coordinator's current start; a restart resumes the state it finds in the store. With an etcd store

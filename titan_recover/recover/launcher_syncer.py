@@ -6,6 +6,7 @@ is left and saves the global model. Part of :class:`~titan_recover.recover.launc
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -50,7 +51,7 @@ class SyncerSupervision:
     @property
     def syncer_identity(self) -> str:
         """How this node's current syncer start names itself in the leader election (etcd)."""
-        return f"{socket.gethostname()}/node{self.plan.rank}/syncer{self.syncer.incarnation}"
+        return f"{socket.gethostname()}:{os.getpid()}/node{self.plan.rank}/syncer{self.syncer.incarnation}"
 
     def syncer_host(self) -> str:
         """The address the learners reach this node's syncer at: on many nodes with the embedded store node 0's,
