@@ -215,13 +215,13 @@ class ReplicaJob(StopControl, SyncerSupervision):
         else:
             host, port = plan.endpoint
             self.store, self.address = join_embedded(host, port, recover.startup_timeout_s, recover.agree_timeout_s)
-        if self.owns_node_key and not recover.store:  # (on etcd, claim_node holds it)
-            self.store.set(NodeKeys.launcher(plan.rank), launcher_identity())
         agreed = agreed_text(self.config_text, self.ranks)
         if not joined:
             publish_config(self.store, agreed, self.base_env[JOB_START_ENV])
         else:
             self.base_env[JOB_START_ENV] = agree_config(self.store, agreed, recover.startup_timeout_s)
+        if self.owns_node_key and not recover.store:  # once its config agreed (on etcd, claim_node holds it)
+            self.store.set(NodeKeys.launcher(plan.rank), launcher_identity())
         if plan.many:
             print(f"[titan_recover] {plan.describe()}; the job's store: {self.address}", file=sys.stderr, flush=True)
 
