@@ -229,8 +229,10 @@ def test_two_nodes_on_etcd_node_0_lost_and_replaced_the_job_goes_on_and_its_grou
     assert f"node 0 of 2: replica groups 0-1; the job's store: {job}" in replacement.stderr, replacement.stderr
     assert "restarting" not in replacement.stderr, replacement.stderr
     events = read_events(tmp_path / "events.jsonl")
-    assert [e["removed"] for e in of(events, "epoch_formed") if e["removed"]] == [[0, 1]]
-    assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(0, 1), (1, 1)]
+    # node 0's groups are removed once each, in one epoch or two (a killed launcher's groups end by their death
+    # signal, not at the same instant: one may still join the epoch formed when the other was found gone)
+    assert sorted(r for e in of(events, "epoch_formed") for r in e["removed"]) == [0, 1]
+    assert sorted((e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")) == [(0, 1), (1, 1)]
     assert sorted(metrics_by_replica(tmp_path)[2]) == list(range(1, STEPS + 1))
     assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
     assert processes_of_run(str(tmp_path)) == []
