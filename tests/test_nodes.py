@@ -34,11 +34,18 @@ def sigterm_once_step_3_committed(folder, nodes: list[int]):
     return preempt
 
 
-def wait_for_commit(folder, step: int, procs) -> None:
+def wait_for_event(folder, procs, what: str, matches) -> None:
+    """Until an event of the run ``matches``; fails (naming ``what``) if a launcher of ``procs`` ended first or
+    after 180 s."""
     deadline = time.monotonic() + 180
-    while not any(e["event"] == "step_committed" and e["step"] >= step for e in read_events(folder / "events.jsonl")):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no step {step} committed"
+    while not any(matches(e) for e in read_events(folder / "events.jsonl")):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no {what}"
         time.sleep(0.1)
+
+
+def wait_for_commit(folder, step: int, procs) -> None:
+    wait_for_event(folder, procs, f"step {step} committed",
+                   lambda e: e["event"] == "step_committed" and e["step"] >= step)
 
 
 def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmitted(tmp_path, exact_reference):
@@ -137,10 +144,8 @@ def test_two_nodes_a_frozen_node_replaced_then_thawed_ends_by_itself_and_evicts_
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         start((*args, *options[1]))
-        deadline = time.monotonic() + 180
-        while not of(read_events(tmp_path / "events.jsonl"), "replica_admitted"):
-            assert time.monotonic() < deadline and procs[-1].poll() is None, "the replacement was not admitted"
-            time.sleep(0.1)
+        wait_for_event(tmp_path, [procs[0], procs[-1]], "admission of the replacement",
+                       lambda e: e["event"] == "replica_admitted")
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
 

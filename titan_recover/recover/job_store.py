@@ -100,15 +100,12 @@ class Announcement:
     def take(self) -> None:
         """Hold the announcement now; NoJobStore naming the job that holds it after twice the lease's time to live
         (a launcher killed just before releases it within that)."""
-        try:
-            self.election.campaign(timedelta(seconds=2 * self.election.ttl_s + 1))
-        except TimeoutError:
-            self.election.resign()
-            held = self.store.get(ANNOUNCEMENT).decode() if self.store.check([ANNOUNCEMENT]) else "?"
+        held = _take_or_name_holder(self.election, self.store, ANNOUNCEMENT, 2 * self.election.ttl_s + 1)
+        if held is not None:
             raise NoJobStore(f"job {held} of run folder {self.run!r} is still running on {self.url} (a launcher of "
                              f"it holds {job_url(self.url, self.run)}/{ANNOUNCEMENT}): wait for it, start this "
                              "launcher with the same config to replace one of its nodes, or use another "
-                             "dump_folder") from None
+                             "dump_folder")
 
     def stand_by(self) -> "Announcement":
         """Campaign on a thread until this launcher holds the announcement or resigns."""
@@ -131,6 +128,16 @@ class Announcement:
         if self._thread is not None:
             self._thread.join(timeout=RECAMPAIGN_S + 10)
         self.election.resign()
+
+
+def _take_or_name_holder(election, store, key: str, wait_s: float) -> str | None:
+    """Campaign ``election`` for ``key`` up to ``wait_s``: None once it holds it, else (resigned) who holds it."""
+    try:
+        election.campaign(timedelta(seconds=wait_s))
+        return None
+    except TimeoutError:
+        election.resign()
+        return store.get(key).decode() if store.check([key]) else "?"
 
 
 def announce_job(url: str, run: str, job: str, timeout_s: float) -> Announcement:
@@ -178,13 +185,10 @@ def claim_node(url: str, rank: int, timeout_s: float, wait_s: float = 2 * ANNOUN
 
     store = open_store(url, timeout=timedelta(seconds=timeout_s))
     election = LeaderElection(store, NodeKeys.launcher(rank), launcher_identity(), ttl_s=ANNOUNCE_TTL_S)
-    try:
-        election.campaign(timedelta(seconds=wait_s))
-    except TimeoutError:
-        election.resign()
-        held = store.get(NodeKeys.launcher(rank)).decode() if store.check([NodeKeys.launcher(rank)]) else "?"
+    held = _take_or_name_holder(election, store, NodeKeys.launcher(rank), wait_s)
+    if held is not None:
         raise NoJobStore(f"node {rank} of this job is still running (its launcher: {held}): one launcher per "
-                         "--node-rank; start a replacement only once the node's launcher is gone") from None
+                         "--node-rank; start a replacement only once the node's launcher is gone")
     return election
 
 
