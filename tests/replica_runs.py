@@ -176,13 +176,14 @@ def assert_all_equal_reference(reference, folder, events, replicas):
             assert record["n_tokens_seen"] == ref[step]["n_tokens_seen"], (replica, step)
 
 
-def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
-                 while_running=None) -> list[subprocess.CompletedProcess]:
+def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280, while_running=None,
+                 command=None) -> list[subprocess.CompletedProcess]:
     """Start one launcher per node (``node_args[i]``: node ``i``'s arguments) at once and wait for all of them; on
     timeout every launcher gets SIGTERM, then SIGKILL, and every process of the run is killed. Their output goes to
     files, not pipes: nothing blocks on a full pipe while another launcher is waited for. ``while_running(procs,
     start)``, if given, is called once they all started (to signal one, say); ``start(args)`` starts one more
-    launcher (a node's replacement), appended to ``procs`` and waited for as well."""
+    launcher (a node's replacement), appended to ``procs`` and waited for as well. ``command(i, args)``, if given,
+    is the command that runs the ``i``-th launcher started (default: :func:`~conftest.launcher_command`)."""
     launcher_command()  # starts the launcher server (named in os.environ) before the environment is copied
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as the one-node reference: bitwise results need equal threads
     deadline = time.monotonic() + timeout
@@ -200,8 +201,8 @@ def launch_nodes(folder, node_args: list[tuple[str, ...]], timeout: float = 280,
     def start(args: tuple[str, ...]) -> subprocess.Popen:
         outputs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
         launched.append(args)
-        procs.append(subprocess.Popen(launcher_command(*args), cwd=ROOT, env=env, stdout=outputs[-1][0],
-                                      stderr=outputs[-1][1], text=True))
+        argv = command(len(procs), args) if command is not None else launcher_command(*args)
+        procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=outputs[-1][0], stderr=outputs[-1][1], text=True))
         return procs[-1]
 
     try:

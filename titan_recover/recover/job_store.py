@@ -31,6 +31,7 @@ from torch.distributed import DistError, Store, TCPStore
 from titan_recover.recover.groups.keys import GroupKeys
 from titan_recover.recover.nodes import first_difference, NodeKeys
 from titan_recover.recover.stores import host_port, job_url, open_store
+from titan_recover.recover.stores.bounded import BoundedStore
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +61,17 @@ def host_embedded(host: str, port: int, timeout_s: float) -> tuple[TCPStore, str
     return store, host_port(host, store.port)
 
 
-def join_embedded(host: str, port: int, wait_s: float, timeout_s: float) -> tuple[TCPStore, str]:
+def join_embedded(host: str, port: int, wait_s: float, timeout_s: float) -> tuple[BoundedStore, str]:
     """A client of node 0's embedded store, waiting up to ``wait_s`` for node 0's launcher to host it; NoJobStore
-    after that."""
+    after that. Each of its requests is bounded (:class:`~.stores.bounded.BoundedStore`)."""
     try:
         store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=wait_s))
     except DistError as e:
         raise NoJobStore(f"no job store at {host}:{port} after {wait_s:g} s: is node 0's launcher running (with "
                          f"the same --rdzv-endpoint)? ({str(e).splitlines()[0]})") from None
     store.set_timeout(timedelta(seconds=timeout_s))
-    return store, host_port(host, port)  # an IPv6 host in brackets, as every process parses it
+    address = host_port(host, port)
+    return BoundedStore(store, address), address  # an IPv6 host in brackets, as every process parses it
 
 
 def run_segment(run_dir: str) -> str:

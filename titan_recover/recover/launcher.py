@@ -736,7 +736,8 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
         return 1
     except DistError as e:
         print(f"titan_recover: the job's store at {job.address} was lost ({str(e).splitlines()[0]}): node 0's "
-              "launcher ended or the network failed; ending this node's processes", file=sys.stderr, flush=True)
+              "launcher ended, or the network between them failed; ending this node's processes", file=sys.stderr,
+              flush=True)
         return 1
     finally:
         job.close_job_log()

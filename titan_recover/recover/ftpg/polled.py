@@ -21,6 +21,7 @@ from torch.distributed import Store, TCPStore
 
 from titan_recover.recover.ftpg.base import FaultDetected, FaultTolerantGroup, FTPGConfig
 from titan_recover.recover.groups.keys import fault_time_and_reason, GroupKeys, raise_fault_flag
+from titan_recover.recover.stores.bounded import unbounded
 
 Piece = tuple[int, int, torch.Tensor]
 """(index of the tensor it belongs to, its first element there, a contiguous 1-D view of that part)."""
@@ -96,7 +97,8 @@ def rendezvous_client(store: Store) -> Store:
     built its group) would hold every request of the member's behind that wait, the fault flag's included: with
     gloo a flag raised at once was seen only at the group's timeout (``tests/test_ftpg.py``). Any other store as it
     is (a HashStore waits without holding its lock; the etcd store gives each thread its own connection)."""
-    return store.clone() if isinstance(store, TCPStore) else store
+    inner = unbounded(store)  # the group's waits are bounded by its own timeout and flag
+    return inner.clone() if isinstance(inner, TCPStore) else store
 
 
 class Progress:

@@ -44,6 +44,7 @@ from titan_recover.recover.groups.agree import extremes
 from titan_recover.recover.groups.blobs import delete_blob, get_blob, put_blob
 from titan_recover.recover.phoenix.staging import copies_for, CopyEvent, HostCopies
 from titan_recover.recover.phoenix.state_transfer import bytes_view, checksum, StateMismatch, tensor_spec, TrainingState
+from titan_recover.recover.stores.bounded import BoundedStore
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ def _connect(address: str, timeout_s: float, connect_s: float = CONNECT_S):
     once (a closed port refuses the connection) or after ``connect_s`` (a host that does not answer): ConnectionError.
     The TCPStore client alone would retry a refused connection until ``timeout_s``, and once more after a back-off:
     a restore from a lost node's keeper waited a minute and more before the job went on from its durable
-    checkpoint."""
+    checkpoint. Each request is bounded (:class:`~titan_recover.recover.stores.bounded.BoundedStore`)."""
     from torch.distributed import TCPStore
 
     host, _, port = address.rpartition(":")
@@ -179,7 +180,8 @@ def _connect(address: str, timeout_s: float, connect_s: float = CONNECT_S):
         socket.create_connection((host, int(port)), timeout=min(timeout_s, connect_s)).close()
     except OSError as error:
         raise ConnectionError(f"snapshot keeper at {address} unreachable: {error}") from None
-    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    keeper = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return BoundedStore(keeper, f"snapshot keeper at {address}")  # a keeper's host cut off: no answer, ever
 
 
 def _byte_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

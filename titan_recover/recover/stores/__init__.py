@@ -2,9 +2,10 @@
 
 Owns the store URL (:func:`parse_store_url`, pure), :func:`open_store` (a ``TCPStore`` hosted by one process of
 the job, or etcd: :mod:`.etcd`), :func:`connect` (what every process of a job calls with the URL the launcher gave
-it), :func:`read_keys` (many keys, present or not, in one round trip where the store can), :func:`job_url` (the
-URL of one job's keys on etcd), and leader election on etcd for a standby coordinator
-(:mod:`.leader`). May import: nothing of the project; etcd3gw is imported only when an etcd store is opened.
+it; each request bounded, :mod:`.bounded`), :func:`read_keys` (many keys, present or not, in one round trip where
+the store can), :func:`job_url` (the URL of one job's keys on etcd), and leader election on etcd for a standby
+coordinator (:mod:`.leader`). May import: nothing of the project outside this package; etcd3gw is imported only when
+an etcd store is opened.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from datetime import timedelta
 from typing import Literal
 
 from torch.distributed import PrefixStore, Store, TCPStore
+
+from titan_recover.recover.stores.bounded import BoundedStore
 
 URL_FORMS = "HOST:PORT, tcp://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"
 DEFAULT_ETCD_ROOT = "/titan_recover"
@@ -106,8 +109,11 @@ def open_store(url: str, *, timeout: timedelta = timedelta(seconds=300), prefix:
 def connect(url: str, timeout_s: float) -> Store:
     """A client of the job's store at ``url`` (``HOST:PORT`` of the TCPStore a launcher hosts, or the etcd URL of
     the job's keys, :func:`job_url`), with ``timeout_s`` as its timeout: what every process of a job opens with
-    the address its launcher gave it (``TITAN_RECOVER_COORDINATOR``, ``--store``)."""
-    return open_store(url, timeout=timedelta(seconds=timeout_s))
+    the address its launcher gave it (``TITAN_RECOVER_COORDINATOR``, ``--store``). Every request is bounded: a
+    store that leaves one unanswered (:data:`~.bounded.REQUEST_TIMEOUT_S` beyond its wait for keys) raises
+    ``DistNetworkError`` (a TCPStore client through :class:`~.bounded.BoundedStore`; an etcd store by itself)."""
+    store = open_store(url, timeout=timedelta(seconds=timeout_s))
+    return BoundedStore(store, url) if parse_store_url(url).kind == "tcp" else store
 
 
 def read_keys(store: Store, keys: Sequence[str]) -> list[bytes | None]:

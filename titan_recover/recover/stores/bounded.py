@@ -1,0 +1,129 @@
+"""A client of the job's store whose every request has a deadline (docs/deploy.md "A host cut from the network").
+
+torch's ``TCPStore`` client reads each answer with a blocking read that has no timeout, except while a ``wait`` (and
+so a ``get``) waits for its keys: a ``check``, ``set``, ``add`` or ``compare_set`` sent to a server that went silent
+(its host cut from the network or powered off: no reset ever comes back) blocks for as long as the kernel
+retransmits, about 15 minutes with Linux's defaults (``net.ipv4.tcp_retries2``). Measured with two network
+namespaces (tests/netns.py): a launcher cut from node 0's store sat in one ``check`` for over 5 minutes, saying
+nothing. An etcd store bounds each request itself (:data:`REQUEST_TIMEOUT_S`, :mod:`.etcd`).
+
+:class:`BoundedStore` makes each request of the client it wraps on a thread of its own and waits for it up to a
+bound that follows progress, not size: :data:`REQUEST_TIMEOUT_S` for a request that is answered at once (a value is
+at most 4 MB, :mod:`..groups.blobs`), that plus the wait's own timeout for one that waits for keys. A request past
+its bound raises :class:`~torch.distributed.DistNetworkError` naming the store, the request and how long it went
+unanswered, as an etcd request does after its timeout; the caller handles it as a lost store (each process says so
+and ends: its job has dropped it, or ends without its store). The client is then broken, its connection still
+holding the unanswered request: every later request raises the same at once. The thread stays in the unanswered
+read until TCP gives up; it holds nothing of the process.
+
+May import: nothing of the project.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from torch.distributed import DistNetworkError, Store
+
+REQUEST_TIMEOUT_S = 10.0
+"""The longest any store request may go unanswered beyond its own wait for keys before the store counts as lost."""
+
+T = TypeVar("T")
+
+
+class BoundedStore(Store):
+    """``inner`` (a store client) with a deadline on each request; ``name`` says which store in errors."""
+
+    def __init__(self, inner: Store, name: str, request_timeout_s: float = REQUEST_TIMEOUT_S):
+        super().__init__()
+        self.inner, self.name, self.request_timeout_s = inner, name, request_timeout_s
+        super().set_timeout(inner.timeout)
+        self.silent: str | None = None
+        """Why the store counts as lost (a request went unanswered past its bound), or None."""
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="titan-recover-store-request", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"BoundedStore({self.name}, {self.request_timeout_s:g} s a request)"
+
+    def _serve(self) -> None:
+        while True:
+            call, done = self._requests.get()
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                done.set_result(call())
+            except BaseException as error:  # noqa: BLE001 - handed to the caller as it is
+                done.set_exception(error)
+
+    def _request(self, what: str, call: Callable[[], T], waits_s: float = 0.0) -> T:
+        if self.silent is not None:
+            raise DistNetworkError(self.silent)
+        done: Future = Future()
+        started = time.monotonic()
+        self._requests.put((call, done))
+        bound = waits_s + self.request_timeout_s
+        try:
+            return done.result(timeout=bound)
+        except FutureTimeout:
+            self.silent = (f"no answer to a {what} from {self.name} in {time.monotonic() - started:.1f} s: its host "
+                           f"is gone or this one is cut off from it")
+            raise DistNetworkError(self.silent) from None
+
+    def _waits_s(self, timeout: timedelta | None = None) -> float:
+        return (timeout if timeout is not None else self.inner.timeout).total_seconds()
+
+    # ---- the Store interface, each request bounded ----------------------------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:
+        self._request("set", lambda: self.inner.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._request("get", lambda: self.inner.get(key), self._waits_s())
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._request("multi_get", lambda: self.inner.multi_get(keys), self._waits_s())
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._request("multi_set", lambda: self.inner.multi_set(keys, values))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        call = (lambda: self.inner.wait(keys)) if timeout is None else (lambda: self.inner.wait(keys, timeout))
+        self._request("wait", call, self._waits_s(timeout))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._request("check", lambda: self.inner.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._request("add", lambda: self.inner.add(key, amount))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._request("compare_set", lambda: self.inner.compare_set(key, expected, desired))
+
+    def delete_key(self, key: str) -> bool:
+        return self._request("delete_key", lambda: self.inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return self._request("num_keys", self.inner.num_keys)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._request("append", lambda: self.inner.append(key, value))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+        super().set_timeout(timeout)
+
+    def clone(self) -> BoundedStore:
+        """A client of the same store with a connection (and a request thread) of its own."""
+        return BoundedStore(self.inner.clone(), self.name, self.request_timeout_s)
+
+
+def unbounded(store: Any) -> Any:
+    """The client a :class:`BoundedStore` wraps, or ``store`` itself."""
+    return store.inner if isinstance(store, BoundedStore) else store
