@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
@@ -267,9 +268,9 @@ def tp_reference(tmp_path_factory, seed_checkpoint):
     return layout_run(tmp_path_factory, seed_checkpoint, "tp", 1)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -278,31 +279,39 @@ def etcd_server(tmp_path_factory):
     """A one-member etcd cluster for the session (the ``etcd`` binary on PATH: Debian's etcd-server, which
     scripts/test.sh installs where it can), on free ports with a throwaway data dir: yields its ``HOST:PORT``.
     Skips, naming the binary, where there is none."""
+    with running_etcd(tmp_path_factory.mktemp("etcd"), "127.0.0.1") as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def running_etcd(folder: pathlib.Path, host: str):
+    """A one-member etcd cluster listening on ``host`` (free ports), its data and log in ``folder``: yields its
+    ``HOST:PORT`` once it answers; skips where there is no ``etcd`` binary."""
     binary = shutil.which("etcd")
     if binary is None:
         pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server; scripts/test.sh installs it as root)")
-    folder = tmp_path_factory.mktemp("etcd")
-    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    client, peer = f"http://{host}:{free_port(host)}", f"http://{host}:{free_port(host)}"
     cmd = [binary, "--name", "test", "--data-dir", str(folder / "data"), "--listen-client-urls", client,
            "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
            "--initial-cluster", f"test={peer}", "--logger", "zap", "--log-level", "warn"]
     log = folder / "etcd.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(f"{client}/version", timeout=1).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"etcd did not answer at {client}:\n{log.read_text()[-3000:]}")
-            time.sleep(0.05)
-    yield client.removeprefix("http://")
-    proc.terminate()
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{client}/version", timeout=1).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"etcd did not answer at {client}:\n{log.read_text()[-3000:]}")
+                time.sleep(0.05)
+        yield client.removeprefix("http://")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

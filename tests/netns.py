@@ -3,11 +3,13 @@
 A test's launchers on one machine otherwise share one loopback: an address a process advertises that other hosts
 could not reach (``127.0.0.1``, a name that resolves to loopback) still works there, and a lost host can only be
 played by killing or stopping its processes, never by its network going silent. Here each host has its own
-address (``10.77.0.<i+1>``), its own host name (``host<i>``, resolved through the namespace's own ``/etc/hosts``,
-which ``ip netns exec`` puts in place), and its link can be cut: its side of the bridge goes down, and packets to
-and from it are dropped without a reset, as when a host is powered off or its switch port fails.
+address (``10.77.0.<i+1>``; the machine itself is :attr:`Hosts.MACHINE`), its own host name (``host<i>``,
+resolved through the namespace's own ``/etc/hosts``, which ``ip netns exec`` puts in place), and its link can be
+cut: its side of the bridge goes down, and packets to and from it are dropped without a reset, as when a host is
+powered off or its switch port fails.
 
 Needs root (``CAP_NET_ADMIN``) and iproute2; :func:`unavailable` says why a machine cannot, for ``pytest.skip``.
+One set of hosts at a time per machine: they all use ``10.77.0.0/24``.
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ class Hosts:
         self.names = [f"tr{tag}h{i}" for i in range(count)]
         self.links = [f"tr{tag}v{i}" for i in range(count)]  # the bridge's side of each host's link
 
+    MACHINE = "10.77.0.254"
+    """The machine's own address on the bridge (a server every host reaches, such as an etcd cluster's member)."""
+
     @staticmethod
     def address(i: int) -> str:
         return f"10.77.0.{i + 1}"
 
     def up(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.MACHINE}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         hosts = "127.0.0.1 localhost\n" + "".join(f"{self.address(i)} host{i}\n" for i in range(len(self.names)))
         for i, (name, link) in enumerate(zip(self.names, self.links)):

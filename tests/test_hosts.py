@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import EXACT_REFERENCE, free_port
+from conftest import EXACT_REFERENCE, free_port, running_etcd
 from netns import hosts, unavailable
 from replica_runs import assert_all_equal_reference, launch_nodes, metrics_by_replica, node_options, of, \
     replica_job_args
@@ -21,10 +21,13 @@ from titan_recover.recover.events import read_events
 pytestmark = pytest.mark.multiprocess
 
 REPLICAS, STEPS = EXACT_REFERENCE["replicas"], EXACT_REFERENCE["steps"]
+SHORT_STORE_TIMEOUT = ("--recover.agree_timeout_s", "15", "--recover.collective_timeout_s", "10")
+"""The job's store is opened with ``agree_timeout_s``: a request to it unanswered this long (60 s by default) fails."""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def three_hosts():
+    """Three hosts, made for each test (a test cuts one)."""
     why = unavailable()
     if why is not None:
         pytest.skip(f"no network namespaces on this machine: {why}")
@@ -45,12 +48,13 @@ def test_a_host_cut_from_the_network_is_dropped_ends_by_itself_and_a_spare_host_
     group 2). Once step 3 was committed host 1's link goes down. The coordinator finds group 2's beats stopped and
     drops it; replicas 0 and 1 compute its microbatches in the same step. On host 1 every request to the job's store
     goes unanswered (a TCPStore client alone would wait for as long as TCP retransmits, about 15 minutes): its
-    launcher ends within the bound of a request, saying the store was lost, exit 1. A launcher of node rank 1 started
-    on a spare host (host 2) runs group 2 again; it is admitted with a peer's state, streamed host to host. Node 0 and
-    the spare exit 0 and every replica ends bitwise equal to the failure-free one-node run."""
+    launcher ends within the bound of a request (the store's timeout, 15 s here), saying the store was lost, exit 1.
+    A launcher of node rank 1 started on a spare host (host 2) runs group 2 again; it is admitted with a peer's
+    state, streamed host to host. Node 0 and the spare exit 0 and every replica ends bitwise equal to the
+    failure-free one-node run."""
     args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
                             extra=("--recover.quota.exact", "--recover.max_restarts", "1",
-                                   "--recover.rejoin_wait_s", "150"))
+                                   "--recover.rejoin_wait_s", "150", *SHORT_STORE_TIMEOUT))
     options = node_options(2, f"{three_hosts.address(0)}:{free_port()}")
     cut = {}
 
@@ -70,12 +74,59 @@ def test_a_host_cut_from_the_network_is_dropped_ends_by_itself_and_a_spare_host_
     assert spare.returncode == 0, output(spare)
     assert lost.returncode == 1, output(lost)
     assert f"the job's store at {options[0][-1]} was lost (no answer to a" in lost.stderr, lost.stderr[-3000:]
-    assert cut["ended_after_s"] < 30, cut  # a request's bound (10 s) and the launcher's ending, not TCP's 15 minutes
+    assert cut["ended_after_s"] < 30, cut  # a request's bound (15 s) and the launcher's ending, not TCP's 15 minutes
     assert "node 1 of 2: replica group 2" in spare.stderr
     events = read_events(tmp_path / "events.jsonl")
     assert [e["removed"] for e in of(events, "epoch_formed") if e["removed"]] == [[2]]
     assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]
     logged = metrics_by_replica(tmp_path)
     assert sorted(logged[0]) == sorted(logged[1]) == list(range(1, STEPS + 1))
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert processes_of_run(str(tmp_path)) == []
+
+
+@pytest.fixture
+def etcd_on_the_bridge(three_hosts, tmp_path_factory):
+    """An etcd member at the machine's address on the hosts' bridge (reached by every host; it is not cut)."""
+    with running_etcd(tmp_path_factory.mktemp("etcd_bridge"), three_hosts.MACHINE) as endpoint:
+        yield endpoint
+
+
+def test_on_etcd_node_0s_host_cut_off_the_job_goes_on_and_a_spare_host_takes_its_place(
+        tmp_path, exact_reference, three_hosts, etcd_on_the_bridge):
+    """3 replica groups on 2 hosts on etcd (host 0: node 0, groups 0-1, a coordinator; host 1: node 1, group 2, a
+    coordinator), etcd on the machine. Once step 3 was committed host 0's link goes down: its coordinator, if it
+    led, still runs but can no longer renew its lease, so node 1's standby leads once it lapses; it drops groups 0-1
+    and replica 2 computes every microbatch. Host 0's launcher finds etcd silent and ends by itself, exit 1. A node-0
+    launcher started on a spare host (host 2) joins the running job (node 1 keeps its announcement) once the cut
+    launcher's node key lapses, and its groups are admitted with replica 2's state. Node 1 and the spare exit 0 and
+    every replica ends bitwise equal to the failure-free one-node run."""
+    args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
+                            extra=("--recover.quota.exact", "--recover.max_restarts", "1",
+                                   "--recover.rejoin_wait_s", "150", "--recover.store", f"etcd://{etcd_on_the_bridge}"))
+    options = node_options(2)
+    cut = {}
+
+    def cut_and_replace(procs, start) -> None:
+        wait_for_commit(tmp_path, 3, procs)
+        three_hosts.cut(0)
+        cut["at"] = time.monotonic()
+        start((*args, *options[0]))  # on host 2
+        procs[0].wait(timeout=60)
+        cut["ended_after_s"] = time.monotonic() - cut["at"]
+
+    lost, node1, spare = launch_nodes(tmp_path, [(*args, *o) for o in options], while_running=cut_and_replace,
+                                      command=on_hosts(three_hosts, [0, 1, 2]))
+    assert node1.returncode == 0, output(node1)
+    assert spare.returncode == 0, output(spare)
+    assert lost.returncode == 1, output(lost)
+    assert "the job's store at etcd://" in lost.stderr and "was lost" in lost.stderr, lost.stderr[-3000:]
+    assert cut["ended_after_s"] < 25, cut  # etcd's request timeout (10 s), then the launcher's ending
+    job = [line for line in node1.stderr.splitlines() if "the job's store: etcd://" in line][0].split("store: ")[1]
+    assert f"node 0 of 2: replica groups 0-1; the job's store: {job}" in spare.stderr, spare.stderr
+    events = read_events(tmp_path / "events.jsonl")
+    assert sorted(r for e in of(events, "epoch_formed") for r in e["removed"]) == [0, 1]
+    assert sorted((e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")) == [(0, 1), (1, 1)]
+    assert sorted(metrics_by_replica(tmp_path)[2]) == list(range(1, STEPS + 1))
     assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
     assert processes_of_run(str(tmp_path)) == []

@@ -118,6 +118,8 @@ class ReplicaJob(StopControl, SyncerSupervision):
         """On etcd: this launcher's hold on the announcement of the job's name under the run folder's prefix."""
         self.node_claim = None
         """On etcd: this launcher's hold on its node's key in the job's store (one launcher per node)."""
+        self.store_lost = False
+        """The job's store stopped answering: nothing is asked of it any more (held leases lapse by themselves)."""
         self._leaders: dict[str, str] = {}
         """Each role's leader as this launcher last read it (etcd: the coordinator's and the syncer's keys)."""
         self._deposed: dict[str, tuple[str, float | None]] = {}
@@ -684,7 +686,8 @@ class ReplicaJob(StopControl, SyncerSupervision):
 
     def cleanup(self) -> None:
         """SIGTERM to every child still running, SIGKILL after GRACE_S, then any process carrying the run's
-        marker."""
+        marker; the leases held on etcd are revoked, unless the store was lost (they lapse by themselves: a revoke
+        would wait out a request timeout each)."""
         self._mark_notice(ENDING)
         for child in self.children:
             if child.poll() is None:
@@ -698,7 +701,7 @@ class ReplicaJob(StopControl, SyncerSupervision):
         if self.notice is not None:
             self.notice.remove()
         for held in (self.announcement, self.node_claim):
-            if held is not None:
+            if held is not None and not self.store_lost:
                 held.resign()
 
 
@@ -735,9 +738,10 @@ def launch_replicas(config, toml_path: str | None, overrides: list[str], ranks_p
         print(f"titan_recover: {e}", file=sys.stderr, flush=True)
         return 1
     except DistError as e:
-        print(f"titan_recover: the job's store at {job.address} was lost ({str(e).splitlines()[0]}): node 0's "
-              "launcher ended, or the network between them failed; ending this node's processes", file=sys.stderr,
-              flush=True)
+        job.store_lost = True
+        holder = "the etcd cluster is down" if job.recover.store else "node 0's launcher ended"
+        print(f"titan_recover: the job's store at {job.address} was lost ({str(e).splitlines()[0]}): {holder}, or "
+              "this host is cut off from it; ending this node's processes", file=sys.stderr, flush=True)
         return 1
     finally:
         job.close_job_log()

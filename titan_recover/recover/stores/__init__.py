@@ -110,8 +110,8 @@ def connect(url: str, timeout_s: float) -> Store:
     """A client of the job's store at ``url`` (``HOST:PORT`` of the TCPStore a launcher hosts, or the etcd URL of
     the job's keys, :func:`job_url`), with ``timeout_s`` as its timeout: what every process of a job opens with
     the address its launcher gave it (``TITAN_RECOVER_COORDINATOR``, ``--store``). Every request is bounded: a
-    store that leaves one unanswered (:data:`~.bounded.REQUEST_TIMEOUT_S` beyond its wait for keys) raises
-    ``DistNetworkError`` (a TCPStore client through :class:`~.bounded.BoundedStore`; an etcd store by itself)."""
+    store that leaves one unanswered raises ``DistNetworkError`` (a TCPStore client: after ``timeout_s`` beyond its
+    wait for keys, :class:`~.bounded.BoundedStore`; an etcd store: after its request timeout)."""
     store = open_store(url, timeout=timedelta(seconds=timeout_s))
     return BoundedStore(store, url) if parse_store_url(url).kind == "tcp" else store
 

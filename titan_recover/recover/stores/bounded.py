@@ -5,11 +5,15 @@ so a ``get``) waits for its keys: a ``check``, ``set``, ``add`` or ``compare_set
 (its host cut from the network or powered off: no reset ever comes back) blocks for as long as the kernel
 retransmits, about 15 minutes with Linux's defaults (``net.ipv4.tcp_retries2``). Measured with two network
 namespaces (tests/netns.py): a launcher cut from node 0's store sat in one ``check`` for over 5 minutes, saying
-nothing. An etcd store bounds each request itself (:data:`REQUEST_TIMEOUT_S`, :mod:`.etcd`).
+nothing. An etcd store bounds each request itself (10 s, :mod:`.etcd`).
 
 :class:`BoundedStore` makes each request of the client it wraps on a thread of its own and waits for it up to a
-bound that follows progress, not size: :data:`REQUEST_TIMEOUT_S` for a request that is answered at once (a value is
-at most 4 MB, :mod:`..groups.blobs`), that plus the wait's own timeout for one that waits for keys. A request past
+bound that follows progress, not size: the store's timeout (the ``timeout`` it was opened with: every process of a
+job opens the job's store with ``agree_timeout_s``, 60 s by default) for a request that a live server answers at
+once (a value is at most 4 MB, :mod:`..groups.blobs`), that plus the wait's own timeout for one that waits for keys.
+The store's timeout, not a shorter bound: a live server can stall for seconds (the embedded store looks up the
+host name of every client that connects on the thread that answers everyone, docs/deploy.md "Network interfaces"),
+and a client that gave up on a live server would end a healthy process. A request past
 its bound raises :class:`~torch.distributed.DistNetworkError` naming the store, the request and how long it went
 unanswered, as an etcd request does after its timeout; the caller handles it as a lost store (each process says so
 and ends: its job has dropped it, or ends without its store). The client is then broken, its connection still
@@ -31,18 +35,18 @@ from typing import Any, TypeVar
 
 from torch.distributed import DistNetworkError, Store
 
-REQUEST_TIMEOUT_S = 10.0
-"""The longest any store request may go unanswered beyond its own wait for keys before the store counts as lost."""
-
 T = TypeVar("T")
 
 
 class BoundedStore(Store):
-    """``inner`` (a store client) with a deadline on each request; ``name`` says which store in errors."""
+    """``inner`` (a store client) with a deadline on each request; ``name`` says which store in errors;
+    ``request_timeout_s``: how long a request may go unanswered beyond its wait for keys (default: the store's
+    timeout)."""
 
-    def __init__(self, inner: Store, name: str, request_timeout_s: float = REQUEST_TIMEOUT_S):
+    def __init__(self, inner: Store, name: str, request_timeout_s: float | None = None):
         super().__init__()
-        self.inner, self.name, self.request_timeout_s = inner, name, request_timeout_s
+        self.inner, self.name = inner, name
+        self.request_timeout_s = inner.timeout.total_seconds() if request_timeout_s is None else request_timeout_s
         super().set_timeout(inner.timeout)
         self.silent: str | None = None
         """Why the store counts as lost (a request went unanswered past its bound), or None."""

@@ -37,8 +37,6 @@ from typing import Any, TypeVar
 
 from torch.distributed import DistNetworkError, DistStoreError, Store
 
-from titan_recover.recover.stores.bounded import REQUEST_TIMEOUT_S
-
 API_PATH = "/v3/"
 """Where etcd >= 3.4 serves the v3 gateway (3.3 served ``/v3beta/``)."""
 REARM_S = 5.0
@@ -128,7 +126,7 @@ class EtcdCluster:
     """Clients of one etcd cluster: one per thread (a requests session is not shared between threads), all on the
     member that last answered. ``request_timeout_s`` bounds every request (a watch: its connection)."""
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], request_timeout_s: float = REQUEST_TIMEOUT_S):
+    def __init__(self, endpoints: Sequence[tuple[str, int]], request_timeout_s: float = 10.0):
         if not endpoints:
             raise ValueError("an etcd cluster needs at least one HOST:PORT")
         import etcd3gw
@@ -182,7 +180,8 @@ class EtcdCluster:
             try:
                 return op(self._client())
             except self.unreachable as e:
-                failures.append(f"{self.endpoints[at][0]}:{self.endpoints[at][1]}: {e}")
+                failures.append(f"{self.endpoints[at][0]}:{self.endpoints[at][1]}: {str(e) or type(e).__name__} "
+                                f"(request timeout {self.request_timeout_s:g} s)")
                 with self._lock:
                     if self._current == at:
                         self._current = (at + 1) % len(self.endpoints)
@@ -238,7 +237,7 @@ class EtcdStore(Store):
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str, *,
-                 timeout: timedelta = timedelta(seconds=300), request_timeout: timedelta = timedelta(seconds=REQUEST_TIMEOUT_S),
+                 timeout: timedelta = timedelta(seconds=300), request_timeout: timedelta = timedelta(seconds=10),
                  fence: Fence | None = None):
         super().__init__()
         self.fence = fence
