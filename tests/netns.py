@@ -88,6 +88,10 @@ class Hosts:
         """Host ``i``'s link goes down: nothing reaches it or leaves it, and nobody is told."""
         _ip("link", "set", self.links[i], "down")
 
+    def heal(self, i: int) -> None:
+        """Host ``i``'s link comes back up."""
+        _ip("link", "set", self.links[i], "up")
+
 
 @contextmanager
 def hosts(count: int):

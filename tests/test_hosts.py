@@ -85,6 +85,37 @@ def test_a_host_cut_from_the_network_is_dropped_ends_by_itself_and_a_spare_host_
     assert processes_of_run(str(tmp_path)) == []
 
 
+def test_a_host_cut_off_for_seconds_comes_back_and_its_group_is_restarted_and_readmitted(
+        tmp_path, exact_reference, three_hosts):
+    """The same two hosts; host 1's link goes down once step 3 was committed and comes back 5 s later (a switch that
+    restarts, a flapping port), shorter than any request bound. Group 2 is dropped meanwhile (its beats stopped for
+    ``heartbeat_timeout_s``) and the others train on; when the link is back its requests are answered: node 1's
+    launcher reads the drop and ends it, or it finds its epoch over and ends by itself, whichever comes first; the
+    launcher restarts it (one of ``max_restarts``) and it is admitted with a peer's state.
+    Both launchers exit 0 and every replica ends bitwise equal to the failure-free one-node run."""
+    args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
+                            extra=("--recover.quota.exact", "--recover.max_restarts", "1",
+                                   "--recover.rejoin_wait_s", "150", *SHORT_STORE_TIMEOUT))
+    options = node_options(2, f"{three_hosts.address(0)}:{free_port()}")
+
+    def cut_for_five_seconds(procs, start) -> None:
+        wait_for_commit(tmp_path, 3, procs)
+        three_hosts.cut(1)
+        time.sleep(5)
+        three_hosts.heal(1)
+
+    node0, node1 = launch_nodes(tmp_path, [(*args, *o) for o in options], while_running=cut_for_five_seconds,
+                                command=on_hosts(three_hosts, [0, 1]))
+    assert node0.returncode == 0, output(node0)
+    assert node1.returncode == 0, output(node1)
+    assert ": restarting it (start 1, 0 restart(s) left)" in node1.stderr, node1.stderr[-3000:]
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["removed"] for e in of(events, "epoch_formed") if e["removed"]] == [[2]]
+    assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]
+    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
+    assert processes_of_run(str(tmp_path)) == []
+
+
 @pytest.fixture
 def etcd_on_the_bridge(three_hosts, tmp_path_factory):
     """An etcd member at the machine's address on the hosts' bridge (reached by every host; it is not cut)."""
