@@ -57,11 +57,11 @@ class Relay:
 
 @pytest.fixture
 def relayed():
-    """(a TCPStore server, a BoundedStore client of it through a :class:`Relay` (1 s store timeout, 0.5 s a
+    """(a TCPStore server, a BoundedStore client of it through a :class:`Relay` (0.4 s store timeout, 0.5 s a
     request), the relay)."""
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     relay = Relay(server.port)
-    client = TCPStore("127.0.0.1", relay.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=1))
+    client = TCPStore("127.0.0.1", relay.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=0.4))
     yield server, BoundedStore(client, f"127.0.0.1:{relay.port}", request_timeout_s=0.5), relay
     relay.close()  # the request left unanswered ends (its connection closed): no thread stays in a read
 
@@ -73,7 +73,7 @@ def test_a_request_a_silent_store_never_answers_raises_after_its_bound_and_every
     assert store.compare_set("a", "1", "2") == b"2" and server.get("a") == b"2"
     relay.silence()
     started = time.monotonic()
-    with pytest.raises(DistNetworkError, match=rf"no answer to a check from 127.0.0.1:{relay.port} in 0.5 s: its "
+    with pytest.raises(DistNetworkError, match=rf"no answer to a check from 127.0.0.1:{relay.port} in [0-9.]+ s: its "
                                                "host is gone or this one is cut off from it"):
         store.check(["a"])
     assert 0.5 <= time.monotonic() - started < 2.0
@@ -84,14 +84,14 @@ def test_a_request_a_silent_store_never_answers_raises_after_its_bound_and_every
 
 
 def test_a_get_that_waits_for_its_key_is_bounded_by_its_wait_then_the_request_bound(relayed):
-    """A ``get`` of a key nobody set waits the store's timeout (1 s) and fails as the store's own timeout; the
+    """A ``get`` of a key nobody set waits the store's timeout (0.4 s) and fails as the store's own timeout; the
     request bound (0.5 s) counts only beyond that wait, so a long wait for a key is never taken for a lost store."""
     _, store, _ = relayed
     started = time.monotonic()
     with pytest.raises(DistStoreError) as raised:
         store.get("never")
     assert not isinstance(raised.value, DistNetworkError) and store.silent is None
-    assert 1.0 <= time.monotonic() - started < 1.5
+    assert 0.4 <= time.monotonic() - started < 0.9  # the wait, then less than the request bound
     store.add("n", 1)
     store.wait(["n"], timedelta(seconds=0.2))  # a key that is there: answered at once
     assert store.get("n") == b"1"
