@@ -105,3 +105,30 @@ def test_a_groups_rendezvous_client_is_a_connection_of_its_own_without_the_bound
     assert isinstance(clone, TCPStore) and clone is not unbounded(store)
     clone.set("c", "1")
     assert store.get("c") == b"1"
+
+
+def test_the_bound_follows_the_stores_timeout_when_none_is_given():
+    """Opened with a short timeout to probe a server, then given a longer one for its work (as a learner's link to
+    the syncer is): its requests get the longer one."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    client = TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=1))
+    store = BoundedStore(client, "x")
+    assert store.request_timeout_s == 1.0
+    store.set_timeout(timedelta(seconds=10))
+    assert store.request_timeout_s == 10.0 and store.inner.timeout == timedelta(seconds=10)
+    assert BoundedStore(client, "x", request_timeout_s=0.5).request_timeout_s == 0.5
+
+
+def test_a_store_let_go_is_freed_and_its_request_thread_ends():
+    import gc
+    import weakref
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = BoundedStore(TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=10)), "x")
+    store.set("k", "v")
+    thread, freed = store._thread, weakref.ref(store)
+    del store
+    gc.collect()
+    thread.join(timeout=5)
+    assert freed() is None and not thread.is_alive()

@@ -41,31 +41,30 @@ T = TypeVar("T")
 class BoundedStore(Store):
     """``inner`` (a store client) with a deadline on each request; ``name`` says which store in errors;
     ``request_timeout_s``: how long a request may go unanswered beyond its wait for keys (default: the store's
-    timeout)."""
+    timeout, as it is at the request: ``set_timeout`` moves it)."""
 
     def __init__(self, inner: Store, name: str, request_timeout_s: float | None = None):
         super().__init__()
-        self.inner, self.name = inner, name
-        self.request_timeout_s = inner.timeout.total_seconds() if request_timeout_s is None else request_timeout_s
+        self.inner, self.name, self._request_timeout_s = inner, name, request_timeout_s
         super().set_timeout(inner.timeout)
         self.silent: str | None = None
         """Why the store counts as lost (a request went unanswered past its bound), or None."""
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="titan-recover-store-request", daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._requests,), name="titan-recover-store-request",
+                                        daemon=True)  # holds the queue, not the store: a store let go is freed
         self._thread.start()
+
+    def __del__(self) -> None:
+        self._requests.put(None)  # its thread ends (once a request it is in, if any, returns)
+
+    @property
+    def request_timeout_s(self) -> float:
+        if self._request_timeout_s is not None:
+            return self._request_timeout_s
+        return self.inner.timeout.total_seconds()
 
     def __repr__(self) -> str:
         return f"BoundedStore({self.name}, {self.request_timeout_s:g} s a request)"
-
-    def _serve(self) -> None:
-        while True:
-            call, done = self._requests.get()
-            if not done.set_running_or_notify_cancel():
-                continue
-            try:
-                done.set_result(call())
-            except BaseException as error:  # noqa: BLE001 - handed to the caller as it is
-                done.set_exception(error)
 
     def _request(self, what: str, call: Callable[[], T], waits_s: float = 0.0) -> T:
         if self.silent is not None:
@@ -125,7 +124,20 @@ class BoundedStore(Store):
 
     def clone(self) -> BoundedStore:
         """A client of the same store with a connection (and a request thread) of its own."""
-        return BoundedStore(self.inner.clone(), self.name, self.request_timeout_s)
+        return BoundedStore(self.inner.clone(), self.name, self._request_timeout_s)
+
+
+def _serve(requests: queue.SimpleQueue) -> None:
+    """A store's request thread: each ``(call, future)`` in turn, until None."""
+    while (request := requests.get()) is not None:
+        call, done = request
+        if not done.set_running_or_notify_cancel():
+            continue
+        try:
+            done.set_result(call())
+        except BaseException as error:  # noqa: BLE001 - handed to the caller as it is
+            done.set_exception(error)
+        del call, done, request  # nothing of the last request (its store included) stays referenced here
 
 
 def unbounded(store: Any) -> Any:
