@@ -17,7 +17,10 @@ launchers on this machine are two nodes, docs/deploy.md "Running on many nodes")
 launcher SIGKILLed once a step drawn at random was committed (its groups die with it), a new launcher of the same
 node rank started in its place 0-5 s later (its groups rejoin with a peer's state). Any node on an etcd store
 (``--store etcd://...``), a node other than 0 on the embedded one (node 0 hosts it); never a node whose loss, with
-the replica faults, could leave no replica alive (then the job has no node loss).
+the replica faults, could leave no replica alive (then the job has no node loss). ``--cut-hosts`` puts every node
+on a host of its own (a network namespace, tests/netns.py; root) and loses a node by cutting its host from the
+network instead: its launcher lives on and must end by itself (exit 1, saying its store was lost; the job fails
+otherwise), and the replacement starts on a spare host.
 
 Every job is in exact mode (float64 accumulation: a step's loss does not depend on which replica computed which
 microbatch, docs/invariant.md), so "the same trajectory" is bitwise. A job passes when it exits 0, every step is
@@ -29,7 +32,8 @@ counts as a fault of each of its groups).
 
     python benchmarks/fault_soak.py [--seeds 12] [--first-seed 0] [--replicas 3] [--ranks 1] [--steps 10]
                                     [--max-faults 3] [--kinds kill,hang,raise] [--coordinator] [--rejoin-wait-s 150]
-                                    [--progress-timeout-s S] [--nodes N --node-loss] [--store etcd://HOST:PORT]
+                                    [--progress-timeout-s S] [--nodes N --node-loss [--cut-hosts]]
+                                    [--store etcd://HOST:PORT]
 
 Prints one line per job (its schedule, the faults that fired and where, the admissions, the verdict and what
 differed) and, last, ``jobs=... passed=... faults=... fired=... admissions=... max_rel_loss_diff=...``. A job that
@@ -152,7 +156,9 @@ def job_args(folder: pathlib.Path, args, faults: list[dict]) -> list[str]:
             "--recover.join_window_s", "0.3", "--recover.rejoin_wait_s", str(args.rejoin_wait_s),
             "--dump_folder", str(folder), "--chaos.faults", fault_toml,
             *(["--recover.progress_timeout_s", str(args.progress_timeout_s)] if args.progress_timeout_s else []),
-            *(["--recover.store", args.store] if args.store else [])]
+            *(["--recover.store", args.store] if args.store else []),
+            # a cut host's launcher ends once a request to the job's store went unanswered for its timeout
+            *(["--recover.agree_timeout_s", "15", "--recover.collective_timeout_s", "10"] if args.cut_hosts else [])]
 
 
 def run_job(folder: pathlib.Path, args, faults: list[dict]) -> tuple[int, float, str]:
@@ -177,51 +183,79 @@ def run_job(folder: pathlib.Path, args, faults: list[dict]) -> tuple[int, float,
     return proc.returncode, time.monotonic() - start, output[-4000:]
 
 
-def run_nodes(folder: pathlib.Path, args, faults: list[dict], loss: dict | None) -> tuple[int, float, str]:
+def run_nodes(folder: pathlib.Path, args, faults: list[dict], loss: dict | None,
+              hosts=None) -> tuple[int, float, str]:
     """Run one job as ``--nodes`` launchers, losing and replacing ``loss``'s node; (the largest exit code of the
     launchers that were not lost, wall seconds, the end of every launcher's output). Past ``--timeout`` every
-    launcher and any process of the run left is killed."""
+    launcher and any process of the run left is killed. With ``hosts`` (``--cut-hosts``: node ``n`` on host ``n``),
+    the loss is a cut of the node's host from the network, and the replacement runs on a spare host; the cut
+    launcher must end by itself, exit 1, saying its store was lost (else the job's code is 3, saying why)."""
     from titan_recover.recover.children import kill_all, processes_of_run
 
-    endpoint = []
-    if not args.store:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            endpoint = ["--rdzv-endpoint", f"127.0.0.1:{s.getsockname()[1]}"]
     folder.mkdir(parents=True, exist_ok=True)
-    start, procs, outputs = time.monotonic(), {}, []
+    start, procs, outputs, endpoint = time.monotonic(), {}, [], _endpoint(args, hosts)
 
-    def launch(node: int, name: str) -> subprocess.Popen:
+    def launch(node: int, name: str, host: int) -> subprocess.Popen:
         outputs.append((name, tempfile.TemporaryFile("w+")))
-        return subprocess.Popen([*job_args(folder, args, faults), "--nnodes", str(args.nodes), "--node-rank",
-                                 str(node), *endpoint], cwd=ROOT, stdout=outputs[-1][1], stderr=subprocess.STDOUT,
-                                text=True)
+        argv = [*job_args(folder, args, faults), "--nnodes", str(args.nodes), "--node-rank", str(node), *endpoint]
+        return subprocess.Popen(hosts.command(host, argv) if hosts else argv, cwd=ROOT, stdout=outputs[-1][1],
+                                stderr=subprocess.STDOUT, text=True)
 
     for node in range(args.nodes):
-        procs[f"node {node}"] = launch(node, f"node {node}")
-    deadline = start + args.timeout
+        procs[f"node {node}"] = launch(node, f"node {node}", node)
+    deadline, cut = start + args.timeout, None
     if loss is not None and _committed(folder, loss["after_step"], procs.values(), deadline):
-        lost = procs.pop(f"node {loss['node']}")
-        lost.kill()
-        lost.wait()
+        cut = _lose(procs.pop(f"node {loss['node']}"), loss["node"], hosts)
         time.sleep(loss["replace_after_s"])
-        procs[f"node {loss['node']} (replacement)"] = launch(loss["node"], f"node {loss['node']} (replacement)")
-    codes = []
-    for proc in procs.values():
-        try:
-            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(124)
-    if 124 in codes:
-        for proc in procs.values():
+        name = f"node {loss['node']} (replacement)"
+        procs[name] = launch(loss["node"], name, args.nodes)
+    codes = [_wait(proc, deadline) for proc in procs.values()]
+    cut_code = _wait(cut, deadline) if cut is not None else None
+    if cut is not None:
+        hosts.heal(loss["node"])  # for the next job
+    if 124 in codes or cut_code == 124:
+        for proc in [*procs.values(), *([cut] if cut is not None else [])]:
             proc.kill()
         kill_all(processes_of_run(str(folder)))
     text = ""
     for name, out in outputs:
         out.seek(0)
-        text += f"--- {name}\n{out.read()[-1500:]}"
+        said = out.read()
+        if cut_code is not None and name == f"node {loss['node']}" and (cut_code != 1 or "was lost" not in said):
+            codes.append(3)
+            text += f"--- the cut launcher ended with exit {cut_code}, not 1 saying its store was lost\n"
+        text += f"--- {name}\n{said[-1500:]}"
         out.close()
     return max(codes), time.monotonic() - start, text
+
+
+def _endpoint(args, hosts) -> list[str]:
+    """``--rdzv-endpoint`` of the embedded store (node 0's host's address with ``--cut-hosts``), or none (etcd)."""
+    if args.store:
+        return []
+    if hosts is not None:
+        return ["--rdzv-endpoint", f"{hosts.address(0)}:29500"]  # a fresh network namespace: every port is free
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return ["--rdzv-endpoint", f"127.0.0.1:{s.getsockname()[1]}"]
+
+
+def _lose(proc: subprocess.Popen, node: int, hosts) -> subprocess.Popen | None:
+    """Lose a node: cut its host from the network (its launcher lives on, to end by itself: returned), or SIGKILL
+    its launcher (None)."""
+    if hosts is not None:
+        hosts.cut(node)
+        return proc
+    proc.kill()
+    proc.wait()
+    return None
+
+
+def _wait(proc: subprocess.Popen, deadline: float) -> int:
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return 124
 
 
 def _committed(folder: pathlib.Path, step: int, procs, deadline: float) -> bool:
@@ -345,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-loss", action="store_true",
                         help="with --nodes >= 2: lose one node a job (its launcher SIGKILLed) and start a new one")
     parser.add_argument("--store", default="", help="[recover] store (etcd://HOST:PORT): node 0 may be lost too")
+    parser.add_argument("--cut-hosts", action="store_true",
+                        help="with --node-loss on the embedded store: every node on a host of its own (a network "
+                             "namespace, tests/netns.py; needs root); a loss cuts the host from the network instead "
+                             "of killing its launcher, which must end by itself; the replacement runs on a spare host")
     parser.add_argument("--summarise", metavar="FILE", help="count what fired in an earlier output; runs nothing")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
     add_out_argument(parser, __file__)
@@ -361,25 +399,39 @@ def main(argv: list[str] | None = None) -> int:
                      "timeout only; the default, 120 s, would make every stalled job last minutes), e.g. 20")
     if args.node_loss and args.nodes < 2:
         parser.error("--node-loss needs --nodes >= 2")
+    if args.cut_hosts and (not args.node_loss or args.store):
+        parser.error("--cut-hosts needs --node-loss and the embedded store (no --store: etcd would have to listen "
+                     "on the hosts' bridge)")
     if args.nodes > args.replicas:
         parser.error(f"--nodes {args.nodes} is more than --replicas {args.replicas}: each group runs on one node")
     if args.replicas < 2 or args.ranks < 1 or args.steps < 3 or args.max_faults < 1 or args.seeds < 1:
         parser.error("need --replicas >= 2 (one is spared), --ranks >= 1, --steps >= 3, --max-faults >= 1 and "
                      "--seeds >= 1")
     with recorded(__file__, argv, args.out):
-        return soak(args)
+        if not args.cut_hosts:
+            return soak(args)
+        sys.path.insert(0, str(ROOT / "tests"))
+        from netns import hosts, unavailable  # the tests' hosts on one machine
+
+        why = unavailable()
+        if why is not None:
+            parser.error(f"--cut-hosts: no network namespaces here: {why}")
+        with hosts(args.nodes + 1) as made:  # one host a node, and a spare
+            return soak(args, made)
 
 
-def soak(args) -> int:
-    """Run the reference and the jobs; print a line each and the headline; 1 if any job failed."""
+def soak(args, hosts=None) -> int:
+    """Run the reference and the jobs (on ``hosts``, with ``--cut-hosts``); print a line each and the headline; 1
+    if any job failed."""
     keep = pathlib.Path(tempfile.mkdtemp(prefix="fault_soak."))
-    code, wall, output = (run_nodes(keep / "reference", args, [], None) if args.nodes > 1 else
+    code, wall, output = (run_nodes(keep / "reference", args, [], None, hosts) if args.nodes > 1 else
                           run_job(keep / "reference", args, []))
     if code != 0:
         raise RuntimeError(f"the failure-free reference failed (exit {code}):\n{output}")
     reference = {step: loss for replica, step, loss in losses(keep / "reference") if replica == 0}
     reference_state = final_state(keep / "reference")
     nodes = f" on {args.nodes} nodes" + (" (embedded store)" if not args.store else " (etcd)") if args.nodes > 1 else ""
+    nodes += ", each on a host of its own, a loss a cut host" if hosts is not None else ""
     print(f"{args.replicas} replicas x {args.ranks} rank(s){nodes}, tiny, {args.steps} steps, exact mode, max_restarts "
           f"{args.max_faults}; reference {wall:.0f} s, {len(reference_state)} ranks' final states", flush=True)
     totals = {"passed": 0, "faults": 0, "fired": 0, "admissions": 0, "node_losses": 0}
@@ -388,7 +440,8 @@ def soak(args) -> int:
         faults = draw(seed, args)
         loss = draw_node_loss(seed, args, faults)
         folder = keep / f"seed{seed}"
-        code, wall, output = run_nodes(folder, args, faults, loss) if args.nodes > 1 else run_job(folder, args, faults)
+        code, wall, output = (run_nodes(folder, args, faults, loss, hosts) if args.nodes > 1 else
+                              run_job(folder, args, faults))
         events = read_jsonl(folder / "events.jsonl") if (folder / "events.jsonl").exists() else []
         fired = [e for e in events if e["event"] == "fault_injected"]
         admitted = [e for e in events if e["event"] == "replica_admitted"]
@@ -401,8 +454,8 @@ def soak(args) -> int:
         totals["fired"] += len(fired)
         totals["admissions"] += len(admitted)
         totals["passed"] += not problems
-        lost = (f", node {loss['node']} lost after s{loss['after_step']} and replaced {loss['replace_after_s']} s "
-                f"later" if loss else "")
+        lost = (f", node {loss['node']} {'cut off' if hosts else 'lost'} after s{loss['after_step']} and replaced "
+                f"{loss['replace_after_s']} s later" if loss else "")
         print(f"seed {seed:3d} [{describe(faults)}]{lost}: fired {len(fired)} [{describe_fired(fired)}], admitted "
               f"{[(e['replica'], e['after_step']) for e in admitted]}, {files} final states, {wall:.0f} s: "
               + ("bitwise equal" if not problems else "FAILED: " + "; ".join(problems) + f" (kept in {folder})"),
