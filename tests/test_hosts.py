@@ -49,8 +49,8 @@ def test_a_host_cut_from_the_network_is_dropped_ends_by_itself_and_a_spare_host_
     drops it; replicas 0 and 1 compute its microbatches in the same step. On host 1 every request to the job's store
     goes unanswered (a TCPStore client alone would wait for as long as TCP retransmits, about 15 minutes): its
     launcher ends within the bound of a request (the store's timeout, 15 s here), saying the store was lost, exit 1.
-    A launcher of node rank 1 started on a spare host (host 2) runs group 2 again; it is admitted with a peer's
-    state, streamed host to host. Node 0 and the spare exit 0 and every replica ends bitwise equal to the
+    A launcher of node rank 1 started on a spare host (host 2) runs group 2 again as its start 1 (the job's counter
+    of its starts), admitted with a peer's state streamed host to host, spending no restart. Node 0 and the spare exit 0 and every replica ends bitwise equal to the
     failure-free one-node run."""
     args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
                             extra=("--recover.quota.exact", "--recover.max_restarts", "1",
@@ -76,6 +76,8 @@ def test_a_host_cut_from_the_network_is_dropped_ends_by_itself_and_a_spare_host_
     assert f"the job's store at {options[0][-1]} was lost (no answer to a" in lost.stderr, lost.stderr[-3000:]
     assert cut["ended_after_s"] < 30, cut  # a request's bound (15 s) and the launcher's ending, not TCP's 15 minutes
     assert "node 1 of 2: replica group 2" in spare.stderr
+    # the spare's group is the group's start 1 (the job's counter of its starts), never taken for the cut start 0
+    assert "dropped" not in spare.stderr and "restarting" not in spare.stderr, spare.stderr
     events = read_events(tmp_path / "events.jsonl")
     assert [e["removed"] for e in of(events, "epoch_formed") if e["removed"]] == [[2]]
     assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]

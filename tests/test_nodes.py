@@ -96,31 +96,6 @@ def lose_a_node_and_replace_it(folder, args: tuple[str, ...], options: list[tupl
     return results
 
 
-def test_two_nodes_a_lost_node_replaced_by_a_new_launcher_rejoins_with_a_peers_state(tmp_path, exact_reference):
-    """3 replica groups of 1 rank on 2 nodes (node 1: group 2): node 1's launcher is SIGKILLed once
-    step 3 was committed (a lost host: no notice; its group dies with it), and a new launcher of node rank 1 is
-    started in its place, as a cluster's scheduler would on a spare host. The lost group's microbatches are
-    computed by replicas 0 and 1 in the same step (which hold a step boundary for its return, ``rejoin_wait_s``); the
-    replacement's group, start 1 of replica 2 (the job's counter of its starts: never a number the job has seen), is
-    admitted with a peer's state from memory, spending no restart. Both live launchers exit 0 and every replica ends
-    bitwise equal to the failure-free one-node run."""
-    args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
-                            extra=("--recover.quota.exact", "--recover.max_restarts", "1",
-                                   "--recover.rejoin_wait_s", "150"))
-    endpoint = f"127.0.0.1:{free_port()}"
-    node0, _, replacement = lose_a_node_and_replace_it(tmp_path, args, node_options(2, endpoint), node=1)
-    assert node0.returncode == 0, output(node0)
-    assert "node 1 of 2: replica group 2" in replacement.stderr
-    assert "dropped" not in replacement.stderr and "restarting" not in replacement.stderr, replacement.stderr
-    events = read_events(tmp_path / "events.jsonl")
-    assert [e["removed"] for e in of(events, "epoch_formed") if e["removed"]] == [[2]]
-    assert [(e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")] == [(2, 1)]
-    logged = metrics_by_replica(tmp_path)
-    assert sorted(logged[0]) == sorted(logged[1]) == list(range(1, STEPS + 1))
-    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
-    assert processes_of_run(str(tmp_path)) == []
-
-
 def test_two_nodes_a_frozen_node_replaced_then_thawed_ends_by_itself_and_evicts_nobody(tmp_path, exact_reference):
     """Node 1 (group 2) freezes once step 2 was committed: its launcher and every process it started are stopped
     (SIGSTOP; a host that hangs, or is cut off, then comes back). The coordinator drops group 2, a new node-1 launcher
