@@ -80,22 +80,6 @@ def test_two_nodes_a_replica_on_node_1_killed_is_recomputed_restarted_and_readmi
     assert processes_of_run(str(tmp_path)) == []
 
 
-def lose_a_node_and_replace_it(folder, args: tuple[str, ...], options: list[tuple[str, ...]], node: int):
-    """Launch one launcher per node; once step 3 was committed, SIGKILL ``node``'s and start a new launcher of that
-    node rank in its place. Returns the launchers' results, in node order, the replacement's last; the lost one
-    ended by the SIGKILL and the replacement exited 0 (asserted)."""
-    def lose_and_replace(procs, start) -> None:
-        wait_for_commit(folder, 3, procs)
-        procs[node].kill()
-        procs[node].wait()
-        start((*args, *options[node]))
-
-    results = launch_nodes(folder, [(*args, *o) for o in options], while_running=lose_and_replace)
-    assert results[node].returncode == -signal.SIGKILL
-    assert results[-1].returncode == 0, output(results[-1])
-    return results
-
-
 def test_two_nodes_a_frozen_node_replaced_then_thawed_ends_by_itself_and_evicts_nobody(tmp_path, exact_reference):
     """Node 1 (group 2) freezes once step 2 was committed: its launcher and every process it started are stopped
     (SIGSTOP; a host that hangs, or is cut off, then comes back). The coordinator drops group 2, a new node-1 launcher
@@ -189,32 +173,6 @@ def test_two_nodes_on_etcd_the_standby_coordinator_takes_over(tmp_path, etcd_ser
     assert actions[:2] == ["form_first", "resume"] and set(actions[2:]) <= {"resume", "finish"}, actions
     finals = of(events, "final_parameters")
     assert sorted(e["replica"] for e in finals) == [0, 1] and len({e["sha256"] for e in finals}) == 1
-    assert processes_of_run(str(tmp_path)) == []
-
-
-def test_two_nodes_on_etcd_node_0_lost_and_replaced_the_job_goes_on_and_its_groups_rejoin(tmp_path, etcd_server,
-                                                                                          exact_reference):
-    """3 replica groups on 2 nodes on etcd (node 0: groups 0-1; node 1: group 2): node 0's launcher is SIGKILLed once
-    step 3 was committed (its groups and its coordinator die with it), and a new node-0 launcher is started in its
-    place. The job's announcement outlives node 0 (node 1's launcher keeps it), so the replacement joins the running
-    job instead of naming a second one on the same run folder; node 1's coordinator leads (if node 0's did), replica
-    2 computes every microbatch of the lost groups, and the replacement's groups are admitted as their starts 1 with
-    replica 2's state. Both live launchers exit 0 and every replica ends bitwise equal to the failure-free run."""
-    args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
-                            extra=("--recover.quota.exact", "--recover.max_restarts", "1",
-                                   "--recover.rejoin_wait_s", "150", "--recover.store", f"etcd://{etcd_server}"))
-    _, node1, replacement = lose_a_node_and_replace_it(tmp_path, args, node_options(2), node=0)
-    assert node1.returncode == 0, output(node1)
-    job = [line for line in node1.stderr.splitlines() if "the job's store: etcd://" in line][0].split("store: ")[1]
-    assert f"node 0 of 2: replica groups 0-1; the job's store: {job}" in replacement.stderr, replacement.stderr
-    assert "restarting" not in replacement.stderr, replacement.stderr
-    events = read_events(tmp_path / "events.jsonl")
-    # node 0's groups are removed once each, in one epoch or two (a killed launcher's groups end by their death
-    # signal, not at the same instant: one may still join the epoch formed when the other was found gone)
-    assert sorted(r for e in of(events, "epoch_formed") for r in e["removed"]) == [0, 1]
-    assert sorted((e["replica"], e["incarnation"]) for e in of(events, "replica_admitted")) == [(0, 1), (1, 1)]
-    assert sorted(metrics_by_replica(tmp_path)[2]) == list(range(1, STEPS + 1))
-    assert_all_equal_reference(exact_reference, tmp_path, events, replicas=range(REPLICAS))
     assert processes_of_run(str(tmp_path)) == []
 
 

@@ -13,12 +13,12 @@ job opens the job's store with ``agree_timeout_s``, 60 s by default) for a reque
 once (a value is at most 4 MB, :mod:`..groups.blobs`), that plus the wait's own timeout for one that waits for keys.
 The store's timeout, not a shorter bound: a live server can stall for seconds (the embedded store looks up the
 host name of every client that connects on the thread that answers everyone, docs/deploy.md "Network interfaces"),
-and a client that gave up on a live server would end a healthy process. A request past
-its bound raises :class:`~torch.distributed.DistNetworkError` naming the store, the request and how long it went
-unanswered, as an etcd request does after its timeout; the caller handles it as a lost store (each process says so
-and ends: its job has dropped it, or ends without its store). The client is then broken, its connection still
-holding the unanswered request: every later request raises the same at once. The thread stays in the unanswered
-read until TCP gives up; it holds nothing of the process.
+and a client that gave up on a live server would end a healthy process. A request past its bound raises
+:class:`~torch.distributed.DistNetworkError` naming the store, the request and how long it went unanswered, as an
+etcd request does after its timeout; the caller handles it as a lost store (each process says so and ends: its job
+has dropped it, or ends without its store). The client is then broken, its connection still holding the unanswered
+request: every later request raises the same at once. The thread stays in the unanswered read until TCP gives up;
+it holds nothing of the process.
 
 May import: nothing of the project.
 """
