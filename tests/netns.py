@@ -31,12 +31,14 @@ def unavailable() -> str | None:
         return "iproute2 (ip) or util-linux (unshare) is not installed"
     if os.geteuid() != 0:
         return "network namespaces need root"
-    probe = f"trprobe{uuid.uuid4().hex[:6]}"
+    probe = Hosts(1)  # all that a test does: a bridge, a namespace with its link, a command under its host name
     try:
-        _ip("netns", "add", probe)
-    except subprocess.CalledProcessError as error:
-        return f"ip netns add failed: {error.stderr.strip()}"
-    _ip("netns", "del", probe)
+        probe.up()
+        subprocess.run(probe.command(0, ["true"]), check=True, capture_output=True, text=True)
+    except (subprocess.CalledProcessError, OSError) as error:
+        return f"{' '.join(getattr(error, 'cmd', []) or [])} failed: {getattr(error, 'stderr', '') or error}".strip()
+    finally:
+        probe.down()
     return None
 
 

@@ -67,11 +67,11 @@ def test_a_host_cut_from_the_network_is_dropped_ends_by_itself_and_a_spare_host_
     """3 replica groups on 2 hosts (host 0: node 0, groups 0-1, the job's store and the coordinator; host 1: node 1,
     group 2). Once step 3 was committed host 1's link goes down. The coordinator finds group 2's beats stopped and
     drops it; replicas 0 and 1 compute its microbatches in the same step. On host 1 every request to the job's store
-    goes unanswered (a TCPStore client alone would wait for as long as TCP retransmits, about 15 minutes): its
-    launcher ends within the bound of a request (the store's timeout, 15 s here), saying the store was lost, exit 1.
-    A launcher of node rank 1 started on a spare host (host 2) runs group 2 again as its start 1 (the job's counter
-    of its starts), admitted with a peer's state streamed host to host, spending no restart. Node 0 and the spare exit 0 and every replica ends bitwise equal to the
-    failure-free one-node run."""
+    goes unanswered (a TCPStore client alone would wait for as long as TCP retransmits): its launcher ends within
+    the bound of a request (the store's timeout, 15 s here), saying the store was lost, exit 1. A launcher of node
+    rank 1 started on a spare host (host 2) runs group 2 again as its start 1 (the job's counter of its starts),
+    admitted with a peer's state streamed host to host, spending no restart. Node 0 and the spare exit 0 and every
+    replica ends bitwise equal to the failure-free one-node run."""
     args = replica_job_args(tmp_path, replicas=REPLICAS, ranks=1, steps=STEPS, faults=[],
                             extra=("--recover.quota.exact", "--recover.max_restarts", "1",
                                    "--recover.rejoin_wait_s", "150", *SHORT_STORE_TIMEOUT))
@@ -83,7 +83,7 @@ def test_a_host_cut_from_the_network_is_dropped_ends_by_itself_and_a_spare_host_
     assert spare.returncode == 0, output(spare)
     assert lost.returncode == 1, output(lost)
     assert f"the job's store at {options[0][-1]} was lost (no answer to a" in lost.stderr, lost.stderr[-3000:]
-    assert cut.ended_after_s < 30  # a request's bound (15 s) and the launcher's ending, not TCP's 15 minutes
+    assert cut.ended_after_s < 30  # a request's bound (15 s) and the launcher's ending, not TCP's give-up
     assert "node 1 of 2: replica group 2" in spare.stderr
     # the spare's group is the group's start 1 (the job's counter of its starts), never taken for the cut start 0
     assert "dropped" not in spare.stderr and "restarting" not in spare.stderr, spare.stderr

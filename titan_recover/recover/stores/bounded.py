@@ -3,9 +3,9 @@
 torch's ``TCPStore`` client reads each answer with a blocking read that has no timeout, except while a ``wait`` (and
 so a ``get``) waits for its keys: a ``check``, ``set``, ``add`` or ``compare_set`` sent to a server that went silent
 (its host cut from the network or powered off: no reset ever comes back) blocks for as long as the kernel
-retransmits, about 15 minutes with Linux's defaults (``net.ipv4.tcp_retries2``). Measured with two network
-namespaces (tests/netns.py): a launcher cut from node 0's store sat in one ``check`` for over 5 minutes, saying
-nothing. An etcd store bounds each request itself (10 s, :mod:`.etcd`).
+retransmits (Linux's ``net.ipv4.tcp_retries2``). Seen with two network namespaces (tests/netns.py): a launcher cut
+from node 0's store sat in one ``check``, saying nothing, until the run was stopped minutes later. An etcd store
+bounds each request itself (10 s, :mod:`.etcd`).
 
 :class:`BoundedStore` makes each request of the client it wraps on a thread of its own and waits for it up to a
 bound that follows progress, not size: the store's timeout (the ``timeout`` it was opened with: every process of a
