@@ -22,12 +22,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("TITAN_RECOVER_DEVICE", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
-# A TCPStore server looks up the name of every peer that connects (a reverse DNS query for ::ffff:127.0.0.1, which
-# /etc/hosts does not list), on the thread that serves every request. This host's DNS server drops a query now and
-# then when many come at once (a burst of connections from one process), and glibc waits 5 s by default before it
-# asks again, during which the store answers nobody. One second, for the tests and every process they start
-# (docs/deploy.md "Network interfaces").
-os.environ.setdefault("RES_OPTIONS", "timeout:1")
+# c10d looks up the name of every peer a TCPStore client or server connects to (a reverse DNS query for
+# ::ffff:127.0.0.1, which /etc/hosts does not list), the server on the thread that serves every request. This host's
+# DNS server drops one query in 50 of a process, and glibc waits 5 s by default before it asks again: a client's
+# connect, or the store, stalls meanwhile. The tests and every process they start ask over TCP: a DNS server that
+# answers over TCP drops nothing; this host's does not answer over TCP, the first lookup of a process fails at once,
+# and c10d then logs addresses instead of names for the rest of that process (its warning "The hostname of the client
+# socket cannot be retrieved", once per process). At most 1 s for a lookup otherwise. docs/deploy.md "Network
+# interfaces".
+os.environ.setdefault("RES_OPTIONS", "use-vc timeout:1 attempts:1")
 
 
 @pytest.fixture(scope="session")

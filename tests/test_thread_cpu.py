@@ -41,7 +41,7 @@ def test_the_named_threads_cpu_is_told_apart_per_run_folder(tmp_path, capsys):
         assert child.stdout.readline().strip() == "ready"
         out = tmp_path / "threads.json"
         assert thread_cpu.main(["--match", "thread_cpu_marker", "--thread", "spinner", "--every", "0.2",
-                                "--seconds", "1.5", "--out", str(out)]) == 0
+                                "--seconds", "0.8", "--out", str(out)]) == 0
     finally:
         child.kill()
         child.wait()
