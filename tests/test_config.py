@@ -838,6 +838,48 @@ def test_a_seed_checkpoint_is_refused_where_torchtitan_refuses_it():
         check_seed_checkpoint(build_config(str(ROOT / "train_configs/replicas.toml"), [*seed, "--checkpoint.enable"]), 1)
 
 
+
+def test_a_rank_that_loses_a_connection_says_so_in_one_line_and_returns_1_with_its_trainer_closed(capsys):
+    """``train.run`` with a trainer whose training raises what a lost store raises (the bounded store's error) ends
+    with exit code 1, the trainer closed, the traceback and then one line naming the rank, its replica and the
+    reason; the protocol's orderly stop keeps its own code; any other error is not taken for a lost connection."""
+    from types import SimpleNamespace
+
+    from torch.distributed import DistNetworkError
+
+    from titan_recover.recover.groups.member import REPLICA_ENV
+    from titan_recover.train import connection_lost, run
+
+    lost = "no answer to a check from 10.0.0.1:29500 in 60.0 s: its host is gone or this one is cut off from it"
+
+    class Trainer:
+        def __init__(self, error):
+            self.error, self.closed = error, False
+
+        def train(self):
+            raise self.error
+
+        def close(self):
+            self.closed = True
+
+    def config(trainer):
+        return SimpleNamespace(build=lambda: trainer, checkpoint=SimpleNamespace(create_seed_checkpoint=False))
+
+    trainer = Trainer(DistNetworkError(lost))
+    assert run(config(trainer)) == 1 and trainer.closed
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" in err[0] and err[-2] == f"torch.distributed.DistNetworkError: {lost}"
+    assert err[-1].startswith("[titan_recover] rank ") and f"({lost}); ending this rank (exit 1)" in err[-1]
+    assert connection_lost(DistNetworkError(lost), {"RANK": "3", REPLICA_ENV: "2"}).startswith(
+        "[titan_recover] rank 3 of replica 2: lost its connection to a store or a peer (no answer to a check")
+
+    trainer = Trainer(SystemExit(2))
+    assert run(config(trainer)) == 2 and trainer.closed
+    trainer = Trainer(RuntimeError("a bug"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        run(config(trainer))
+    assert trainer.closed and "lost its connection" not in capsys.readouterr().err
+
 NONSENSE = [
     (("--training.steps", "0"), "training.steps must be >= 1"),
     (("--training.seq_len", "0"), "training.seq_len must be >= 1"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import NoReturn
 
 
@@ -120,11 +121,28 @@ def main(argv: list[str] | None = None) -> NoReturn:
         place_replica_outputs(config)
 
     fresh_store_after_restart()
-    import torch
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
     logger.info(f"titan_recover: {config.model_spec.name}/{config.model_spec.flavor}, {layout}")
+    exit_code = run(config)
+    from titan_recover.process_exit import leave
+
+    leave(exit_code)
+
+
+def run(config) -> int:
+    """Build the trainer from ``config`` and train (or write the seed checkpoint); the process's exit code. The
+    replica protocol's orderly stop (``SystemExit``, too few replicas left) gives its code. A lost connection
+    (``DistNetworkError``: a store request left unanswered past its bound, ``stores.bounded.BoundedStore``, or past
+    etcd's timeout: the job's store's host gone or this one cut off from it; or a peer's connection closed) gives 1,
+    after the traceback and one line saying so (:func:`connection_lost`): the rank then ends through ``leave`` like
+    any other, not through the interpreter's teardown with connections to a silent peer still open. Any other error
+    propagates."""
+    import torch
+    from torch.distributed import DistNetworkError
+    from torchtitan.tools.logging import logger
+
     trainer = None
     exit_code = 0
     try:
@@ -136,14 +154,27 @@ def main(argv: list[str] | None = None) -> NoReturn:
             trainer.train()
     except SystemExit as stop:  # the replica protocol's orderly stop (too few replicas left)
         exit_code = stop.code if isinstance(stop.code, int) else 1
+    except DistNetworkError as lost:
+        traceback.print_exc()
+        print(connection_lost(lost), file=sys.stderr, flush=True)
+        exit_code = 1
     finally:
         if trainer is not None:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    from titan_recover.process_exit import leave
+    return exit_code
 
-    leave(exit_code)
+
+def connection_lost(error: BaseException, environ=os.environ) -> str:
+    """The line a rank ends with after a lost connection: which rank, what was lost, what now."""
+    from titan_recover.recover.groups.member import REPLICA_ENV
+
+    who = f"rank {environ.get('RANK', '0')}"
+    if REPLICA_ENV in environ:
+        who += f" of replica {environ[REPLICA_ENV]}"
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"[titan_recover] {who}: lost its connection to a store or a peer ({reason}); ending this rank (exit 1)"
 
 
 if __name__ == "__main__":
