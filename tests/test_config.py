@@ -839,7 +839,7 @@ def test_a_seed_checkpoint_is_refused_where_torchtitan_refuses_it():
 
 
 
-def test_a_rank_that_loses_a_connection_says_so_in_one_line_and_returns_1_with_its_trainer_closed(capsys):
+def test_a_rank_that_loses_a_store_says_so_in_one_line_and_returns_1_with_its_trainer_closed(capsys):
     """``train.run`` with a trainer whose training raises what a lost store raises (the bounded store's error) ends
     with exit code 1, the trainer closed, the traceback and then one line naming the rank, its replica and the
     reason; the protocol's orderly stop keeps its own code; any other error is not taken for a lost connection."""
@@ -871,7 +871,7 @@ def test_a_rank_that_loses_a_connection_says_so_in_one_line_and_returns_1_with_i
     assert "Traceback" in err[0] and err[-2] == f"torch.distributed.DistNetworkError: {lost}"
     assert err[-1].startswith("[titan_recover] rank ") and f"({lost}); ending this rank (exit 1)" in err[-1]
     assert connection_lost(DistNetworkError(lost), {"RANK": "3", REPLICA_ENV: "2"}).startswith(
-        "[titan_recover] rank 3 of replica 2: lost its connection to a store or a peer (no answer to a check")
+        "[titan_recover] rank 3 of replica 2: lost its connection to a store (no answer to a check")
 
     trainer = Trainer(SystemExit(2))
     assert run(config(trainer)) == 2 and trainer.closed

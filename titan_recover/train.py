@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 def run(config) -> int:
     """Build the trainer from ``config`` and train (or write the seed checkpoint); the process's exit code. The
-    replica protocol's orderly stop (``SystemExit``, too few replicas left) gives its code. A lost connection
+    replica protocol's orderly stop (``SystemExit``, too few replicas left) gives its code. A lost store
     (``DistNetworkError``: a store request left unanswered past its bound, ``stores.bounded.BoundedStore``, or past
-    etcd's timeout: the job's store's host gone or this one cut off from it; or a peer's connection closed) gives 1,
+    etcd's timeout: the job's store's host gone or this one cut off from it; a store's connection closed) gives 1,
     after the traceback and one line saying so (:func:`connection_lost`): the rank then ends through ``leave`` like
     any other, not through the interpreter's teardown with connections to a silent peer still open. Any other error
     propagates."""
@@ -167,14 +167,14 @@ def run(config) -> int:
 
 
 def connection_lost(error: BaseException, environ=os.environ) -> str:
-    """The line a rank ends with after a lost connection: which rank, what was lost, what now."""
+    """The line a rank ends with after it lost a store: which rank, what went wrong, what now."""
     from titan_recover.recover.groups.member import REPLICA_ENV
 
     who = f"rank {environ.get('RANK', '0')}"
     if REPLICA_ENV in environ:
         who += f" of replica {environ[REPLICA_ENV]}"
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"[titan_recover] {who}: lost its connection to a store or a peer ({reason}); ending this rank (exit 1)"
+    return f"[titan_recover] {who}: lost its connection to a store ({reason}); ending this rank (exit 1)"
 
 
 if __name__ == "__main__":
