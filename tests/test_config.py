@@ -848,7 +848,7 @@ def test_a_rank_that_loses_a_store_says_so_in_one_line_and_returns_1_with_its_tr
     from torch.distributed import DistNetworkError
 
     from titan_recover.recover.groups.member import REPLICA_ENV
-    from titan_recover.train import connection_lost, run
+    from titan_recover.train import store_lost, run
 
     lost = "no answer to a check from 10.0.0.1:29500 in 60.0 s: its host is gone or this one is cut off from it"
 
@@ -870,7 +870,7 @@ def test_a_rank_that_loses_a_store_says_so_in_one_line_and_returns_1_with_its_tr
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" in err[0] and err[-2] == f"torch.distributed.DistNetworkError: {lost}"
     assert err[-1].startswith("[titan_recover] rank ") and f"({lost}); ending this rank (exit 1)" in err[-1]
-    assert connection_lost(DistNetworkError(lost), {"RANK": "3", REPLICA_ENV: "2"}).startswith(
+    assert store_lost(DistNetworkError(lost), {"RANK": "3", REPLICA_ENV: "2"}).startswith(
         "[titan_recover] rank 3 of replica 2: lost its connection to a store (no answer to a check")
 
     trainer = Trainer(SystemExit(2))

@@ -136,7 +136,7 @@ def run(config) -> int:
     replica protocol's orderly stop (``SystemExit``, too few replicas left) gives its code. A lost store
     (``DistNetworkError``: a store request left unanswered past its bound, ``stores.bounded.BoundedStore``, or past
     etcd's timeout: the job's store's host gone or this one cut off from it; a store's connection closed) gives 1,
-    after the traceback and one line saying so (:func:`connection_lost`): the rank then ends through ``leave`` like
+    after the traceback and one line saying so (:func:`store_lost`): the rank then ends through ``leave`` like
     any other, not through the interpreter's teardown with connections to a silent peer still open. Any other error
     propagates."""
     import torch
@@ -156,7 +156,7 @@ def run(config) -> int:
         exit_code = stop.code if isinstance(stop.code, int) else 1
     except DistNetworkError as lost:
         traceback.print_exc()
-        print(connection_lost(lost), file=sys.stderr, flush=True)
+        print(store_lost(lost), file=sys.stderr, flush=True)
         exit_code = 1
     finally:
         if trainer is not None:
@@ -166,7 +166,7 @@ def run(config) -> int:
     return exit_code
 
 
-def connection_lost(error: BaseException, environ=os.environ) -> str:
+def store_lost(error: BaseException, environ=os.environ) -> str:
     """The line a rank ends with after it lost a store: which rank, what went wrong, what now."""
     from titan_recover.recover.groups.member import REPLICA_ENV
 
