@@ -24,7 +24,7 @@ os.environ.setdefault("TITAN_RECOVER_DEVICE", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
 # c10d looks up the name of every peer a TCPStore client or server connects to (a reverse DNS query for
 # ::ffff:127.0.0.1, which /etc/hosts does not list), the server on the thread that serves every request. This host's
-# DNS server drops one query in 50 of a process, and glibc waits 5 s by default before it asks again: a client's
+# DNS server drops about one query in 50 (benchmarks/reverse_lookups.py), and glibc waits 5 s by default: a client's
 # connect, or the store, stalls meanwhile. The tests and every process they start ask over TCP: a DNS server that
 # answers over TCP drops nothing; this host's does not answer over TCP, the first lookup of a process fails at once,
 # and c10d then logs addresses instead of names for the rest of that process (its warning "The hostname of the client
