@@ -825,8 +825,9 @@ def test_a_taken_port_for_the_jobs_store_is_named_as_such(tmp_path):
         job.host_store()
 
 
-def test_a_seed_checkpoint_is_refused_where_torchtitan_refuses_it():
-    from titan_recover.train import check_seed_checkpoint
+def test_a_seed_checkpoint_is_refused_where_torchtitan_refuses_it(launcher):
+    """By the launcher before any process starts (exit 2), and by a rank started another way (torchrun itself)."""
+    from titan_recover.config.validate import check_seed_checkpoint
 
     seed = ["--model.flavor", "tiny", "--checkpoint.create_seed_checkpoint"]
     check_seed_checkpoint(build_config(None, [*seed, "--checkpoint.enable"]), 1)  # one process, checkpoints on
@@ -836,7 +837,15 @@ def test_a_seed_checkpoint_is_refused_where_torchtitan_refuses_it():
         check_seed_checkpoint(build_config(None, seed), 1)
     with pytest.raises(ValueError, match="set recover.replicas = 1"):
         check_seed_checkpoint(build_config(str(ROOT / "train_configs/replicas.toml"), [*seed, "--checkpoint.enable"]), 1)
-
+    one = ["--parallelism.data_parallel_shard_degree", "1"]
+    code, out, err = launcher(*seed, *one, "--checkpoint.enable", "--dry-run")
+    assert code == 0, err
+    code, _, err = launcher(*seed, *one, "--dry-run")
+    assert code == 2 and "needs checkpoint.enable = true" in err, err
+    code, _, err = launcher(*seed, "--checkpoint.enable", "--nproc-per-node", "2", "--dry-run")  # shard degree -1
+    assert code == 2 and "needs a single process (the model unsharded), got 2" in err, err
+    code, _, err = launcher("train_configs/replicas.toml", *seed, "--checkpoint.enable", "--dry-run")
+    assert code == 2 and "set recover.replicas = 1" in err, err
 
 
 def test_a_rank_that_loses_a_store_says_so_in_one_line_and_returns_1_with_its_trainer_closed(capsys):

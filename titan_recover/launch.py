@@ -269,7 +269,7 @@ def load_config(toml_path: str | None, overrides: list[str]):
 
 def check_job(config, options: dict):
     """Process counts and layout against the config; returns (processes on this node, nodes, layout)."""
-    from titan_recover.config.validate import check_batch, resolve_layout
+    from titan_recover.config.validate import check_batch, check_seed_checkpoint, resolve_layout
     from titan_recover.platform import active_device
 
     device = active_device()
@@ -286,6 +286,7 @@ def check_job(config, options: dict):
     nnodes = _int_option(options, "--nnodes", 1)
     nproc = _int_option(options, "--nproc-per-node", 0) if "--nproc-per-node" in options else None
     if config.recover.enabled:  # a replica group's processes all run on its node
+        check_seed_checkpoint(config, 0)  # refused with replica groups, whatever the count
         nproc = nproc or _default_nproc(config, device)
         layout = resolve_layout(config.parallelism, nproc)
         check_batch(config.training, config.parallelism, layout)
@@ -309,6 +310,7 @@ def check_job(config, options: dict):
         nproc = total // nnodes
     layout = resolve_layout(config.parallelism, nproc * nnodes)
     check_batch(config.training, config.parallelism, layout)
+    check_seed_checkpoint(config, layout.world_size)
     if nnodes > 1 and "--rdzv-endpoint" not in options:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
     if nnodes == 1 and "--rdzv-id" in options:

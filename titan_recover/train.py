@@ -81,22 +81,6 @@ members start no wandb run: node 0's launcher writes the job's one run from ``me
     config.metrics.enable_wandb = False  # the job's one wandb run is node 0's launcher's (recover/job_log.py)
 
 
-def check_seed_checkpoint(config, world_size: int) -> None:
-    """``[checkpoint] create_seed_checkpoint`` (TorchTitan's): the model initialised once, unsharded, saved as the
-    step-0 checkpoint that runs of any layout then load (``initial_load_path``), so that they start from the same
-    weights; as in TorchTitan's own entry point, only in one process, with checkpoints enabled, and not with
-    replica groups (their runs load it as any job does)."""
-    if not config.checkpoint.create_seed_checkpoint:
-        return
-    if world_size != 1:
-        raise ValueError(f"checkpoint.create_seed_checkpoint needs a single process (the model unsharded), got "
-                         f"{world_size}: set every parallel degree to 1 (--nproc-per-node 1)")
-    if not config.checkpoint.enable:
-        raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
-    if config.recover.enabled:
-        raise ValueError("checkpoint.create_seed_checkpoint is a single-process job: set recover.replicas = 1")
-
-
 def main(argv: list[str] | None = None) -> NoReturn:
     """Train, then end the process with the run's exit code (:func:`~titan_recover.process_exit.leave`) while the
     trainer is still referenced: freeing it would run the destructors of past epochs' gloo groups, which wait for
@@ -111,12 +95,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     toml_path = argv.pop(0) if argv and not argv[0].startswith("--") else None
 
     from titan_recover.job_config import build_config
-    from titan_recover.config.validate import check_batch, resolve_layout
+    from titan_recover.config.validate import check_batch, check_seed_checkpoint, resolve_layout
 
     config = build_config(toml_path, argv)
     layout = resolve_layout(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
     check_batch(config.training, config.parallelism, layout)
-    check_seed_checkpoint(config, int(os.environ.get("WORLD_SIZE", "1")))
+    check_seed_checkpoint(config, layout.world_size)  # the launcher checked it too; a rank started another way
     if config.recover.enabled:
         place_replica_outputs(config)
 

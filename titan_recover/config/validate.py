@@ -129,3 +129,19 @@ def check_values(config) -> None:
                           f"would scale them by a negative or zero factor), got {training.max_norm}")
     if not str(config.dump_folder).strip():
         raise ConfigError("dump_folder is empty: set the run folder (default: outputs/<toml name>)")
+
+
+def check_seed_checkpoint(config, world_size: int) -> None:
+    """``[checkpoint] create_seed_checkpoint`` (TorchTitan's): the model initialised once, unsharded, saved as the
+    step-0 checkpoint that runs of any layout then load (``initial_load_path``), so that they start from the same
+    weights; as in TorchTitan's own entry point, only in one process, with checkpoints enabled, and not with
+    replica groups (their runs load it as any job does). ``world_size``: the job's processes in all."""
+    if not config.checkpoint.create_seed_checkpoint:
+        return
+    if config.recover.enabled:
+        raise ConfigError("checkpoint.create_seed_checkpoint is a single-process job: set recover.replicas = 1")
+    if world_size != 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint needs a single process (the model unsharded), got "
+                          f"{world_size}: set every parallel degree to 1 (--nproc-per-node 1)")
+    if not config.checkpoint.enable:
+        raise ConfigError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")

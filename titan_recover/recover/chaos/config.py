@@ -4,12 +4,12 @@ A fault's ``kind`` names a registered fault (:mod:`~titan_recover.recover.chaos.
 (``random_faults``) expands to the same list of faults on every rank.
 
     [[chaos.faults]]
-    kind = "kill"          # kill | hang | stall | raise | slow | bitflip
+    kind = "kill"          # kill | hang | stall | raise | slow | bitflip | desync
     replica = 1
     rank = 0
     step = 3
-    phase = "reduction"    # forward | backward | reduction | commit | rebuild | optimizer | transfer | block_end
-                           # | stop_save (sync mode: right before this replica writes a stop's checkpoint)
+    phase = "reduction"    # forward | backward | reduction | commit | rebuild | optimizer | transfer | collective
+                           # | block_end | stop_save (sync mode: right before this replica writes a stop's checkpoint)
 
     [[chaos.faults]]       # at a wall-clock offset: 40 s after the job started, at the next forward of replica 2,
     kind = "kill"          # whichever start of it is running then; once per job (benchmarks' failure schedules)
@@ -50,7 +50,9 @@ class FaultSpec:
     """One scheduled fault."""
 
     kind: str
-    """Registered fault kind: kill, hang (SIGSTOP), stall (stuck main thread), raise, slow (straggler)."""
+    """Registered fault kind: kill, hang (SIGSTOP), stall (stuck main thread), raise, slow (straggler), bitflip
+    (one bit of a parameter, gradient or activation), desync (another collective than the peers', at phase
+    ``collective``)."""
     replica: int = 0
     """Replica group to hit."""
     rank: int = 0
