@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""How the replica-group protocol's coordination scales with the number of members (docs/benchmarks.md, "Protocol
-scale"), with members that speak the real protocol code and do not train.
+"""How the replica-group protocol's coordination scales with the number of members (docs/benchmarks.md, "Replica
+groups: protocol scale"), with members that speak the real protocol code and do not train.
 
 Per size: the job's TCPStore hosted in this process and the real coordinator as its client (``python -m
 titan_recover.recover.coordinator_process``), as the launcher starts them (:func:`start_control`), and ``members =

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The cross-replica gradient reduction on its own, three ways, over the same bytes (docs/replica_groups.md,
-"The reduction buffer"):
+"The reduction: in place, with a backup"):
 
 - ``native``: what TorchTitan's HSDP does across its replicate dimension: an in-place gloo all-reduce of each
   gradient shard (one per FSDP module), no copies;
@@ -22,7 +22,8 @@ order; a round's time is the slowest rank's.
     python benchmarks/reduction_path.py [--total-mb 1024] [--replicas 2] [--shards 2] [--rounds 5]
 
 Last line: ``new_vs_native=... old_vs_native=... backup_vs_native=...`` (ratios of median times; the table adds
-the spread of the per-round ratios). Target on CPU: within 1.1x of native (docs/benchmarks.md, "Reduction path").
+the spread of the per-round ratios). Target on CPU: within 1.1x of native (docs/benchmarks.md, "Replica groups: the
+reduction path on its own").
 On this 2-core host the S groups' R*S processes share two cores, so absolute times are the host's, not a cluster's.
 """
 

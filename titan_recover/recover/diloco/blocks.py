@@ -1,4 +1,4 @@
-"""The data-block protocol in the coordinator's store (docs/diloco.md, "A learner: Data").
+"""The data-block protocol in the coordinator's store (docs/diloco.md, "A learner", its **Data**).
 
 A data block is one inner step's replica microbatches. Learners claim blocks from the job's counter, record the
 block they train and the blocks they finished; the block of a learner that died or hung is given back (by the syncer on
