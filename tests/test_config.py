@@ -627,15 +627,20 @@ def test_a_replica_group_jobs_processes_run_without_nccls_heartbeat_monitor(tmp_
     """On GPUs, NCCL's heartbeat monitor of a process's first group (TorchTitan's) ends the process minutes after any
     group's watchdog saw an error: a fault-tolerant group's abandoned pieces after a peer died would kill the
     survivors. Every process of a replica-group job gets it off, whatever the environment said."""
-    from titan_recover.recover.launcher import NCCL_MONITORING_ENV, NCCL_NONBLOCKING_TIMEOUT_ENV, ReplicaJob
+    from titan_recover.recover.ftpg import nccl
+    from titan_recover.recover.launcher import (NCCL_ASYNC_ERROR_HANDLING_ENV, NCCL_MONITORING_ENV,
+                                                NCCL_NONBLOCKING_TIMEOUT_ENV, ReplicaJob)
 
     monkeypatch.setenv(NCCL_MONITORING_ENV, "1")
     monkeypatch.delenv(NCCL_NONBLOCKING_TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv(NCCL_ASYNC_ERROR_HANDLING_ENV, raising=False)
     config = build_config(None, ["--recover.replicas", "2", "--dump_folder", str(tmp_path),
                                  "--recover.collective_timeout_s", "45"])
     env = ReplicaJob(config, None, [], 1, 0).base_env
     assert env[NCCL_MONITORING_ENV] == "0"
     assert env[NCCL_NONBLOCKING_TIMEOUT_ENV] == "45"  # before any communicator: torch reads it once per process
+    # present from the start (torch's default), so the nccl group's switch replaces it rather than adding it
+    assert env[NCCL_ASYNC_ERROR_HANDLING_ENV] == "3" and nccl.ASYNC_ERROR_HANDLING_ENV == NCCL_ASYNC_ERROR_HANDLING_ENV
     monkeypatch.setenv(NCCL_NONBLOCKING_TIMEOUT_ENV, "600")  # the user's choice stands
     assert ReplicaJob(config, None, [], 1, 0).base_env[NCCL_NONBLOCKING_TIMEOUT_ENV] == "600"
 

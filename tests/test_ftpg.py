@@ -678,13 +678,20 @@ def test_staged_pieces_go_through_a_bounded_ring_and_come_back_whole(monkeypatch
 class _FakeWork:
     def __init__(self, comm, tensor):
         self.comm, self.tensor, self.completed = comm, tensor, False
+        self.error: Exception | None = None
 
     def is_completed(self) -> bool:
         if self.comm.aborted:
             raise RuntimeError("NCCL communicator was aborted")
-        return self.completed
+        return self.completed or self.error is not None  # as NCCL's: complete once it failed
+
+    def exception(self):
+        return self.error
 
     def wait(self) -> bool:
+        if self.error is not None:  # torch's WorkNCCL::wait: the communicator aborted on the waiting thread first
+            self.comm.aborted_inline = True
+            raise self.error
         return True
 
 
@@ -696,7 +703,7 @@ class _FakeCommunicator:
     def __init__(self, prefix: str, auto: bool):
         self.prefix, self.auto = prefix, auto
         self.works: list[_FakeWork] = []
-        self.aborted = False
+        self.aborted = self.aborted_inline = False
         self.made.append(self)
 
     def allreduce(self, tensors, opts):
@@ -740,8 +747,8 @@ class _FakeNccl(NcclGroup):
         self.device = torch.device("cpu")  # its "device" tensors are host tensors
 
     def _connect(self, store, group_rank, size):
-        self.pg = self.communicator(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.auto)
-        self.communicators.append(self.pg)
+        self.communicators.append(self.communicator(GroupKeys.group_prefix(self.epoch, self.rank, self.tag), self.auto))
+        return self.communicators[-1]
 
     @property
     def communicators(self) -> list:
@@ -794,7 +801,7 @@ def test_a_flag_raised_while_nccl_waits_for_a_root_that_never_came_is_seen_at_on
         def _connect(self, store, group_rank, size):
             assert group_rank == 1
             store.get("unique_id")  # as NCCL's non-root ranks do
-            super()._connect(store, group_rank, size)
+            return super()._connect(store, group_rank, size)
 
     group = WaitsForTheRoot(client, config=FTPGConfig(chunk_mb=16 / 2**20, poll_s=0.01), epoch=4, members=(0, 1),
                             replica=1, rank=0, timeout_s=20.0)
@@ -832,10 +839,12 @@ def test_a_broadcasts_callback_reads_each_tensor_only_after_the_stream_finished_
     assert log == ["synchronize", 0, "synchronize", 1, "synchronize", 2]
 
 
-def test_the_nccl_communicator_is_left_to_the_group_not_to_nccls_watchdog(monkeypatch):
+def test_the_nccl_communicator_is_left_to_the_group_not_to_nccls_watchdog_and_held_only_once_ready(monkeypatch):
     """The real ``_connect`` against a stand-in ``ProcessGroupNCCL``: built with asynchronous error handling off
     (an error on a piece fails the piece; NCCL's watchdog does not end the process), the process's own setting
-    restored after, non-blocking, with a watchdog timeout far behind any progress deadline, connected eagerly."""
+    restored after, non-blocking, with a watchdog timeout far behind any progress deadline, connected eagerly, its
+    first collective through (a non-blocking communicator's initialisation completes at its first use), and only
+    then returned for the group to hold; a failure on the way aborts it there."""
     import torch.distributed as dist
 
     from titan_recover.recover.ftpg import nccl
@@ -850,22 +859,53 @@ def test_the_nccl_communicator_is_left_to_the_group_not_to_nccls_watchdog(monkey
     class StandIn:
         def __init__(self, store, rank, size, options):
             seen.update(handling=os.environ.get(nccl.ASYNC_ERROR_HANDLING_ENV), rank=rank, size=size,
-                        blocking=options.config.blocking, timeout=options._timeout)
+                        blocking=options.config.blocking, timeout=options._timeout, calls=[])
 
         def eager_connect_single_device(self, device):
-            seen["device"] = device
+            seen["calls"].append(("connect", device))
+
+        def abort(self):
+            seen["calls"].append("abort")
 
     StandIn.Options = Options
     monkeypatch.setattr(dist, "ProcessGroupNCCL", StandIn, raising=False)
+    monkeypatch.setattr(nccl, "bind_thread", lambda device: seen.setdefault("bound", device))
     monkeypatch.setenv(nccl.ASYNC_ERROR_HANDLING_ENV, "3")
     group = nccl.NcclGroup.__new__(nccl.NcclGroup)
     group.timeout_s, group.device = 30.0, torch.device("cuda", 1)
-    group._connect(HashStore(), 1, 2)
-    assert isinstance(group.pg, StandIn)  # held before it connects: a peer lost meanwhile leaves it to abort
+    group._first_collective = lambda pg: seen["calls"].append("first collective")
+    pg = group._connect(HashStore(), 1, 2)
+    assert isinstance(pg, StandIn) and not hasattr(group, "pg")  # the caller holds it once it is ready
     assert seen == {"handling": "0", "rank": 1, "size": 2, "blocking": False, "timeout": nccl.WATCHDOG,
-                    "device": torch.device("cuda", 1)}
+                    "calls": [("connect", torch.device("cuda", 1)), "first collective"],
+                    "bound": torch.device("cuda", 1)}
     assert os.environ[nccl.ASYNC_ERROR_HANDLING_ENV] == "3"
     assert nccl.WATCHDOG.total_seconds() > 1000 * group.timeout_s
+
+    def lost(pg):
+        raise RuntimeError("NCCL error: remote process exited (a peer lost while it connected)")
+
+    group._first_collective = lost
+    with pytest.raises(RuntimeError, match="a peer lost while it connected"):
+        group._connect(HashStore(), 1, 2)
+    assert seen["calls"] == [("connect", torch.device("cuda", 1)), "abort"]  # aborted on the connecting thread
+
+
+def test_a_communicators_first_collective_is_waited_for_within_the_timeout_and_its_error_raised_without_wait():
+    """``_first_collective`` (CPU tensors stand in for the device's): one all-reduce of one element; returns once
+    it completed; raises its error without calling its ``wait()`` (torch's aborts inline); and a piece that never
+    completes fails after the group's timeout rather than holding the connecting thread."""
+    group = _fake_nccl(timeout_s=0.2)
+    group.device = torch.device("cpu")
+    done = _FakeCommunicator("done", auto=True)
+    group._first_collective(done)
+    assert [w.tensor.numel() for w in done.works] == [1]
+    broken = _BrokenCommunicator("broken")
+    with pytest.raises(RuntimeError, match="a NCCL piece failed: NCCL error: remote process exited"):
+        group._first_collective(broken)
+    assert not broken.aborted_inline
+    with pytest.raises(TimeoutError, match="first collective did not complete in 0.2 s"):
+        group._first_collective(_FakeCommunicator("stuck", auto=False))
 
 
 class _LostStore(HashStore):
@@ -879,18 +919,15 @@ class _LostStore(HashStore):
 
 
 class _BrokenCommunicator(_FakeCommunicator):
-    """A communicator whose pieces fail (a peer's connection reset), as NCCL reports it without its watchdog."""
+    """A communicator whose pieces fail (a peer's connection reset), as NCCL reports it without its watchdog: the
+    piece is complete, with an error, and its ``wait()`` would abort the communicator inline before raising."""
 
     def __init__(self, prefix: str, auto: bool = False):
         super().__init__(prefix, auto=False)
 
     def allreduce(self, tensors, opts):
         work = super().allreduce(tensors, opts)
-
-        def failed():
-            raise RuntimeError("NCCL error: remote process exited or there was a network error (peer gone)")
-
-        work.is_completed = failed
+        work.error = RuntimeError("NCCL error: remote process exited or there was a network error (peer gone)")
         return work
 
 
@@ -927,6 +964,7 @@ def test_a_failed_piece_raises_the_flag_while_the_communicator_aborts():
         group.allreduce_sum_(torch.ones(4))
     assert fault.value.raised_here and seen == [True] and group.communicators[0].aborted and group.pg is None
     assert "releasing the group failed" not in fault.value.reason
+    assert not group.communicators[0].aborted_inline  # the failed piece's wait() was never called
 
 
 def test_a_fault_flag_aborts_the_nccl_communicator_and_releases_the_wait():
@@ -997,7 +1035,7 @@ def test_an_aborted_communicator_is_let_go_off_the_training_thread():
             destroyed.append(threading.current_thread().name)
 
     group = _fake_nccl(auto=False)
-    group._connect = lambda *args: setattr(group, "pg", Communicator())
+    group._connect = lambda *args: Communicator()
     threading.Timer(0.2, lambda: raise_fault_flag(group.store, 0, "replica 1 lost")).start()
     with pytest.raises(FaultDetected, match="replica 1 lost") as fault:
         group.allreduce_sum_(torch.ones(4))

@@ -80,6 +80,34 @@ def test_a_failed_computation_abandons_the_collective_with_a_reason():
         reduction.join()
 
 
+def test_the_collectives_thread_takes_its_streams_device_before_it_enters_the_stream(monkeypatch):
+    """A new thread's current CUDA device is 0: entering and leaving a stream context there would create a CUDA
+    context on GPU 0 in a rank that trains on another GPU. ``SideStream.running`` (entered on the collective's
+    thread) makes the stream's device the thread's own first. Stand-ins record the calls (no GPU here)."""
+    import threading
+
+    from titan_recover.recover.invariant import overlap
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device,
+                                                                              threading.current_thread().name)))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: calls.append(("stream", stream)) or _Nothing())
+    side = overlap.SideStream.__new__(overlap.SideStream)
+    side.stream = type("Stream", (), {"device": torch.device("cuda", 3)})()
+    thread = threading.Thread(target=lambda: side.running(), name="collective")
+    thread.start()
+    thread.join()
+    assert calls == [("set_device", torch.device("cuda", 3), "collective"), ("stream", side.stream)]
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def test_on_a_device_the_collectives_thread_queues_on_a_side_stream_the_caller_then_waits_for():
     """On a GPU the collective's thread must not queue on the default stream, the backward's (its gates' waits for
     the parts' events would hold the rest of the backward behind each part's reduce-scatter); the caller's stream

@@ -121,6 +121,17 @@ def synchronize(device: torch.device | str) -> None:
         torch.accelerator.current_stream(device).synchronize()
 
 
+def bind_thread(device: torch.device | str) -> None:
+    """Make ``device`` the calling thread's current CUDA device (any other device: nothing). A new thread starts on
+    device 0 whatever its process trains on, and its first CUDA call there (a stream context's exit restoring
+    device 0's stream, an event waited for) creates a CUDA context on GPU 0: hundreds of MB of GPU 0's memory in
+    every rank's process of the node. Called first by every thread of the project that touches a device, as torch's
+    own pin-memory thread does."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

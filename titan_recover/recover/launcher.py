@@ -58,6 +58,11 @@ NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
 """How long NCCL lets a non-blocking communicator's init or abort take: ``collective_timeout_s`` in every process
 of a replica-group job unless the user set it. torch reads it once per process, at the first non-blocking call of
 any communicator, so it is set before the process starts."""
+NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""In every process of a replica-group job, unless the user set it: torch's own default, ``3``. The nccl
+fault-tolerant group builds its communicators with it at ``0`` and puts it back, on its connecting thread
+(ftpg/nccl.py); an environment variable that exists is replaced in place, where adding one reallocates the
+environment while other threads may read it (torch warns of such a race in ``ProcessGroupNCCL``'s constructor)."""
 
 
 DEPOSED_GRACE_S = 2 * LEADER_TTL_S
@@ -144,6 +149,7 @@ class ReplicaJob(StopControl, SyncerSupervision):
         # the replica protocol handles those, and the hang observer watches for hung ranks (docs/replica_groups.md)
         env[NCCL_MONITORING_ENV] = "0"
         env.setdefault(NCCL_NONBLOCKING_TIMEOUT_ENV, str(int(max(self.recover.collective_timeout_s, 1))))
+        env.setdefault(NCCL_ASYNC_ERROR_HANDLING_ENV, "3")
         # torchrun caps a worker's CPU threads only when it starts several; R single-process replicas on one node
         # would each take every core and thrash. Share the cores unless the user chose.
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(len(self.plan.groups) * self.ranks)))

@@ -3,7 +3,9 @@
 Tensors never leave the device. Each epoch's group creates its own communicator from the epoch's store prefix
 (``ProcessGroupNCCL`` with ``config.blocking = False``: a non-blocking communicator, whose abort returns even while
 a kernel waits on a dead peer), connected on the device at the group's first collective, inside the same guard as
-the collective (a peer lost while connecting is a fault of the epoch, not a crash). A collective is issued in
+the collective (a peer lost while connecting is a fault of the epoch, not a crash), on a thread of its own that also
+runs the communicator's own first collective (a non-blocking communicator finishes its initialisation at its first
+use): the group holds a communicator only once it is ready. A collective is issued in
 pieces, all at once (NCCL queues them on its stream in order), and the caller's thread polls each piece's
 completion (``work.is_completed()``, a query of its CUDA event) together with the epoch's fault flag and the
 progress deadline (:mod:`.polled`). On a fault the communicator is aborted (``ncclCommAbort``), which releases the
@@ -29,6 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import contextlib
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Callable
@@ -37,7 +40,7 @@ import torch
 from torch.distributed import PrefixStore, Store
 from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ReduceOp
 
-from titan_recover.platform import synchronize
+from titan_recover.platform import bind_thread, synchronize
 from titan_recover.recover.ftpg.base import register_backend
 from titan_recover.recover.ftpg.polled import (check_contiguous, let_go, pieces_of, PolledGroup, Progress,
                                                rendezvous_client)
@@ -88,18 +91,20 @@ class NcclGroup(PolledGroup):
         return self.pg
 
     def _connect_unless_failed(self, store: Store) -> None:
-        try:
-            self._connect(store, self.group_rank, len(self.members))
-        finally:
-            with self._lock:
-                if self.failed and self.pg is not None:  # the caller gave up meanwhile: nobody else will let it go
-                    _let_go(self, abort=True)
+        pg = self._connect(store, self.group_rank, len(self.members))
+        with self._lock:
+            self.pg = pg
+            if self.failed:  # the caller gave up meanwhile: nobody else will let it go
+                _let_go(self, abort=True)
 
-    def _connect(self, store: Store, group_rank: int, size: int) -> None:
-        """A new non-blocking communicator of this epoch in :attr:`pg`, then connected: a peer lost while it connects
-        leaves a communicator to abort, not one destroyed on this thread (tests replace it with a fake)."""
+    def _connect(self, store: Store, group_rank: int, size: int):
+        """A new non-blocking communicator of this epoch, ready: connected and its first collective through. Only
+        then does the group hold it, so a fault's abort never meets one still initialising (NCCL's abort waits for
+        the communicator's lock, which its initialisation holds, up to ``TORCH_NCCL_NONBLOCKING_TIMEOUT``). A
+        failure aborts it here, on this thread. Tests replace it with a fake."""
         from torch.distributed import ProcessGroupNCCL
 
+        bind_thread(self.device)
         # the time NCCL allows a non-blocking init or abort before giving up (torchft sets it the same way). torch
         # reads it once per process: the launcher sets it before the process starts; this covers one it did not
         os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(max(self.timeout_s, 1))))
@@ -107,8 +112,30 @@ class NcclGroup(PolledGroup):
         options.config.blocking = False
         options._timeout = WATCHDOG
         with _environment(ASYNC_ERROR_HANDLING_ENV, "0"):  # errors are ours to handle: no teardown by the watchdog
-            self.pg = ProcessGroupNCCL(store, group_rank, size, options)
-        self.pg.eager_connect_single_device(self.device)
+            pg = ProcessGroupNCCL(store, group_rank, size, options)
+        try:
+            pg.eager_connect_single_device(self.device)  # the unique id exchanged, NCCL's init started
+            self._first_collective(pg)  # a non-blocking communicator's init completes at its first use
+        except BaseException:
+            pg.abort()
+            raise
+        return pg
+
+    def _first_collective(self, pg) -> None:
+        """A one-element all-reduce on ``pg`` (every member issues it, at its own connection), on a stream of its
+        own (queued behind nothing of the training's), waited for within the group's timeout: the communicator's
+        initialisation and NCCL's connections to its peers happen here, on the connecting thread, where the
+        caller's wait watches the fault flag, not inside a collective the caller issues."""
+        with _own_stream(self.device):
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM
+            work = pg.allreduce([torch.zeros(1, device=self.device)], opts)
+        progress = Progress(self.timeout_s)
+        while not work.is_completed():
+            if progress.expired():
+                raise TimeoutError(f"the communicator's first collective did not complete in {self.timeout_s} s")
+            time.sleep(_QUERY_S)
+        _raise_if_failed(work)
 
     def close(self) -> None:
         """Abort the communicator of a group that is done with (a new epoch's group replaces it), off the caller's
@@ -182,6 +209,7 @@ class NcclGroup(PolledGroup):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(_QUERY_S)
+        _raise_if_failed(work)
         return True
 
     def _abort(self) -> None:
@@ -209,10 +237,33 @@ class _Connecting:
     def is_completed(self) -> bool:
         return not self.thread.is_alive()
 
+    def exception(self) -> None:
+        """Nothing (read before ``wait()``, as a NCCL piece's error is): ``wait()`` raises the thread's error."""
+        return None
+
     def wait(self) -> None:
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+
+def _raise_if_failed(work) -> None:
+    """Raise the error of a NCCL piece that completed with one (``is_completed()`` is true once NCCL reported an
+    error on it: a peer's connection reset), before anything calls its ``wait()``: torch's ``WorkNCCL::wait`` aborts
+    the communicator on the calling thread before it raises (1.0-3.5 s on an H200, docs/platform.md), which would hold
+    the fault flag behind the abort; the group's failure path aborts beside the flag (:meth:`PolledGroup._guarded`).
+    ``Work.exception`` is marked deprecated by torch (it warns once) and has no replacement that does not wait."""
+    try:
+        error = work.exception()
+    except Exception as unreadable:  # the binding could not hand the error over: the piece failed all the same
+        error = unreadable
+    if error is not None:
+        raise RuntimeError(f"a NCCL piece failed: {error}")
+
+
+def _own_stream(device: torch.device):
+    """A context whose current stream is a new one of ``device`` (CUDA), else nothing."""
+    return torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _let_go(group: NcclGroup, abort: bool = False) -> None:
@@ -227,7 +278,8 @@ def _let_go(group: NcclGroup, abort: bool = False) -> None:
 
 @contextmanager
 def _environment(name: str, value: str):
-    """``name`` set to ``value`` inside the block, as it was after."""
+    """``name`` set to ``value`` inside the block, as it was after (put back by replacing it, in place, where it was
+    set before: the launcher sets it in every process, launcher.NCCL_ASYNC_ERROR_HANDLING_ENV)."""
     before = os.environ.get(name)
     os.environ[name] = value
     try:

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from titan_recover.platform import bind_thread
 from titan_recover.recover.invariant.reduction import Backup, issue_order, part_of
 
 Collective = Callable[[list[torch.Tensor], Callable[[int, int, torch.Tensor], None]], None]
@@ -51,7 +52,9 @@ class SideStream:
         self.stream = _side_stream(device)
 
     def running(self):
-        """The collective's thread runs inside this: its current stream is the side stream."""
+        """The collective's thread runs inside this: on the stream's device (:func:`bind_thread`: a new thread's
+        is device 0), its current stream the side stream."""
+        bind_thread(self.stream.device)
         return torch.cuda.stream(self.stream)
 
     def caller_waits(self) -> None:

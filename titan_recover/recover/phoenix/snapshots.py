@@ -40,6 +40,7 @@ from datetime import timedelta
 
 import torch
 
+from titan_recover.platform import bind_thread
 from titan_recover.recover.groups.agree import extremes
 from titan_recover.recover.groups.blobs import delete_blob, get_blob, put_blob
 from titan_recover.recover.phoenix.staging import copies_for, CopyEvent, HostCopies
@@ -340,6 +341,7 @@ class Snapshots:
 
     def _wait_and_send(self, slot: int, payload: torch.Tensor, copy: CopyEvent, meta: dict) -> None:
         """The sending thread on CUDA: wait for the side stream's copy to complete, then send."""
+        bind_thread(self._copies.device)  # before the wait: a new thread's device is 0
         started = time.perf_counter()
         copy.synchronize()  # the payload holds the step's bytes only from here
         self._send(slot, payload, meta, started, copy_s=time.perf_counter() - started)

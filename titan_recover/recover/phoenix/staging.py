@@ -39,6 +39,8 @@ class HostCopies:
 
     asynchronous = False
     """Copies may still run after :meth:`copy` returned (wait for their event before using their bytes)."""
+    device = torch.device("cpu")
+    """Where the tensors are."""
 
     def in_place(self, view: torch.Tensor) -> bool:
         """A slice of ``view`` can travel as itself (a CPU tensor: host memory already, no staging copy)."""
