@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from fractions import Fraction
 import subprocess
 import sys
 
@@ -45,30 +46,54 @@ def float32_all_reduce_clip(grads: list[torch.Tensor], max_norm: float, order: s
     return [g * coef for g in grads]
 
 
-def replica_clip(grads: list[torch.Tensor], max_norm: float, gather_order: list[int]) -> list[torch.Tensor]:
-    """The new clip on every rank of one replica; its all-gather collects the partials in ``gather_order`` (as
-    an algorithm would move them) and returns them by rank."""
+UNEVEN_SEEDS = {torch.float32: 41, torch.float64: 3}
+UNEVEN_SCALES = (0.1, 1.0, 3.0, 30.0)
+"""Seeds (by dtype) and per-rank scales of shards whose squares add up differently in ring and tree order, and whose
+float64 partials do in the two arrival orders of the test below (both checked there). In float32 a sum that
+differs in its last float64 bit mostly rounds to the same float32 norm; in float64 it does not (a plain ``sum`` in
+arrival order instead of ``math.fsum`` fails the float64 case: checked)."""
+
+
+def uneven_shards(dtype: torch.dtype) -> list[torch.Tensor]:
+    return [g * scale for g, scale in zip(shards(UNEVEN_SEEDS[dtype], dtype), UNEVEN_SCALES)]
+
+
+def replica_clip(grads: list[torch.Tensor], max_norm: float,
+                 gather_order: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, list[float]]:
+    """The new clip on every rank of one replica, whose all-gather hands the partials over in ``gather_order`` (the
+    order they arrive in, as an algorithm would move them); returns the clipped gradients, the norm and the
+    partials by rank."""
     params = [parameters_of(g) for g in grads]
-    partials = [owned_square_sum([p.grad]) for p in params]
+    partials = [float(owned_square_sum([p.grad])) for p in params]
 
     def gather(partial: torch.Tensor) -> list[float]:
-        received = {r: float(partials[r]) for r in gather_order}
-        assert float(partial) in received.values()
-        return [received[r] for r in range(RANKS)]
+        assert float(partial) in partials
+        return [partials[r] for r in gather_order]
 
     norms = [clip_grad_norm_([p], max_norm, gather=gather) for p in params]
     assert len({n.item() for n in norms}) == 1  # every rank of the replica clips by the same norm
-    return [p.grad for p in params]
+    return [p.grad for p in params], norms[0], partials
 
 
-def test_replicas_whose_in_replica_sums_round_differently_still_agree_bitwise():
-    grads = shards()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_replicas_whose_in_replica_sums_round_differently_still_agree_bitwise(dtype):
+    grads = uneven_shards(dtype)
     ring, tree = float32_all_reduce_clip(grads, 1.0, "ring"), float32_all_reduce_clip(grads, 1.0, "tree")
     # the premise: the two all-reduce orders give the two replicas different parameters after the update
     assert not all(torch.equal(a, b) for a, b in zip(ring, tree))
-    first = replica_clip(grads, 1.0, gather_order=[0, 1, 2, 3])
-    second = replica_clip([g.clone() for g in grads], 1.0, gather_order=[3, 1, 0, 2])
+    orders = [0, 1, 2, 3], [3, 1, 0, 2]
+    first, norm, partials = replica_clip(grads, 1.0, gather_order=orders[0])
+    second, _, _ = replica_clip([g.clone() for g in grads], 1.0, gather_order=orders[1])
+    # and the partials, added in the order they arrive, round differently on the two replicas
+    assert len({sum(partials[r] for r in order) for order in orders}) == 2
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+    # the norm is the partials' exact sum rounded once (rationals: no float addition), and the gradients are clipped
+    # by it as torch clips
+    exact = torch.tensor(math.sqrt(float(sum(Fraction(p) for p in partials))), dtype=dtype)
+    assert torch.equal(norm, exact)
+    reference = [parameters_of(g) for g in grads]
+    torch.nn.utils.clip_grads_with_norm_(reference, 1.0, exact)
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, reference))
     assert not all(torch.equal(a, g) for a, g in zip(first, grads))  # the clip was active
 
 

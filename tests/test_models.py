@@ -39,11 +39,16 @@ def test_cpu_adaptation_swaps_attention_and_forces_sum_reductions():
     assert not hasattr(on_gpu.parallelize_fn, "__wrapped__")
 
 
-def test_device_resolution():
+def test_device_resolution(monkeypatch):
+    """Both machines' answers on this one: CUDA is made to look present, then absent."""
     assert platform.resolve_device("cpu") == "cpu"
     with pytest.raises(ValueError, match="device must be"):
         platform.resolve_device("tpu")
-    if not torch.cuda.is_available():
-        assert platform.resolve_device("auto") == "cpu"
-        with pytest.raises(ValueError, match="no CUDA device is visible"):
-            platform.resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert platform.resolve_device("auto") == "cuda" and platform.resolve_device("cuda") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert platform.resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        platform.resolve_device("cuda")

@@ -446,6 +446,7 @@ def test_a_standby_takes_over_when_the_leader_dies(etcd_server):
     assert not store.check(["coordinator"])
 
 
+@pytest.mark.multiprocess
 def test_a_jobs_announcement_outlives_node_0s_launcher_so_a_replacement_finds_the_running_job(etcd_server):
     """etcd: node 0 announces its job; node 1's launcher keeps the announcement as a standby. Node 0's launcher
     goes (its lease revoked): node 1's takes the key with the same name, so a node 0 started in its place finds the
