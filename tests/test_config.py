@@ -965,3 +965,43 @@ def test_reference_is_planned_as_a_sibling_run_without_faults(launcher):
     code, _, err = launcher("train_configs/rejoin.toml", "--reference", "--nnodes", "2", "--node-rank", "0",
                            "--rdzv-endpoint", "127.0.0.1:29999")
     assert code == 2 and "--reference runs the job and its reference one after the other on one node" in err
+
+
+def test_what_the_ranks_would_find_wrong_once_started_is_refused_before_anything_starts(launcher, tmp_path):
+    """Each of these passed the launcher's checks and then failed in the ranks (a traceback after torchrun started
+    them, one after a first step's work), or, for a fault aimed at nothing, ran without it: now exit 2 with the
+    arithmetic, before any process starts."""
+    tiny = ["train_configs/debug_model.toml", "--model.flavor", "tiny", "--dump_folder", str(tmp_path / "run")]
+    one = [*tiny, "--parallelism.data_parallel_shard_degree", "1"]
+    refused = {
+        "tensor_parallel_degree (3) must divide n_heads (4)": [
+            *one, "--parallelism.tensor_parallel_degree", "3", "--training.seq_len", "258"],
+        "exceeds attention RoPE maximum supported sequence length 4096": [*one, "--training.seq_len", "8192"],
+        "training.seq_len (255) must be divisible by 2": [
+            *one, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "255"],
+        "Number of stages (6) cannot be greater than effective layers (4)": [
+            *one, "--parallelism.pipeline_parallel_degree", "3"],
+        "needs at least as many microbatches as stages (2)": [
+            "train_configs/pp.toml", "--model.flavor", "tiny", "--parallelism.pipeline_parallel_microbatch_size", "2"],
+        "checkpoint.async_mode pins host memory": [
+            *tiny, "--checkpoint.enable", "--checkpoint.async_mode", "async_with_pinned_mem"],
+        "training.enable_cpu_offload offloads": [*tiny, "--training.enable_cpu_offload"],
+        "parallelism.enable_fsdp_symm_mem allocates": [*tiny, "--parallelism.enable_fsdp_symm_mem"],
+        "parallelism.context_parallel_degree needs FlexAttention": [
+            *one, "--parallelism.context_parallel_degree", "2"],
+        "the job has 2 replica group(s) (replicas + spares), numbered from 0, so it would never fire": [
+            "train_configs/replicas.toml", "--chaos.faults", '[{kind = "kill", replica = 5, rank = 0, step = 1}]'],
+        "a replica group has 2 rank(s)": [
+            "train_configs/replicas.toml", "--chaos.faults", '[{kind = "kill", replica = 1, rank = 7, step = 1}]'],
+        "the run trains 10 step(s)": [*tiny, "--training.steps", "10", "--chaos.faults",
+                                      '[{kind = "raise", step = 50}]'],
+        "checkpoint.initial_load_path '/nonexistent/step-0' is not a folder": [
+            *tiny, "--checkpoint.enable", "--checkpoint.initial_load_path", "/nonexistent/step-0"],
+        "checkpoint.load_step = 5 but there is no": [*tiny, "--checkpoint.enable", "--checkpoint.load_step", "5"],
+        "hf_assets_path '/nonexistent' is not a folder": [*tiny, "--hf_assets_path", "/nonexistent"],
+    }
+    for message, argv in refused.items():
+        code, _, err = launcher(*argv, "--dry-run")
+        assert code == 2 and message in err, (message, err)
+    code, _, err = launcher(*one, "--parallelism.tensor_parallel_degree", "2", "--dry-run")  # fits: accepted
+    assert code == 0, err

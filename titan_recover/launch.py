@@ -267,6 +267,17 @@ def load_config(toml_path: str | None, overrides: list[str]):
     return config, overrides
 
 
+def check_fits(config, layout, device: str, *, groups: int, ranks: int) -> None:
+    """What the ranks would find wrong only once started: the model against the layout, the pipeline, options a
+    CPU cannot run, faults aimed at nothing (config/validate.py)."""
+    from titan_recover.config.validate import check_cpu_options, check_fault_targets, check_model_fits, check_pipeline
+
+    check_model_fits(config, layout)
+    check_pipeline(config, layout)
+    check_cpu_options(config, device)
+    check_fault_targets(config, groups, ranks)
+
+
 def check_job(config, options: dict):
     """Process counts and layout against the config; returns (processes on this node, nodes, layout)."""
     from titan_recover.config.validate import check_batch, check_seed_checkpoint, resolve_layout
@@ -291,6 +302,7 @@ def check_job(config, options: dict):
         layout = resolve_layout(config.parallelism, nproc)
         check_batch(config.training, config.parallelism, layout)
         check_replica_layout(config, layout, nnodes)
+        check_fits(config, layout, device, groups=config.recover.replicas + config.recover.spares, ranks=nproc)
         check_replay_determinism(config, device)
         if "--rdzv-id" in options:
             raise ConfigError("--rdzv-id is torchrun's run id of a job without replica groups; each replica group "
@@ -311,6 +323,8 @@ def check_job(config, options: dict):
     layout = resolve_layout(config.parallelism, nproc * nnodes)
     check_batch(config.training, config.parallelism, layout)
     check_seed_checkpoint(config, layout.world_size)
+    replicas = layout.dp_replicate if config.recover.checkpoint_restart_mode else 1  # its faults' replicas
+    check_fits(config, layout, device, groups=replicas, ranks=layout.world_size // replicas)
     if nnodes > 1 and "--rdzv-endpoint" not in options:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host's address)")
     if nnodes == 1 and "--rdzv-id" in options:
@@ -446,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         nproc, nnodes, layout = check_job(config, options)
         prepare_data(config)
+        from titan_recover.config.validate import check_paths
+
+        check_paths(config)
         if options.get("--reference"):
             return reference_job(config, options, toml_path, overrides)
     except ConfigError as e:

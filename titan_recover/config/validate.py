@@ -145,3 +145,120 @@ def check_seed_checkpoint(config, world_size: int) -> None:
                           f"{world_size}: set every parallel degree to 1 (--nproc-per-node 1)")
     if not config.checkpoint.enable:
         raise ConfigError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+
+
+def check_model_fits(config, layout: Layout) -> None:
+    """What TorchTitan checks in every rank once the processes run, checked before they start: the model against
+    the layout (its own ``update_from_config``, on a copy: tensor parallelism dividing the heads, the sequence within
+    RoPE's range, no weight tying with pipelines), and the sequence against sequence / context parallelism (its
+    trainer's rule)."""
+    import copy
+
+    model = copy.deepcopy(config.model_spec.model)
+    try:
+        model.update_from_config(config=config)
+    except (ValueError, NotImplementedError) as error:
+        raise ConfigError(f"the model ({config.model_spec.name} {config.model_spec.flavor}) does not fit the "
+                          f"layout: {error}") from None
+    sequence_parallel = layout.tp if config.parallelism.enable_sequence_parallel else 1
+    divisor = sequence_parallel * (2 * layout.cp if layout.cp > 1 else 1)
+    if config.training.seq_len % divisor:
+        raise ConfigError(
+            f"training.seq_len ({config.training.seq_len}) must be divisible by {divisor}: the tensor-parallel degree "
+            f"with sequence parallelism ({sequence_parallel}) x 2 x the context-parallel degree ({layout.cp}) when it "
+            f"is above 1; {config.training.seq_len} % {divisor} = {config.training.seq_len % divisor}")
+
+
+def check_pipeline(config, layout: Layout) -> None:
+    """A pipeline's stages against the model's layers and its microbatches against its schedule, as TorchTitan's
+    pipeline split (its own functions) and torch's schedules check them in the ranks."""
+    if layout.pp == 1:
+        return
+    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B,
+                                                        ScheduleInterleavedZeroBubble)
+    from torchtitan.distributed.pipeline_parallel import (_generate_llm_fqn_per_model_part,
+                                                          _get_pipeline_metadata, get_schedule_class)
+
+    parallelism = config.parallelism
+    try:  # the layout stands in for TorchTitan's parallel dims: only its ``pp`` is read
+        stages, layers, first, last = _get_pipeline_metadata(layout, parallelism, config.model_spec.model)
+        _generate_llm_fqn_per_model_part(stages, layers, first, last)
+        schedule = get_schedule_class(parallelism.pipeline_parallel_schedule)
+    except ValueError as error:
+        raise ConfigError(f"the pipeline does not fit the model ({len(config.model_spec.model.layers)} layers, "
+                          f"pipeline_parallel_degree {layout.pp}, schedule "
+                          f"{parallelism.pipeline_parallel_schedule}): {error}") from None
+    microbatches = config.training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+    if issubclass(schedule, (Schedule1F1B, ScheduleDualPipeV)) and microbatches < layout.pp:
+        raise ConfigError(
+            f"pipeline schedule {parallelism.pipeline_parallel_schedule} needs at least as many microbatches as "
+            f"stages ({layout.pp}); training.local_batch_size ({config.training.local_batch_size}) / "
+            f"parallelism.pipeline_parallel_microbatch_size ({parallelism.pipeline_parallel_microbatch_size}) = "
+            f"{microbatches}")
+    rounds = max(1, microbatches // layout.pp)
+    if issubclass(schedule, (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)) and microbatches % rounds:
+        raise ConfigError(
+            f"pipeline schedule {parallelism.pipeline_parallel_schedule} needs the microbatches ({microbatches} = "
+            f"local_batch_size / pipeline_parallel_microbatch_size) to be a multiple of its rounds, microbatches // "
+            f"pipeline_parallel_degree = {rounds}: use a multiple of {layout.pp} microbatches")
+
+
+CPU_INCAPABLE = (
+    ("checkpoint.async_mode", lambda c: c.checkpoint.enable and c.checkpoint.async_mode == "async_with_pinned_mem",
+     "pins host memory for copies from a GPU", 'use checkpoint.async_mode = "async" or "disabled"'),
+    ("training.enable_cpu_offload", lambda c: c.training.enable_cpu_offload,
+     "offloads a GPU's parameters to the host, where they already are", "drop it"),
+    ("parallelism.enable_fsdp_symm_mem", lambda c: c.parallelism.enable_fsdp_symm_mem,
+     "allocates FSDP's buffers in a GPU's symmetric memory", "drop it"),
+    ("parallelism.context_parallel_degree", lambda c: c.parallelism.context_parallel_degree > 1,
+     "needs FlexAttention, which has no backward on a CPU (the CPU platform uses SDPA, docs/platform.md)",
+     "set it to 1"),
+)
+"""(option, set in a config, what it does, how to fix): options that cannot run on a CPU."""
+
+
+def check_cpu_options(config, device: str) -> None:
+    """Refuse, on a CPU, options that only a GPU can run (they fail in the ranks, some after steps of work)."""
+    if device != "cpu":
+        return
+    for option, is_set, what, fix in CPU_INCAPABLE:
+        if is_set(config):
+            raise ConfigError(f"{option} {what}: it cannot run on this CPU job (platform.device = cpu); {fix}")
+
+
+def check_fault_targets(config, groups: int, ranks: int) -> None:
+    """Every ``[[chaos.faults]]`` entry hits something that exists: a replica group among the job's ``groups``
+    (replicas and spares; 1 without replica groups), a rank among a group's ``ranks``, a step the run reaches (sync
+    and single modes; a diloco learner counts its own steps). A fault that names none would never fire, silently."""
+    recover = config.recover
+    for spec in config.chaos.faults:
+        if spec.process != "trainer":
+            continue
+        where = f"chaos fault {spec.kind!r} at replica {spec.replica} rank {spec.rank}"
+        if spec.replica >= groups:
+            raise ConfigError(f"{where}: the job has {groups} replica group(s) (replicas + spares), numbered from 0, "
+                              f"so it would never fire")
+        if spec.rank >= ranks:
+            raise ConfigError(f"{where}: a replica group has {ranks} rank(s), numbered from 0, so it would never fire")
+        if spec.at_s is None and not recover.diloco_mode and spec.step > config.training.steps:
+            raise ConfigError(f"{where} step {spec.step}: the run trains {config.training.steps} step(s) "
+                              f"(training.steps), so it would never fire")
+
+
+def check_paths(config) -> None:
+    """Files a run reads at its start, there before it starts: the checkpoint it loads and the tokenizer's folder."""
+    import os
+
+    checkpoint = config.checkpoint
+    path = checkpoint.initial_load_path
+    if checkpoint.enable and path and "://" not in path and not os.path.isdir(path):  # a remote URI is not checked
+        raise ConfigError(f"checkpoint.initial_load_path {checkpoint.initial_load_path!r} is not a folder (a "
+                          f"TorchTitan checkpoint, e.g. outputs/seed/checkpoint/step-0)")
+    if checkpoint.enable and checkpoint.load_step > 0 and not config.recover.enabled:  # (groups: a folder each)
+        step = os.path.join(config.dump_folder, checkpoint.folder, f"step-{checkpoint.load_step}")
+        if not os.path.isdir(step):
+            raise ConfigError(f"checkpoint.load_step = {checkpoint.load_step} but there is no {step}: a step this run "
+                              f"folder saved (or load_step = -1, the newest)")
+    if config.hf_assets_path and not os.path.isdir(config.hf_assets_path):
+        raise ConfigError(f"hf_assets_path {config.hf_assets_path!r} is not a folder (the tokenizer's: by default "
+                          f"the dataset folder, which holds it)")
