@@ -999,6 +999,9 @@ def test_what_the_ranks_would_find_wrong_once_started_is_refused_before_anything
             *tiny, "--checkpoint.enable", "--checkpoint.initial_load_path", "/nonexistent/step-0"],
         "checkpoint.load_step = 5 but there is no": [*tiny, "--checkpoint.enable", "--checkpoint.load_step", "5"],
         "hf_assets_path '/nonexistent' is not a folder": [*tiny, "--hf_assets_path", "/nonexistent"],
+        "pipeline_parallel_schedule_csv '/nonexistent.csv' is not a file": [
+            "train_configs/pp.toml", "--model.flavor", "tiny", "--parallelism.pipeline_parallel_schedule_csv",
+            "/nonexistent.csv"],
     }
     for message, argv in refused.items():
         code, _, err = launcher(*argv, "--dry-run")

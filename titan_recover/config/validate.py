@@ -188,6 +188,13 @@ def check_pipeline(config, layout: Layout) -> None:
         raise ConfigError(f"the pipeline does not fit the model ({len(config.model_spec.model.layers)} layers, "
                           f"pipeline_parallel_degree {layout.pp}, schedule "
                           f"{parallelism.pipeline_parallel_schedule}): {error}") from None
+    csv = parallelism.pipeline_parallel_schedule_csv
+    if csv:  # the schedule is the file's (TorchTitan then runs it with torch's runtime schedule)
+        import os
+
+        if not os.path.isfile(csv):
+            raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {csv!r} is not a file")
+        return
     microbatches = config.training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
     if issubclass(schedule, (Schedule1F1B, ScheduleDualPipeV)) and microbatches < layout.pp:
         raise ConfigError(
