@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -885,10 +886,12 @@ def test_the_nccl_communicator_is_left_to_the_group_not_to_nccls_watchdog_and_he
     def lost(pg):
         raise RuntimeError("NCCL error: remote process exited (a peer lost while it connected)")
 
-    group._first_collective = lost
-    with pytest.raises(RuntimeError, match="a peer lost while it connected"):
+    made = []
+    group._first_collective = lambda pg: made.append(weakref.ref(pg)) or lost(pg)
+    with pytest.raises(RuntimeError, match="a peer lost while it connected") as failure:
         group._connect(HashStore(), 1, 2)
     assert seen["calls"] == [("connect", torch.device("cuda", 1)), "abort"]  # aborted on the connecting thread
+    assert made[0]() is None and failure.value is not None  # destroyed there: the traceback holds it no more
 
 
 def test_a_communicators_first_collective_is_waited_for_within_the_timeout_and_its_error_raised_without_wait():

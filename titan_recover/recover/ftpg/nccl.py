@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import traceback
 import contextlib
 from contextlib import contextmanager
 from datetime import timedelta
@@ -116,8 +117,12 @@ class NcclGroup(PolledGroup):
         try:
             pg.eager_connect_single_device(self.device)  # the unique id exchanged, NCCL's init started
             self._first_collective(pg)  # a non-blocking communicator's init completes at its first use
-        except BaseException:
+        except BaseException as error:
             pg.abort()
+            # destroyed here, off the training thread where the error is raised again: no frame of its traceback
+            # may hold it (its destructor joins NCCL's watchdog)
+            traceback.clear_frames(error.__traceback__)
+            del pg
             raise
         return pg
 
