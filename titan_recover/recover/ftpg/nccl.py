@@ -117,6 +117,7 @@ class NcclGroup(PolledGroup):
         try:
             pg.eager_connect_single_device(self.device)  # the unique id exchanged, NCCL's init started
             self._first_collective(pg)  # a non-blocking communicator's init completes at its first use
+            return pg
         except BaseException as error:
             pg.abort()
             # destroyed here, off the training thread where the error is raised again: no frame of its traceback
@@ -124,7 +125,6 @@ class NcclGroup(PolledGroup):
             traceback.clear_frames(error.__traceback__)
             del pg
             raise
-        return pg
 
     def _first_collective(self, pg) -> None:
         """A one-element all-reduce on ``pg`` (every member issues it, at its own connection), on a stream of its
