@@ -911,6 +911,28 @@ def test_a_communicators_first_collective_is_waited_for_within_the_timeout_and_i
         group._first_collective(_FakeCommunicator("stuck", auto=False))
 
 
+def test_a_torch_that_cannot_say_a_pieces_error_leaves_it_to_wait():
+    """``Work.exception`` is deprecated in torch: without it, or where it is no longer implemented, a completed piece
+    is not taken for a failed one (its ``wait()`` raises a real error, as before); an error it cannot hand over is."""
+    from titan_recover.recover.ftpg.nccl import _raise_if_failed
+
+    class Gone:
+        pass
+
+    class NotImplementedAnyMore:
+        def exception(self):
+            raise NotImplementedError("WorkNCCL::exception() is deprecated")
+
+    class Unreadable:
+        def exception(self):
+            raise TypeError("unable to convert the exception")
+
+    _raise_if_failed(Gone())
+    _raise_if_failed(NotImplementedAnyMore())
+    with pytest.raises(RuntimeError, match="a NCCL piece failed: unable to convert"):
+        _raise_if_failed(Unreadable())
+
+
 class _LostStore(HashStore):
     """A store that refuses the fault flag (the job's store went down with the peer)."""
 

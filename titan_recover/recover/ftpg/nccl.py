@@ -257,9 +257,16 @@ def _raise_if_failed(work) -> None:
     error on it: a peer's connection reset), before anything calls its ``wait()``: torch's ``WorkNCCL::wait`` aborts
     the communicator on the calling thread before it raises (1.0-3.5 s on an H200, docs/platform.md), which would hold
     the fault flag behind the abort; the group's failure path aborts beside the flag (:meth:`PolledGroup._guarded`).
-    ``Work.exception`` is marked deprecated by torch (it warns once) and has no replacement that does not wait."""
+    ``Work.exception`` is marked deprecated by torch (it warns once) and has no replacement that does not wait; a
+    torch without it, or whose ``exception`` is no longer implemented (as ``is_success`` is not), leaves the error
+    to ``wait()`` as before."""
+    exception = getattr(work, "exception", None)
+    if exception is None:
+        return
     try:
-        error = work.exception()
+        error = exception()
+    except NotImplementedError:
+        return
     except Exception as unreadable:  # the binding could not hand the error over: the piece failed all the same
         error = unreadable
     if error is not None:
