@@ -156,7 +156,8 @@ def check_model_fits(config, layout: Layout) -> None:
 
     model = copy.deepcopy(config.model_spec.model)
     try:
-        model.update_from_config(config=config)
+        if hasattr(model, "update_from_config"):  # TorchTitan's decoders have it
+            model.update_from_config(config=config)
     except (ValueError, NotImplementedError) as error:
         raise ConfigError(f"the model ({config.model_spec.name} {config.model_spec.flavor}) does not fit the "
                           f"layout: {error}") from None
@@ -211,7 +212,8 @@ def check_pipeline(config, layout: Layout) -> None:
 
 
 CPU_INCAPABLE = (
-    ("checkpoint.async_mode", lambda c: c.checkpoint.enable and c.checkpoint.async_mode == "async_with_pinned_mem",
+    ("checkpoint.async_mode",
+     lambda c: c.checkpoint.enable and getattr(c.checkpoint, "async_mode", "") == "async_with_pinned_mem",
      "pins host memory for copies from a GPU", 'use checkpoint.async_mode = "async" or "disabled"'),
     ("training.enable_cpu_offload", lambda c: c.training.enable_cpu_offload,
      "offloads a GPU's parameters to the host, where they already are", "drop it"),
