@@ -49,9 +49,9 @@ def float32_all_reduce_clip(grads: list[torch.Tensor], max_norm: float, order: s
 UNEVEN_SEEDS = {torch.float32: 41, torch.float64: 3}
 UNEVEN_SCALES = (0.1, 1.0, 3.0, 30.0)
 """Seeds (by dtype) and per-rank scales of shards whose squares add up differently in ring and tree order, and whose
-float64 partials do in the two arrival orders of the test below (both checked there). In float32 a sum that
-differs in its last float64 bit mostly rounds to the same float32 norm; in float64 it does not (a plain ``sum`` in
-arrival order instead of ``math.fsum`` fails the float64 case: checked)."""
+float64 partials do in the two arrival orders of the test below (both checked there). A plain ``sum`` in arrival
+order instead of ``math.fsum`` fails the float64 case (checked); the float32 case's two float64 sums round to the
+same float32 norm, so only the float64 case tells them apart."""
 
 
 def uneven_shards(dtype: torch.dtype) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -91,21 +92,13 @@ def test_the_collectives_thread_takes_its_streams_device_before_it_enters_the_st
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device,
                                                                               threading.current_thread().name)))
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: calls.append(("stream", stream)) or _Nothing())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: calls.append(("stream", stream)) or nullcontext())
     side = overlap.SideStream.__new__(overlap.SideStream)
     side.stream = type("Stream", (), {"device": torch.device("cuda", 3)})()
     thread = threading.Thread(target=lambda: side.running(), name="collective")
     thread.start()
     thread.join()
     assert calls == [("set_device", torch.device("cuda", 3), "collective"), ("stream", side.stream)]
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_on_a_device_the_collectives_thread_queues_on_a_side_stream_the_caller_then_waits_for():

@@ -268,10 +268,12 @@ def load_config(toml_path: str | None, overrides: list[str]):
 
 
 def check_fits(config, layout, device: str, *, groups: int, ranks: int) -> None:
-    """What the ranks would find wrong only once started: the model against the layout, the pipeline, options a
-    CPU cannot run, faults aimed at nothing (config/validate.py)."""
-    from titan_recover.config.validate import check_cpu_options, check_fault_targets, check_model_fits, check_pipeline
+    """What the ranks would find wrong only once started: a seed checkpoint's conditions, the model against the
+    layout, the pipeline, options a CPU cannot run, faults aimed at nothing (config/validate.py)."""
+    from titan_recover.config.validate import (check_cpu_options, check_fault_targets, check_model_fits,
+                                               check_pipeline, check_seed_checkpoint)
 
+    check_seed_checkpoint(config, layout.world_size)  # (with replica groups refused whatever the count)
     check_model_fits(config, layout)
     check_pipeline(config, layout)
     check_cpu_options(config, device)
@@ -280,7 +282,7 @@ def check_fits(config, layout, device: str, *, groups: int, ranks: int) -> None:
 
 def check_job(config, options: dict):
     """Process counts and layout against the config; returns (processes on this node, nodes, layout)."""
-    from titan_recover.config.validate import check_batch, check_seed_checkpoint, resolve_layout
+    from titan_recover.config.validate import check_batch, resolve_layout
     from titan_recover.platform import active_device
 
     device = active_device()
@@ -297,7 +299,6 @@ def check_job(config, options: dict):
     nnodes = _int_option(options, "--nnodes", 1)
     nproc = _int_option(options, "--nproc-per-node", 0) if "--nproc-per-node" in options else None
     if config.recover.enabled:  # a replica group's processes all run on its node
-        check_seed_checkpoint(config, 0)  # refused with replica groups, whatever the count
         nproc = nproc or _default_nproc(config, device)
         layout = resolve_layout(config.parallelism, nproc)
         check_batch(config.training, config.parallelism, layout)
@@ -322,7 +323,6 @@ def check_job(config, options: dict):
         nproc = total // nnodes
     layout = resolve_layout(config.parallelism, nproc * nnodes)
     check_batch(config.training, config.parallelism, layout)
-    check_seed_checkpoint(config, layout.world_size)
     replicas = layout.dp_replicate if config.recover.checkpoint_restart_mode else 1  # its faults' replicas
     check_fits(config, layout, device, groups=replicas, ranks=layout.world_size // replicas)
     if nnodes > 1 and "--rdzv-endpoint" not in options:

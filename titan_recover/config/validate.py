@@ -5,6 +5,8 @@ Run by the launcher before any process starts; each error spells out the arithme
 
 from __future__ import annotations
 
+import copy
+import os
 from dataclasses import dataclass
 
 from titan_recover.config.apply import ConfigError
@@ -152,8 +154,6 @@ def check_model_fits(config, layout: Layout) -> None:
     the layout (its own ``update_from_config``, on a copy: tensor parallelism dividing the heads, the sequence within
     RoPE's range, no weight tying with pipelines), and the sequence against sequence / context parallelism (its
     trainer's rule)."""
-    import copy
-
     model = copy.deepcopy(config.model_spec.model)
     try:
         if hasattr(model, "update_from_config"):  # TorchTitan's decoders have it
@@ -191,8 +191,6 @@ def check_pipeline(config, layout: Layout) -> None:
                           f"{parallelism.pipeline_parallel_schedule}): {error}") from None
     csv = parallelism.pipeline_parallel_schedule_csv
     if csv:  # the schedule is the file's (TorchTitan then runs it with torch's runtime schedule)
-        import os
-
         if not os.path.isfile(csv):
             raise ConfigError(f"parallelism.pipeline_parallel_schedule_csv {csv!r} is not a file")
         return
@@ -256,8 +254,6 @@ def check_fault_targets(config, groups: int, ranks: int) -> None:
 
 def check_paths(config) -> None:
     """Files a run reads at its start, there before it starts: the checkpoint it loads and the tokenizer's folder."""
-    import os
-
     checkpoint = config.checkpoint
     path = checkpoint.initial_load_path
     if checkpoint.enable and path and "://" not in path and not os.path.isdir(path):  # a remote URI is not checked

@@ -32,8 +32,7 @@ import os
 import threading
 import time
 import traceback
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Callable
 
@@ -275,7 +274,7 @@ def _raise_if_failed(work) -> None:
 
 def _own_stream(device: torch.device):
     """A context whose current stream is a new one of ``device`` (CUDA), else nothing."""
-    return torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else nullcontext()
 
 
 def _let_go(group: NcclGroup, abort: bool = False) -> None:
